@@ -1,0 +1,164 @@
+"""The one event loop of this process.
+
+Every coroutine of asyncrl in a process runs on one loop, created once
+(uvloop when installed). Synchronous callers use :func:`run`; threads and
+notebooks use :func:`submit`. No call ever creates a loop or a thread of its
+own: the loop is made on first use, and at most one background thread is
+started, the first time :func:`run` is called from a thread that already
+runs another loop (Jupyter) or from a thread other than the loop's.
+
+    run(coro)      block until coro is done; returns its result
+    submit(coro)   schedule coro, return a concurrent.futures.Future
+    get_loop()     the loop (created on first use, never replaced until shutdown)
+    shutdown()     close it: cancel what is left, join the thread; idempotent
+
+Inside a Ray async actor the running loop belongs to Ray; :func:`adopt`
+makes it this process's loop so the same code runs there unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["adopt", "get_loop", "run", "submit", "shutdown", "is_uvloop", "in_loop"]
+
+T = TypeVar("T")
+
+_lock = threading.RLock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None  # set when the loop runs in the background
+_adopted = False
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is optional on platforms without wheels
+        return asyncio.new_event_loop()
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """Return this process's loop, creating it on first use."""
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            _loop = _new_loop()
+        return _loop
+
+
+def adopt(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.AbstractEventLoop:
+    """Make an already running loop (Ray's, in an async actor) this process's loop."""
+    global _loop, _adopted
+    loop = loop or asyncio.get_running_loop()
+    with _lock:
+        if _loop is not None and _loop is not loop and not _loop.is_closed():
+            if _loop.is_running():
+                raise RuntimeError("this process already runs another asyncrl loop")
+            _loop.close()
+        _loop, _adopted = loop, True
+    return loop
+
+
+def is_uvloop() -> bool:
+    return type(get_loop()).__module__.startswith("uvloop")
+
+
+def in_loop() -> bool:
+    """True when called from a coroutine or callback running on the global loop."""
+    try:
+        return asyncio.get_running_loop() is _loop
+    except RuntimeError:
+        return False
+
+
+def _ensure_background() -> asyncio.AbstractEventLoop:
+    """Start the global loop on its one background thread (once)."""
+    global _thread
+    loop = get_loop()
+    with _lock:
+        if _thread is None and not loop.is_running():
+            ready = threading.Event()
+
+            def _main() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            _thread = threading.Thread(target=_main, name="asyncrl-loop", daemon=True)
+            _thread.start()
+            ready.wait()
+    return loop
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Schedule ``coro`` on the global loop from any thread; never blocks."""
+    loop = get_loop()
+    if not loop.is_running():
+        loop = _ensure_background()
+    return asyncio.run_coroutine_threadsafe(coro, loop)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on the global loop and return its result.
+
+    From a plain thread with no loop of its own the global loop runs right
+    here. From a thread that runs another loop (a notebook) or while the
+    global loop runs elsewhere, the coroutine goes to the loop's background
+    thread and this call blocks until it is done.
+    """
+    if in_loop():
+        coro.close()
+        raise RuntimeError("loop.run() called from the loop itself; use `await` there")
+    loop = get_loop()
+    try:
+        asyncio.get_running_loop()
+        foreign_loop = True
+    except RuntimeError:
+        foreign_loop = False
+    if foreign_loop or loop.is_running() or _thread is not None:
+        return submit(coro).result()
+    return loop.run_until_complete(coro)
+
+
+def shutdown() -> None:
+    """Cancel what is left on the loop, stop its thread and close it. Idempotent."""
+    global _loop, _thread, _adopted
+    with _lock:
+        loop, thread, adopted = _loop, _thread, _adopted
+        _loop, _thread, _adopted = None, None, False
+    if loop is None or loop.is_closed() or adopted:
+        return
+
+    async def _cancel_rest() -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_SHUTDOWN_TIMEOUT_S)
+        await loop.shutdown_asyncgens()
+
+    if thread is not None:
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_rest(), loop).result(_SHUTDOWN_TIMEOUT_S)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(_SHUTDOWN_TIMEOUT_S)
+    elif not loop.is_running():
+        loop.run_until_complete(_cancel_rest())
+    else:  # shutdown() from a callback on the loop itself: stop after this turn
+        loop.call_soon(loop.stop)
+        return
+    loop.close()
+
+
+atexit.register(shutdown)

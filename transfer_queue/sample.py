@@ -1,0 +1,48 @@
+"""The unit of data that flows rollout → TransferQueue → trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One response to one prompt, with everything the loss needs.
+
+    ``group_id`` ties the ``n`` samples of one prompt together (GRPO group).
+    ``token_versions[i]`` is the weight version that sampled ``response_ids[i]``;
+    ``min_version``/``max_version`` summarise it (a resumed partial rollout
+    spans several versions). ``reward`` is ``None`` until the sample is scored.
+    """
+
+    uid: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = msgspec.field(default_factory=list)
+    rollout_logprobs: list[float] = msgspec.field(default_factory=list)
+    token_versions: list[int] = msgspec.field(default_factory=list)
+    reward: float | None = None
+    finish_reason: FinishReason | None = None
+    num_resumes: int = 0
+    # Task data the reward needs (e.g. the reference answer); never trained on.
+    meta: dict[str, str] = msgspec.field(default_factory=dict)
+    # Wall-clock stamps (time.time()) for latency metrics; 0.0 means "not yet".
+    created_s: float = 0.0
+    finished_s: float = 0.0
+    # Error text when finish_reason == "error" (e.g. the reward function raised).
+    error: str | None = None
+
+    @property
+    def min_version(self) -> int:
+        return min(self.token_versions) if self.token_versions else -1
+
+    @property
+    def max_version(self) -> int:
+        return max(self.token_versions) if self.token_versions else -1
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_ids)
