@@ -1,0 +1,84 @@
+"""TrainerActor: owns one trainer backend; turns batches into optimizer steps
+and optimizer steps into weight updates.
+
+Endpoints (all async; the work runs on the actor's worker thread):
+    train_step(samples)       GRPO advantages, loss, one optimizer step -> metrics
+    weight_update()           encode the current weights (full or delta) for the engines
+    weights_refused()         a receiver refused a delta: next update is full
+    save(dir) / load(dir)     checkpoint (safetensors + optimizer state)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.runtime import Actor
+from transfer_queue.sample import Sample
+
+__all__ = ["TrainerActor"]
+
+
+class TrainerActor(Actor):
+    """One optimizer over the policy model (torch backend; megatron later)."""
+
+    def __init__(self, *, backend: str, model_path: str, backend_kwargs: dict[str, Any],
+                 sync_kwargs: dict[str, Any], torch_threads: int | None = None) -> None:
+        self.backend_type, self.model_path = backend, model_path
+        self.backend_kwargs, self.sync_kwargs = backend_kwargs, sync_kwargs
+        self.torch_threads = torch_threads
+        self.backend: Any = None
+        self.sender: Any = None
+
+    async def setup(self) -> None:
+        await self.blocking(self._setup)
+
+    def _setup(self) -> None:
+        import torch
+
+        from sync import WeightSender
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        if self.backend_type != "torch":
+            raise ValueError(f"trainer.backend: {self.backend_type!r} is not available in this build "
+                             "(expected torch)")
+        from actors.backends.torch_backend import TorchBackend
+
+        self.backend = TorchBackend(self.model_path, **self.backend_kwargs)
+        self.backend.setup()
+        self.sender = WeightSender(**self.sync_kwargs)
+
+    async def get_version(self) -> int:
+        return self.backend.version
+
+    async def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        return await self.blocking(self._train_step, samples)
+
+    def _train_step(self, samples: list[Sample]) -> dict[str, float]:
+        import torch
+
+        from policies.advantages import grpo_advantages
+
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        index: dict[str, int] = {}
+        groups = torch.tensor([index.setdefault(s.group_id, len(index)) for s in samples])
+        advantages = grpo_advantages(rewards, groups)
+        metrics = self.backend.train_step(samples, advantages.tolist())
+        metrics["reward_mean"] = float(rewards.mean())
+        return metrics
+
+    async def weight_update(self) -> Any:
+        """The update that brings the engines to this trainer's current version."""
+        return await self.blocking(self._weight_update)
+
+    def _weight_update(self) -> Any:
+        return self.sender.encode(self.backend.named_weights(), self.backend.version)
+
+    async def weights_refused(self) -> None:
+        self.sender.force_full()
+
+    async def save(self, path: str) -> None:
+        await self.blocking(self.backend.save, path)
+
+    async def load(self, path: str) -> None:
+        await self.blocking(self.backend.load, path)

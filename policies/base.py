@@ -1,0 +1,172 @@
+"""What every schedule shares: prompt groups, accounting, batches, weight syncs, metrics.
+
+A policy owns the counters of the accounting invariant
+
+    produced == trained + dropped + pending
+
+where ``produced`` counts samples that came back from rollout, ``dropped``
+counts samples removed before training (by reason), and ``pending`` is what
+waits in the TransferQueue (queued or handed out and not yet acknowledged).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import random
+import time
+from collections import Counter
+from typing import Any
+
+from actors.rollout import GroupRequest
+from transfer_queue.sample import Sample
+
+__all__ = ["PolicyBase", "AccountingError"]
+
+
+class AccountingError(AssertionError):
+    """produced != trained + dropped + pending: a sample was lost or counted twice."""
+
+
+class PolicyBase(abc.ABC):
+    """Shared machinery; subclasses decide *when* rollout, training and sync happen."""
+
+    consumer = "trainer"
+
+    def __init__(self, cfg: Any, *, rollouts: list[Any], trainer: Any, queue: Any, task: Any,
+                 weight_sync: Any) -> None:
+        self.cfg, self.rollouts, self.trainer, self.queue, self.task = cfg, rollouts, trainer, queue, task
+        self.weight_sync = weight_sync  # coroutine fn: (rollouts, trainer) -> dict of sync metrics
+        self.rng = random.Random(cfg.run.seed)
+        self.step = 0  # trainer steps done == trainer weight version
+        self.produced = 0
+        self.trained = 0
+        self.in_flight = 0
+        self.dropped: Counter[str] = Counter()
+        self._t_start = time.perf_counter()
+        self._t_trainer_busy_s = 0.0
+        self._window: dict[str, float] = Counter()
+        self.last_sync: dict[str, Any] = {}
+
+    # -- prompts and groups -------------------------------------------------
+
+    def next_group(self, gid: int) -> GroupRequest:
+        prompt = self.task.sample_prompts(self.rng, 1)[0]
+        return GroupRequest(group_id=f"g{gid}", prompt_ids=list(prompt.prompt_ids),
+                            n=self.cfg.rollout.n, meta=dict(prompt.meta))
+
+    async def put_group(self, samples: list[Sample]) -> int:
+        """Queue a finished group, or drop it whole (counted) when any member
+        failed: the trainer only takes complete groups. Returns samples kept."""
+        self.produced += len(samples)
+        if all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples):
+            await self.queue.put(samples)
+            return len(samples)
+        for s in samples:
+            self.dropped[{"error": "reward_error", "abort": "aborted"}.get(
+                s.finish_reason or "", "group_incomplete")] += 1
+        return 0
+
+    async def get_batch(self) -> Any:
+        p = self.cfg.policy
+        batch = await self.queue.get(
+            consumer=self.consumer, batch_size=self.cfg.batch_size * p.require_batches,
+            sampler="grpo_group", group_size=self.cfg.rollout.n,
+            current_version=self.step, max_staleness=p.max_staleness)
+        for reason, n in batch.dropped.items():
+            self.dropped[reason] += n
+            await self._on_drop_after_queue(n)
+        return batch
+
+    async def _on_drop_after_queue(self, n: int) -> None:
+        """Hook: samples the queue dropped (stale) after they were admitted."""
+
+    def outstanding(self) -> int:
+        """Samples admitted and not yet trained or dropped."""
+        return self.in_flight + self.pending()
+
+    def pending(self) -> int:
+        stats = self.queue.statistics()
+        return stats.pending + stats.in_flight
+
+    def check_accounting(self) -> None:
+        pending = self.pending()
+        total_dropped = sum(self.dropped.values())
+        if self.produced != self.trained + total_dropped + pending:
+            raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
+                                  f"dropped={total_dropped} + pending={pending}")
+
+    # -- the trainer side ---------------------------------------------------
+
+    @abc.abstractmethod
+    async def _next_batch(self) -> Any:
+        """Wait for the next batch to train on."""
+
+    @abc.abstractmethod
+    async def _after_step(self) -> None:
+        """Called after every trainer step (weight sync decisions live here)."""
+
+    async def _start_background(self) -> None:
+        """Start whatever runs beside the trainer loop (nothing by default)."""
+
+    async def sync_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.last_sync = dict(await self.weight_sync(self.rollouts, self.trainer))
+        self.last_sync["sync_s"] = time.perf_counter() - t0
+
+    async def train(self, num_steps: int) -> list[dict[str, Any]]:
+        """Run ``num_steps`` trainer steps; returns one metrics dict per step."""
+        await self._start_background()
+        out = []
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            batch = await self._next_batch()
+            t1 = time.perf_counter()
+            samples: list[Sample] = batch.samples
+            lags = [self.step - s.min_version for s in samples]
+            train_metrics = await self.trainer.train_step(samples)
+            await self.queue.ack(batch.batch_id)
+            self.trained += len(samples)
+            self.step += 1
+            t2 = time.perf_counter()
+            self.last_sync = {}
+            await self._after_step()
+            t3 = time.perf_counter()
+            self._t_trainer_busy_s += t2 - t1
+            self.check_accounting()
+            out.append(self._step_metrics(samples, lags, train_metrics, wait_s=t1 - t0,
+                                          train_s=t2 - t1, after_s=t3 - t2))
+        return out
+
+    def _step_metrics(self, samples: list[Sample], lags: list[int], train: dict[str, float],
+                      *, wait_s: float, train_s: float, after_s: float) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self._t_start
+        num_tokens = sum(len(s.response_ids) for s in samples)
+        partial = [s for s in samples if s.num_resumes > 0]
+        step_s = wait_s + train_s + after_s
+        return {
+            "step": self.step,
+            "version": self.step,
+            "reward": sum(s.reward or 0.0 for s in samples) / len(samples),
+            "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": max(lags),
+            "partial_ratio": len(partial) / len(samples),
+            "max_resumes": max((s.num_resumes for s in samples), default=0),
+            "max_resume_span": max((s.max_version - s.min_version for s in samples), default=0),
+            "response_len_mean": num_tokens / len(samples),
+            "samples_per_s": self.trained / elapsed,
+            "tokens_per_s_step": num_tokens / step_s if step_s > 0 else 0.0,
+            "trainer_idle_ratio": 1.0 - self._t_trainer_busy_s / elapsed,
+            "wait_s": wait_s,
+            "train_s": train_s,
+            "produced": self.produced,
+            "trained": self.trained,
+            "pending": self.pending(),
+            "dropped": dict(self.dropped),
+            "elapsed_s": elapsed,
+            **{f"train/{k}": v for k, v in train.items()},
+            **{f"sync/{k}": v for k, v in self.last_sync.items()},
+        }
+
+    async def close(self) -> None:
+        """Stop background work; the queue and actors belong to the caller."""

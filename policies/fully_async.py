@@ -1,0 +1,117 @@
+"""The fully-async policy: one coroutine schedule on the driver's loop.
+
+    prompts ──► feeder ──(admission.acquire(n))──► group task × G ──► TransferQueue ──► trainer loop
+                  │ waits for: a free slot in the       │ rollout.generate_group            │ tq.get(whole groups,
+                  │ sync window (policies.admission)    │ (resumes itself across syncs)     │   not too stale)
+                  │ unblocked by: a sync, a drop        │ produces: scored samples, or      │ trainer.train_step
+                  │                                     │ drops (counted) + admission.release│ tq.ack
+                  ▼                                     ▼                                   │ every K steps:
+                                                                                            ▼
+    weight sync (sync.sequence): pause rollouts → abort (partials kept) → [sleep] → push full|delta
+                                  → verify version → wake → reset caches → resume; admission.open_window
+
+Feeder and group tasks run in the background for the life of the policy; the
+trainer loop runs inside :meth:`train` so a notebook can call ``train(steps=10)``
+repeatedly. A background task that dies re-raises in :meth:`train`.
+Accounting invariant, checked every step: produced == trained + dropped + pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from typing import Any
+
+from actors.rollout import GroupRequest
+from policies.admission import Admission, window_budget
+from policies.base import PolicyBase
+from transfer_queue.sample import Sample
+
+__all__ = ["FullyAsyncPolicy"]
+
+
+class FullyAsyncPolicy(PolicyBase):
+    """Rollout and training run at once; generation never runs more than the
+    admission window ahead of training, and every ``trigger_parameter_sync_step``
+    trainer steps the engines get the new weights (interrupted generations resume)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        p = self.cfg.policy
+        self.admission = Admission(window_budget(self.cfg.batch_size, p.require_batches,
+                                                 p.trigger_parameter_sync_step, p.staleness_threshold))
+        self._feeder: asyncio.Task[None] | None = None
+        self._groups: set[asyncio.Task[None]] = set()
+        self._load = Counter[int]()
+        self._failure: asyncio.Future[None] | None = None
+
+    async def _start_background(self) -> None:
+        if self._feeder is None:
+            self._failure = asyncio.get_running_loop().create_future()
+            self._feeder = asyncio.create_task(self._feed(), name="feeder")
+
+    def _fail(self, err: BaseException) -> None:
+        assert self._failure is not None
+        if not self._failure.done():
+            self._failure.set_exception(err)
+
+    async def _feed(self) -> None:
+        """Start prompt groups as admission allows, on the least-loaded actor."""
+        n = self.cfg.rollout.n
+        try:
+            for gid in itertools.count():
+                if not await self.admission.acquire(n):
+                    return
+                actor = min(range(len(self.rollouts)), key=lambda i: self._load[i])
+                group = self.next_group(gid)
+                self._load[actor] += 1
+                task = asyncio.create_task(self._run_group(actor, group), name=f"group-{gid}")
+                self._groups.add(task)
+                task.add_done_callback(self._groups.discard)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self._fail(err)
+
+    async def _run_group(self, actor: int, group: GroupRequest) -> None:
+        try:
+            self.in_flight += group.n
+            samples = await self.rollouts[actor].generate_group(group)
+            self.in_flight -= group.n
+            kept = await self.put_group(samples)
+            if kept < group.n:
+                await self.admission.release(group.n - kept)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self._fail(err)
+        finally:
+            self._load[actor] -= 1
+
+    async def _next_batch(self) -> list[Sample]:
+        assert self._failure is not None
+        get = asyncio.ensure_future(self.get_batch())
+        await asyncio.wait([get, self._failure], return_when=asyncio.FIRST_COMPLETED)
+        if self._failure.done():
+            get.cancel()
+            await asyncio.gather(get, return_exceptions=True)
+            self._failure.result()  # re-raises the background error here
+        return get.result()
+
+    async def _after_step(self) -> None:
+        if self.step % self.cfg.policy.trigger_parameter_sync_step == 0:
+            await self.sync_weights()
+            await self.admission.open_window(self.outstanding())
+
+    async def _on_drop_after_queue(self, n: int) -> None:
+        await self.admission.release(n)
+
+    async def close(self) -> None:
+        await self.admission.close()
+        tasks = [t for t in [self._feeder, *self._groups] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+        self._feeder = None
+        await super().close()
