@@ -1,0 +1,104 @@
+"""Config: typed decoding, errors that name the key, overrides, the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from actors.config import Config, ConfigError, load_config, to_yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_shipped_config_loads_into_typed_structs():
+    cfg = load_config(ROOT / "fully_async.yaml")
+    assert isinstance(cfg, Config)
+    assert isinstance(cfg.trainer.lr, float)
+    assert cfg.policy.type == "fully_async"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.lrr=1", "trainer.lrr: unknown key (expected one of: backend"),
+        ("trainer.lr=fast", "trainer.lr: expected float, got str"),
+        ("trainer.lr=-1", "trainer.lr: expected float > 0.0"),
+        ("rollout.n=2.5", "rollout.n: expected int, got float"),
+        ("runtime.type=slurm", "runtime.type: invalid enum value 'slurm' (expected one of: local, ray)"),
+        ("sync.mode=fast", "sync.mode: invalid enum value 'fast'"),
+        ("nosuch.key=1", "nosuch: unknown key"),
+        ("trainer=3", "trainer: expected object, got int"),
+        ("rollout.engine.max_model_len=8", "rollout.max_response_tokens"),
+    ],
+)
+def test_bad_values_name_the_path_and_expected_type(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(message)
+
+
+def test_unknown_key_in_a_file_names_its_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  lr: 1e-5\n  warmup: 3\n")
+    with pytest.raises(ConfigError, match=r"^trainer\.warmup: unknown key"):
+        load_config(bad)
+
+
+def test_overrides_parse_scientific_floats_and_nested_keys():
+    cfg = load_config(None, ["trainer.lr=2e-6", "runtime.type=ray", "rollout.engine.dtype=bfloat16",
+                             "run.progress=false"])
+    assert cfg.trainer.lr == 2e-6
+    assert cfg.runtime.type == "ray"
+    assert cfg.rollout.engine.dtype == "bfloat16"
+    assert cfg.run.progress is False
+
+
+def test_malformed_override_and_yaml_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_config(None, ["trainer.lr"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(ROOT / "fully_async.yaml", ["trainer.lr=3e-6"])
+    path = tmp_path / "resolved.yaml"
+    text = to_yaml(cfg).replace(f"base_dir: {cfg.base_dir}\n", "")
+    path.write_text(text)
+    again = load_config(path)
+    assert again.trainer.lr == 3e-6 and again.rollout == cfg.rollout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "actors.launch", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_help_explains_the_arguments():
+    res = _cli("--help")
+    assert res.returncode == 0
+    assert "key.path=value" in res.stdout and "config" in res.stdout
+
+
+def test_cli_missing_or_malformed_config_is_one_line(tmp_path):
+    res = _cli(str(tmp_path / "nope.yaml"))
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "config file not found" in res.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {total_steps: x}\n")
+    res = _cli(str(bad))
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: run.total_steps: expected int, got str"
+
+
+def test_cli_missing_model_path_is_one_line():
+    res = _cli("fully_async.yaml", "model.path=/nonexistent/model", "run.output_dir=/tmp/asyncrl-test-runs")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "/nonexistent/model" in res.stderr
