@@ -23,10 +23,11 @@ The four modes this spans:
     async, partial rollouts    s > 0, partial_rollout on: in-flight samples are interrupted
                                at a sync and resumed on the new weights.
 
-A sample started in window w (weights of version v_w) is trained at the
-latest in window w + ceil(s) + 1, so its lag is bounded by about
-``K * (ceil(s) + 1)`` versions; the trainer's ``max_staleness`` drops
-anything older, counted.
+The budget bounds how many samples are ahead of training, not how old one
+slow sample can get: a generation that keeps running across syncs (partial
+rollouts) spans several versions. The age bound is the trainer's
+``max_staleness``: the queue drops anything older, counted, and ``release``
+gives the slot back so a fresh sample replaces it.
 """
 
 from __future__ import annotations
