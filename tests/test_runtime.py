@@ -1,0 +1,91 @@
+"""The same actor class under the local and the Ray runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from actors.runtime import Actor, make_runtime
+
+
+class EchoActor(Actor):
+    """Test actor: async endpoints, blocking work on its worker thread, setup errors."""
+
+    def __init__(self, *, scale: int, fail_setup: bool = False) -> None:
+        self.scale, self.fail_setup = scale, fail_setup
+        self.threads: set[str] = set()
+
+    async def setup(self) -> None:
+        if self.fail_setup:
+            raise ValueError("model.path: /missing does not exist")
+
+    def _work(self, x: int) -> int:
+        self.threads.add(threading.current_thread().name)
+        return x * self.scale
+
+    async def compute(self, x: int) -> int:
+        return await self.blocking(self._work, x)
+
+    async def worker_threads(self) -> list[str]:
+        return sorted(self.threads)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+async def _exercise(runtime_type: str) -> dict:
+    rt = make_runtime(runtime_type, num_cpus=2)
+    try:
+        a = await rt.spawn(EchoActor, name="a", num_cpus=0.5, scale=3)
+        b = await rt.spawn(EchoActor, name="b", num_cpus=0.5, scale=5)
+        results = await asyncio.gather(*(a.compute(i) for i in range(20)))
+        both = await rt.call_all([a, b], "compute", 2)
+        with pytest.raises(Exception, match="model.path"):
+            await rt.spawn(EchoActor, name="bad", num_cpus=0.5, scale=1, fail_setup=True)
+        return {"results": results, "both": both, "threads": await a.worker_threads(),
+                "same_process": await a.pid() == os.getpid()}
+    finally:
+        await rt.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_local_runtime_runs_actors_in_process_with_one_worker_thread_each():
+    out = await _exercise("local")
+    assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
+    assert len(out["threads"]) == 1 and out["same_process"]
+
+
+@pytest.mark.ray
+@pytest.mark.asyncio
+async def test_ray_runtime_gives_the_same_results_in_other_processes():
+    import ray
+
+    assert not ray.is_initialized()
+    out = await _exercise("ray")
+    assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
+    assert len(out["threads"]) == 1 and not out["same_process"]
+    assert not ray.is_initialized()  # the cluster it started is stopped
+
+
+@pytest.mark.ray
+@pytest.mark.asyncio
+async def test_ray_runtime_never_shuts_down_a_cluster_it_joined():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rt = make_runtime("ray", address="auto")
+        a = await rt.spawn(EchoActor, name="a", num_cpus=0.5, scale=2)
+        assert await a.compute(4) == 8
+        await rt.shutdown()
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
+
+
+def test_unknown_runtime_is_a_clear_error():
+    with pytest.raises(ValueError, match="runtime.type"):
+        make_runtime("slurm")
