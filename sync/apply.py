@@ -1,0 +1,174 @@
+"""The receiver side: apply a full or delta update in place, all or nothing.
+
+    phase 1  check, write nothing: version, names, shapes, offsets, payload
+             checksums (raw pieces: the checksum of the values they carry)
+    phase 2  write piece by piece; before writing a delta piece, check that
+             base checksum + (new - old at the changed positions) equals the
+             target checksum, and keep the old values at those positions
+    failure  write the kept old values back in reverse order and raise
+
+Extra memory is one decoded piece (<= a bucket) plus, for a delta, the old
+values at changed positions; a full update needs no undo log because phase 1
+has already proved that its payload is the target.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from sync import checksum as cks
+from sync.codec import decode_sparse
+from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
+from sync.manifest import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
+
+
+class _Piece:
+    """Read/write access to one entry's elements of a receiver tensor, in the
+    entry's dtype, addressed by piece-local flat index."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], e: TensorEntry) -> None:
+        w = weights.get(e.name)
+        if w is None:
+            raise ManifestMismatch(f"receiver has no tensor named {e.name!r}")
+        if tuple(w.shape) != tuple(e.shape):
+            raise ManifestMismatch(f"{e.name}: receiver shape {tuple(w.shape)} != manifest shape {tuple(e.shape)}")
+        self.dtype = dtype_from_name(e.dtype)
+        self.entry = e
+        self.device = w.device
+        region = w if e.shard is None else w.narrow(e.shard.dim, e.shard.offset, e.shard.length)
+        if e.start < 0 or e.count < 0 or e.start + e.count > region.numel():
+            raise ManifestMismatch(f"{e.name}: piece [{e.start}, {e.start + e.count}) out of range")
+        if region.is_contiguous():
+            self._flat, self._base = region.view(-1), e.start
+            self._positions = None
+        else:
+            if not w.is_contiguous():
+                raise ManifestMismatch(f"{e.name}: receiver tensor must be contiguous for a sharded update")
+            self._flat, self._base = w.view(-1), 0
+            self._positions = e.shard  # map piece indices through the shard spec
+
+    def _index(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx.to(self.device) + self.entry.start
+        return local if self._positions is None else self._positions.global_positions(local)
+
+    def read_all(self) -> torch.Tensor:
+        if self._positions is None:
+            return self._flat[self._base : self._base + self.entry.count].to(self.dtype)
+        return self.read(torch.arange(self.entry.count, device=self.device))
+
+    def write_all(self, values: torch.Tensor) -> None:
+        if self._positions is None:
+            self._flat[self._base : self._base + self.entry.count].copy_(values)
+        else:
+            self.write(torch.arange(self.entry.count, device=self.device), values)
+
+    def read(self, idx: torch.Tensor) -> torch.Tensor:
+        if self._positions is None:
+            return self._flat[idx.to(self.device) + self._base].to(self.dtype)
+        return self._flat[self._index(idx)].to(self.dtype)
+
+    def write(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        pos = idx.to(self.device) + self._base if self._positions is None else self._index(idx)
+        self._flat[pos] = values.to(device=self.device, dtype=self._flat.dtype)
+
+
+def _blob(update: WeightUpdate, e: TensorEntry) -> torch.Tensor:
+    if not 0 <= e.bucket < len(update.buckets):
+        raise ManifestMismatch(f"{e.name}: bucket {e.bucket} does not exist")
+    bucket = bucket_tensor(update.buckets[e.bucket])
+    if e.offset < 0 or e.offset + e.nbytes > bucket.numel():
+        raise ManifestMismatch(f"{e.name}: payload [{e.offset}, {e.offset + e.nbytes}) outside bucket {e.bucket}")
+    return bucket[e.offset : e.offset + e.nbytes]
+
+
+def _raw_values(blob: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    e = piece.entry
+    if e.nbytes != e.count * torch.empty(0, dtype=piece.dtype).element_size():
+        raise ManifestMismatch(f"{e.name}: raw payload of {e.nbytes} bytes for {e.count} elements")
+    if blob.data_ptr() % 8:  # a view must be aligned to the element size
+        blob = blob.clone()
+    return blob.view(piece.dtype)
+
+
+def _check_payload(update: WeightUpdate, pieces: list[_Piece]) -> None:
+    for piece in pieces:
+        e = piece.entry
+        blob = _blob(update, e)
+        if e.encoding == "raw":
+            got = cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start)
+            want = e.checksum
+        elif e.encoding == "sparse":
+            got, want = cks.bytes_checksum(blob), e.payload_checksum
+        else:
+            raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
+        if got != want:
+            raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+
+
+def apply_update(
+    weights: dict[str, torch.Tensor],
+    update: WeightUpdate,
+    current_version: int,
+    *,
+    verify: Literal["incremental", "full"] = "incremental",
+) -> int:
+    """Write ``update`` into ``weights`` (HF name -> tensor, any device and
+    float dtype that holds the update's dtype exactly) and return the new version.
+
+    Raises :class:`~sync.errors.BaseVersionMismatch` when a delta's base is
+    not ``current_version``, :class:`~sync.errors.ChecksumError` for a corrupt
+    payload or a result that would not match, and
+    :class:`~sync.errors.ManifestMismatch` for unknown names or shapes; in
+    every case the tensors are left exactly as they were. ``verify="full"``
+    also re-reads every written piece afterwards (costs a pass over them).
+    """
+    m = update.manifest
+    if m.kind == "delta" and m.base_version != current_version:
+        raise BaseVersionMismatch(m.base_version, current_version)
+    if len(update.buckets) != len(m.bucket_sizes):
+        raise ManifestMismatch(f"{len(update.buckets)} buckets for a manifest of {len(m.bucket_sizes)}")
+    pieces = [_Piece(weights, e) for e in m.entries]
+    _check_payload(update, pieces)
+
+    undo: list[tuple[_Piece, torch.Tensor, torch.Tensor]] = []  # (piece, idx, old values)
+    try:
+        for piece in pieces:
+            e = piece.entry
+            blob = _blob(update, e).to(piece.device)
+            if e.encoding == "raw":
+                new = _raw_values(blob, piece)
+                if m.kind == "delta":
+                    old = piece.read_all()
+                    if e.base_checksum is not None and cks.piece_checksum(old, e.shard, e.start) != e.base_checksum:
+                        raise ChecksumError(f"{e.name}: receiver values differ from the base version")
+                    idx = torch.nonzero(cks.int_view(old) != cks.int_view(new)).view(-1)
+                    undo.append((piece, idx, old[idx]))
+                piece.write_all(new)
+                continue
+            try:
+                idx, new = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
+                                         e.num_changed, piece.read, piece.dtype)
+            except (ValueError, RuntimeError, IndexError) as exc:
+                raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
+            old = piece.read(idx)
+            positions = cks.piece_positions(e.shard, idx.to(old.device) + e.start)
+            if cks.positions_checksum(old, positions) != e.changed_base_checksum:
+                raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: receiver values differ from the base version")
+            if e.base_checksum is None or cks.add(e.base_checksum, cks.delta_checksum(old, new, positions)) != e.checksum:
+                raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
+            undo.append((piece, idx, old))
+            piece.write(idx, new)
+        if verify == "full":
+            for piece in pieces:
+                e = piece.entry
+                if cks.piece_checksum(piece.read_all(), e.shard, e.start) != e.checksum:
+                    raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: result checksum mismatch")
+    except BaseException as exc:
+        for piece, idx, old in reversed(undo):
+            piece.write(idx, old)
+        if isinstance(exc, WeightSyncError) or not isinstance(exc, Exception):
+            raise
+        raise WeightSyncError(f"applying update {m.version} failed: {exc}") from exc
+    return m.version

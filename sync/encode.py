@@ -1,0 +1,216 @@
+"""The trainer side of weight sync: :class:`WeightSender`.
+
+The sender keeps its own copy of the last version it sent, in the engine's
+dtype (that is what receivers hold, so the bit comparison is exact), and
+per-piece checksums of it. ``encode`` turns the trainer's current weights
+into a full or delta :class:`WeightUpdate`:
+
+    trainer weights (fp32 master, any sharding)
+      └─ per piece of <= bucket_bytes: cast to engine dtype
+           ├─ full : raw bytes -> bucket; checksum; copy into last-sent
+           └─ delta: compare bit patterns with last-sent
+                     -> sparse (index + value streams) or raw, whichever is smaller
+                     -> checksum moved by the changed elements only
+                     -> changed elements written into last-sent
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import torch
+
+from sync import checksum as cks
+from sync.auto import AutoConfig, AutoPolicy, Kind
+from sync.codec import as_bytes, encode_sparse
+from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor, ShardSpec | None]]
+
+_ALIGN = 8  # raw pieces start 8-byte aligned so receivers view them in place
+
+
+class _BucketWriter:
+    """Packs entry blobs into uint8 buckets of at most ``bucket_bytes``."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.buckets: list[torch.Tensor] = []
+        self._parts: list[torch.Tensor] = []
+        self._used = 0
+
+    def add(self, blob: torch.Tensor) -> tuple[int, int]:
+        pad = (-self._used) % _ALIGN
+        if self._parts and self._used + pad + blob.numel() > self.bucket_bytes:
+            self.flush()
+            pad = 0
+        if pad:
+            self._parts.append(blob.new_zeros(pad))
+        offset = self._used + pad
+        self._parts.append(blob)
+        self._used = offset + blob.numel()
+        return len(self.buckets), offset
+
+    def flush(self) -> None:
+        if self._parts:
+            self.buckets.append(torch.cat(self._parts))
+        self._parts, self._used = [], 0
+
+
+def _iter_named(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor, ShardSpec | None]]:
+    if isinstance(named, Mapping):
+        for name, t in named.items():
+            yield name, t, None
+    else:
+        for item in named:
+            if len(item) == 2:
+                yield item[0], item[1], None
+            else:
+                yield item
+
+
+class WeightSender:
+    """Encodes the trainer's weights as updates against the last version sent.
+
+    ``mode``: ``full`` always sends everything; ``delta`` sends changes
+    (full for the first update, after :meth:`force_full`, and every
+    ``full_every_k`` versions when set); ``auto`` picks per sync from costs
+    reported through :meth:`observe`. ``bucket_bytes``: payload bucket size
+    and the largest piece of a tensor handled at once. ``dtype``: the dtype
+    the engines hold for floating tensors (the comparison and payload are in
+    it; other tensors keep theirs). ``dedup_tied``: send a tensor that shares
+    storage with one already sent (``lm_head.weight`` tied to the embedding)
+    only once, under its first name, since receivers tie it the same way.
+    """
+
+    def __init__(
+        self,
+        mode: Literal["full", "delta", "auto"] = "auto",
+        bucket_bytes: int = 64 << 20,
+        full_every_k: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        auto: AutoConfig | None = None,
+        dedup_tied: bool = True,
+    ) -> None:
+        if mode not in ("full", "delta", "auto"):
+            raise ValueError(f"WeightSender.mode must be 'full', 'delta' or 'auto', got {mode!r}")
+        if bucket_bytes < 64:
+            raise ValueError(f"WeightSender.bucket_bytes must be >= 64, got {bucket_bytes}")
+        if full_every_k is not None and full_every_k < 1:
+            raise ValueError(f"WeightSender.full_every_k must be >= 1 or None, got {full_every_k}")
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        self.full_every_k = full_every_k
+        self.dtype = dtype
+        self.policy = AutoPolicy(auto)
+        self.version: int | None = None  # last version encoded; None before the first
+        self.last_encode_ms = 0.0
+        self._prev: dict[tuple[str, ShardSpec | None], torch.Tensor] = {}
+        self._prev_sums: dict[tuple[str, ShardSpec | None, int], cks.Checksum] = {}
+        self._force_full = False
+        self._updates_since_full = 0
+        self._last_kind: Kind | None = None
+        self.dedup_tied = dedup_tied
+
+    def force_full(self) -> None:
+        """Make the next update full (a receiver refused a delta)."""
+        self._force_full = True
+
+    def next_kind(self) -> Kind:
+        """The kind the next :meth:`encode` will produce."""
+        if self.version is None or self._force_full or self.mode == "full":
+            return "full"
+        if self.full_every_k is not None and self._updates_since_full + 1 >= self.full_every_k:
+            return "full"
+        return "delta" if self.mode == "delta" else self.policy.choose()
+
+    def observe(self, kind: Kind, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+        """Report the measured cost of a sync of ``kind`` (feeds ``auto``)."""
+        self.policy.observe(kind, encode_ms + transfer_ms + apply_ms)
+
+    def encode(self, named_tensors: NamedTensors, version: int) -> WeightUpdate:
+        """Encode the weights as ``version``: a delta against :attr:`version`
+        or a full update. Accepts ``{hf_name: tensor}`` or an iterable of
+        ``(hf_name, local_shard_tensor, ShardSpec | None)``."""
+        t0 = time.perf_counter()
+        kind = self.next_kind()
+        # a forced full may re-send the version a receiver refused as a delta
+        if self.version is not None and (version < self.version or (version == self.version and kind != "full")):
+            raise ValueError(f"version {version} must be greater than the last sent {self.version}")
+        writer = _BucketWriter(self.bucket_bytes)
+        entries: list[TensorEntry] = []
+        num_elements = num_changed = 0
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
+        for name, tensor, shard in _iter_named(named_tensors):
+            if self.dedup_tied and tensor.numel():
+                alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+                if alias in seen:
+                    continue
+                seen.add(alias)
+            dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+            piece_elems = max(1, self.bucket_bytes // torch.empty(0, dtype=dtype).element_size())
+            shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)
+            if shard is not None and tuple(tensor.shape) != shard.local_shape:
+                raise ValueError(f"{name}: shard tensor shape {tuple(tensor.shape)} != ShardSpec {shard.local_shape}")
+            src = tensor.detach().reshape(-1)
+            key = (name, shard)
+            prev = self._prev.get(key)
+            fresh = prev is None or prev.numel() != src.numel() or prev.dtype != dtype
+            if fresh:
+                prev = self._prev[key] = torch.empty(src.numel(), dtype=dtype, device=src.device)
+            num_elements += src.numel()
+            for start in range(0, src.numel(), piece_elems):
+                new = src[start : start + piece_elems].to(dtype)
+                common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=new.numel())
+                sum_key = (name, shard, start)
+                if kind == "full" or fresh:
+                    checksum = cks.piece_checksum(new, shard, start)
+                    bucket, offset = writer.add(as_bytes(new))
+                    entries.append(TensorEntry(**common, encoding="raw", num_changed=new.numel(), bucket=bucket,
+                                               offset=offset, nbytes=new.numel() * new.element_size(), checksum=checksum))
+                    prev[start : start + new.numel()].copy_(new)
+                    num_changed += new.numel()
+                else:
+                    old = prev[start : start + new.numel()]
+                    idx, new_vals, plan = encode_sparse(old, new)
+                    if idx.numel() == 0:
+                        continue
+                    base = self._prev_sums[sum_key]
+                    positions = cks.piece_positions(shard, idx + start)
+                    old_vals = old[idx]
+                    checksum = cks.add(base, cks.delta_checksum(old_vals, new_vals, positions))
+                    if plan is None:
+                        blob = as_bytes(new)
+                        extra = dict(encoding="raw")
+                    else:
+                        index_codec, value_codec, streams = plan
+                        blob = torch.cat([s.to(new.device) for s in streams])
+                        extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
+                                     parts=tuple(s.numel() for s in streams),
+                                     payload_checksum=cks.bytes_checksum(blob),
+                                     changed_base_checksum=cks.positions_checksum(old_vals, positions))
+                    bucket, offset = writer.add(blob)
+                    entries.append(TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket,
+                                               offset=offset, nbytes=blob.numel(), checksum=checksum,
+                                               base_checksum=base))
+                    old[idx] = new_vals
+                    num_changed += idx.numel()
+                self._prev_sums[sum_key] = checksum
+        writer.flush()
+        manifest = Manifest(
+            version=version,
+            base_version=self.version if kind == "delta" else None,
+            kind=kind,
+            entries=entries,
+            bucket_sizes=[b.numel() for b in writer.buckets],
+            num_elements=num_elements,
+            num_changed=num_changed,
+        )
+        self.version = version
+        self._force_full = False
+        self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
+        self._last_kind = kind
+        self.last_encode_ms = (time.perf_counter() - t0) * 1e3
+        return WeightUpdate(manifest=manifest, buckets=writer.buckets)

@@ -1,0 +1,38 @@
+"""The transport interface: how a :class:`~sync.manifest.WeightUpdate` gets
+from the trainer's process to the engines'.
+
+    sender side:    handle = transport.send(update)    # publish the buckets
+    receiver side:  update = transport.receive(handle) # the same update, buckets readable
+    both:           transport.close()
+
+``handle`` is small and picklable (it is what a Ray actor call or an RPC
+carries); collective transports (torch.distributed) return None and every
+receiver calls ``receive(None)`` in step with the sender's ``send``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from sync.manifest import WeightUpdate
+
+
+class Transport(abc.ABC):
+    """Moves weight updates; one instance per process and side."""
+
+    name: str = "?"
+
+    @abc.abstractmethod
+    def send(self, update: WeightUpdate) -> Any:
+        """Publish ``update``; return the handle receivers need (or None)."""
+
+    @abc.abstractmethod
+    def receive(self, handle: Any) -> WeightUpdate:
+        """Materialise the update behind ``handle`` (buckets may be read-only views)."""
+
+    def release(self, handle: Any) -> None:
+        """Free what :meth:`send` published once every receiver has applied it."""
+
+    def close(self) -> None:
+        """Release everything this transport holds."""

@@ -1,0 +1,197 @@
+"""apply_update is all or nothing, and a refused delta leads to a full push."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sync import (
+    BaseVersionMismatch,
+    ChecksumError,
+    ManifestMismatch,
+    ShardSpec,
+    WeightSender,
+    WeightSyncError,
+    apply_update,
+    merge_updates,
+)
+from sync.auto import AutoConfig
+from sync.manifest import bucket_tensor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 16, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g),
+        "model.norm.weight": torch.ones(16),
+    }
+
+
+def _step(w: dict[str, torch.Tensor], frac: float = 0.05, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in w.values():
+        mask = torch.rand(t.shape, generator=g) < frac
+        t[mask] += 0.05
+
+
+def _engine(w: dict[str, torch.Tensor], dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v, dtype=dtype) for k, v in w.items()}
+
+
+def _snapshot(e: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in e.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.bool else a[k], b[k]) for k in a)
+
+
+def test_delta_refused_on_base_mismatch_then_full_push_succeeds() -> None:
+    w, sender = _model(), WeightSender(mode="delta", bucket_bytes=1024)
+    stale = _engine(w)  # never received version 1
+    sender.encode(w, 1)
+    _step(w)
+    delta = sender.encode(w, 2)
+    before = _snapshot(stale)
+    with pytest.raises(BaseVersionMismatch) as info:
+        apply_update(stale, delta, 0)
+    assert isinstance(info.value, WeightSyncError)
+    assert _same(stale, before)
+    sender.force_full()
+    full = sender.encode(w, 2)  # the same version again, now full
+    assert full.manifest.kind == "full"
+    assert apply_update(stale, full, 0) == 2
+    assert _same(stale, {k: v.bfloat16() for k, v in w.items()})
+
+
+@pytest.mark.parametrize("kind", ["full", "delta"])
+@pytest.mark.parametrize("where", [0, -1])
+def test_corrupted_payload_is_detected_and_weights_stay_old(kind: str, where: int) -> None:
+    w, sender = _model(), WeightSender(mode="delta", bucket_bytes=512)
+    engine = _engine(w)
+    version = apply_update(engine, sender.encode(w, 1), 0)
+    _step(w)
+    if kind == "full":
+        sender.force_full()
+    update = sender.encode(w, 2)
+    assert update.manifest.kind == kind
+    bucket = bucket_tensor(update.buckets[where]).clone()
+    entry = [e for e in update.manifest.entries if e.bucket == len(update.buckets) - 1 or where == 0][where]
+    bucket[entry.offset + entry.nbytes // 2] ^= 0x10  # one flipped bit in the payload
+    update.buckets[where if where >= 0 else len(update.buckets) - 1] = bucket
+    before = _snapshot(engine)
+    with pytest.raises(ChecksumError):
+        apply_update(engine, update, version)
+    assert _same(engine, before), "a refused update must leave the weights untouched"
+
+
+def test_wrong_target_checksum_rolls_back_pieces_already_written() -> None:
+    """Payloads intact but the receiver's base differs in a spot only the
+    incremental checksum sees: earlier pieces must be rolled back."""
+    w, sender = _model(), WeightSender(mode="delta", bucket_bytes=256)
+    engine = _engine(w)
+    apply_update(engine, sender.encode(w, 1), 0)
+    _step(w, frac=0.3)
+    update = sender.encode(w, 2)
+    last = update.manifest.entries[-1]
+    assert last.encoding == "sparse" and len(update.manifest.entries) > 2
+    # make the receiver's base wrong exactly where the last piece changes something
+    from sync.codec import decode_sparse
+    from sync.manifest import dtype_from_name
+
+    blob = bucket_tensor(update.buckets[last.bucket])[last.offset : last.offset + last.nbytes]
+    flat = engine[last.name].view(-1)
+    idx, _ = decode_sparse(blob, last.parts, last.index_codec, last.value_codec, last.count, last.num_changed,
+                           lambda i: flat[i + last.start], dtype_from_name(last.dtype))
+    flat[last.start + int(idx[0])] += 1.0
+    before = _snapshot(engine)
+    with pytest.raises(ChecksumError):
+        apply_update(engine, update, 1)
+    assert _same(engine, before)
+
+
+def test_unknown_name_is_refused_before_anything_is_written() -> None:
+    w = _model()
+    engine = _engine(w)
+    del engine["model.norm.weight"]
+    before = _snapshot(engine)
+    with pytest.raises(ManifestMismatch, match="model.norm.weight"):
+        apply_update(engine, WeightSender(mode="full").encode(w, 1), 0)
+    assert _same(engine, before)
+
+
+def test_fp32_receiver_holds_the_bf16_weights_exactly() -> None:
+    w, sender = _model(), WeightSender(mode="delta", dtype=torch.bfloat16)
+    engine = _engine(w, dtype=torch.float32)
+    v = apply_update(engine, sender.encode(w, 1), 0)
+    for s in range(3):
+        _step(w, seed=s)
+        v = apply_update(engine, sender.encode(w, v + 1), v, verify="full")
+    assert all(torch.equal(engine[k], w[k].bfloat16().float()) for k in w)
+
+
+def test_tied_weights_are_sent_once() -> None:
+    w = _model()
+    w["lm_head.weight"] = w["model.embed_tokens.weight"]
+    update = WeightSender(mode="full").encode(w, 1)
+    assert "lm_head.weight" not in {e.name for e in update.manifest.entries}
+    untied = WeightSender(mode="full", dedup_tied=False).encode(w, 1)
+    assert "lm_head.weight" in {e.name for e in untied.manifest.entries}
+
+
+def test_full_every_k_and_modes() -> None:
+    w = _model()
+    sender = WeightSender(mode="delta", full_every_k=3)
+    kinds = []
+    for v in range(1, 8):
+        _step(w, seed=v)
+        kinds.append(sender.encode(w, v).manifest.kind)
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+    with pytest.raises(ValueError, match="mode"):
+        WeightSender(mode="sparse")
+    with pytest.raises(ValueError, match="greater"):
+        sender.encode(w, 7)
+
+
+def test_auto_mode_follows_measured_cost() -> None:
+    w = _model()
+    sender = WeightSender(mode="auto", auto=AutoConfig(alpha=1.0, probe_every=4))
+    chosen = []
+    for v in range(1, 9):
+        _step(w, seed=v)
+        kind = sender.encode(w, v).manifest.kind
+        chosen.append(kind)
+        # pretend full pushes are cheap here (same-GPU copy) and deltas dear
+        sender.observe(kind, encode_ms=1.0, transfer_ms=1.0 if kind == "full" else 9.0, apply_ms=1.0)
+    # first push full; delta tried once; then the cheaper full, re-probing delta every 4th
+    assert chosen == ["full", "delta", "full", "full", "full", "delta", "full", "full"]
+
+
+def _shard_pieces(w: dict[str, torch.Tensor], rank: int, world: int, dim_of) -> list:
+    out = []
+    for name, t in w.items():
+        d = dim_of(t)
+        size = t.shape[d] // world
+        spec = ShardSpec(full_shape=tuple(t.shape), dim=d, offset=rank * size, length=size)
+        out.append((name, t.narrow(d, rank * size, size).contiguous(), spec))
+    return out
+
+
+@pytest.mark.parametrize("dim_of", [lambda t: 0, lambda t: t.dim() - 1], ids=["rows", "columns"])
+def test_sharded_senders_give_the_same_receiver_weights(dim_of) -> None:
+    w = _model()
+    w["model.norm.weight"] = torch.randn(16)
+    senders = [WeightSender(mode="delta", bucket_bytes=300) for _ in range(2)]
+    engine, ref_engine, ref = _engine(w), _engine(w), WeightSender(mode="delta", bucket_bytes=300)
+    v = 0
+    for step in range(3):
+        if step:
+            _step(w, seed=step)
+        update = merge_updates([s.encode(_shard_pieces(w, r, 2, dim_of), v + 1) for r, s in enumerate(senders)])
+        apply_update(ref_engine, ref.encode(w, v + 1), v, verify="full")
+        v = apply_update(engine, update, v, verify="full")
+        assert _same(engine, ref_engine)
+    assert _same(engine, {k: t.bfloat16() for k, t in w.items()})
