@@ -41,11 +41,12 @@ class PolicyBase(abc.ABC):
         self.step = 0  # trainer steps done == trainer weight version
         self.produced = 0
         self.trained = 0
-        self.in_flight = 0
+        self._in_flight = 0
+        self._t_rollout_busy_s = 0.0
+        self._t_busy_since = 0.0
         self.dropped: Counter[str] = Counter()
         self._t_start = time.perf_counter()
         self._t_trainer_busy_s = 0.0
-        self._window: dict[str, float] = Counter()
         self.last_sync: dict[str, Any] = {}
 
     # -- prompts and groups -------------------------------------------------
@@ -80,6 +81,25 @@ class PolicyBase(abc.ABC):
 
     async def _on_drop_after_queue(self, n: int) -> None:
         """Hook: samples the queue dropped (stale) after they were admitted."""
+
+    @property
+    def in_flight(self) -> int:
+        """Samples being generated now."""
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        # Rollout is busy while anything is in flight: integrate that time.
+        now = time.perf_counter()
+        if self._in_flight > 0:
+            self._t_rollout_busy_s += now - self._t_busy_since
+        self._in_flight, self._t_busy_since = value, now
+
+    def rollout_busy_s(self) -> float:
+        busy = self._t_rollout_busy_s
+        if self._in_flight > 0:
+            busy += time.perf_counter() - self._t_busy_since
+        return busy
 
     def outstanding(self) -> int:
         """Samples admitted and not yet trained or dropped."""
@@ -157,6 +177,7 @@ class PolicyBase(abc.ABC):
             "samples_per_s": self.trained / elapsed,
             "tokens_per_s_step": num_tokens / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": 1.0 - self._t_trainer_busy_s / elapsed,
+            "rollout_idle_ratio": max(0.0, 1.0 - self.rollout_busy_s() / elapsed),
             "wait_s": wait_s,
             "train_s": train_s,
             "produced": self.produced,
