@@ -113,6 +113,7 @@ class WeightSender:
         self._updates_since_full = 0
         self._last_kind: Kind | None = None
         self.dedup_tied = dedup_tied
+        self._undo: tuple[int | None, list[tuple]] | None = None
 
     def force_full(self) -> None:
         """Make the next update full (a receiver refused a delta)."""
@@ -141,6 +142,8 @@ class WeightSender:
             raise ValueError(f"version {version} must be greater than the last sent {self.version}")
         writer = _BucketWriter(self.bucket_bytes)
         entries: list[TensorEntry] = []
+        undo: list[tuple] = []  # per delta piece: what revert_update needs
+        revertible = kind == "delta"
         num_elements = num_changed = 0
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
         for name, tensor, shard in _iter_named(named_tensors):
@@ -166,6 +169,7 @@ class WeightSender:
                 common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=new.numel())
                 sum_key = (name, shard, start)
                 if kind == "full" or fresh:
+                    revertible = revertible and kind == "delta" and not fresh
                     checksum = cks.piece_checksum(new, shard, start)
                     bucket, offset = writer.add(as_bytes(new))
                     entries.append(TensorEntry(**common, encoding="raw", num_changed=new.numel(), bucket=bucket,
@@ -174,29 +178,16 @@ class WeightSender:
                     num_changed += new.numel()
                 else:
                     old = prev[start : start + new.numel()]
-                    idx, new_vals, plan = encode_sparse(old, new)
-                    if idx.numel() == 0:
+                    found = _delta_piece(writer, common, old, new, shard, self._prev_sums[sum_key])
+                    if found is None:
                         continue
-                    base = self._prev_sums[sum_key]
-                    positions = cks.piece_positions(shard, idx + start)
-                    old_vals = old[idx]
-                    checksum = cks.add(base, cks.delta_checksum(old_vals, new_vals, positions))
-                    if plan is None:
-                        blob = as_bytes(new)
-                        extra = dict(encoding="raw")
-                    else:
-                        index_codec, value_codec, streams = plan
-                        blob = torch.cat([s.to(new.device) for s in streams])
-                        extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
-                                     parts=tuple(s.numel() for s in streams),
-                                     payload_checksum=cks.bytes_checksum(blob),
-                                     changed_base_checksum=cks.positions_checksum(old_vals, positions))
-                    bucket, offset = writer.add(blob)
-                    entries.append(TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket,
-                                               offset=offset, nbytes=blob.numel(), checksum=checksum,
-                                               base_checksum=base))
-                    old[idx] = new_vals
+                    entry, idx, old_vals = found
+                    entries.append(entry)
+                    # int32 positions: the undo log is O(changed) and should stay small
+                    undo.append((key, sum_key, idx.to(torch.int32), old_vals, self._prev_sums[sum_key], common))
+                    old[idx] = new[idx]
                     num_changed += idx.numel()
+                    checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
         writer.flush()
         manifest = Manifest(
@@ -208,9 +199,73 @@ class WeightSender:
             num_elements=num_elements,
             num_changed=num_changed,
         )
+        # a delta can be undone from the old values at its changed positions;
+        # a full update could only be undone from a whole second copy, so not at all
+        # re-sending the same version in full (after a refusal) leaves the
+        # copy as it was, so the delta that produced that version can still be undone
+        if revertible:
+            self._undo = (self.version, undo)
+        elif version != self.version:
+            self._undo = None
         self.version = version
         self._force_full = False
         self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
         self._last_kind = kind
         self.last_encode_ms = (time.perf_counter() - t0) * 1e3
         return WeightUpdate(manifest=manifest, buckets=writer.buckets)
+
+    def revert_update(self) -> WeightUpdate | None:
+        """Take back the last update: restore the last-sent copy to the
+        previous version and return the delta (base = the last version,
+        version = the previous one) that takes receivers back there too.
+        None when the last update was full (it cannot be undone cheaply)."""
+        if self._undo is None or self._undo[0] is None:
+            return None
+        prev_version, undo = self._undo
+        writer = _BucketWriter(self.bucket_bytes)
+        entries: list[TensorEntry] = []
+        num_changed = 0
+        for key, sum_key, idx, old_vals, old_sum, common in reversed(undo):
+            start, count = sum_key[2], common["count"]
+            current = self._prev[key][start : start + count]
+            restored = current.clone()
+            idx = idx.to(torch.int64)
+            restored[idx] = old_vals
+            found = _delta_piece(writer, common, current, restored, key[1], self._prev_sums[sum_key])
+            assert found is not None and found[0].checksum == old_sum, "undo log out of step with last-sent copy"
+            entries.append(found[0])
+            current[idx] = old_vals
+            self._prev_sums[sum_key] = old_sum
+            num_changed += idx.numel()
+        writer.flush()
+        manifest = Manifest(version=prev_version, base_version=self.version, kind="delta", entries=entries,
+                            bucket_sizes=[b.numel() for b in writer.buckets],
+                            num_elements=sum(t.numel() for t in self._prev.values()), num_changed=num_changed)
+        self.version, self._undo = prev_version, None
+        return WeightUpdate(manifest=manifest, buckets=writer.buckets)
+
+
+def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
+                 shard: ShardSpec | None, base: cks.Checksum) -> tuple[TensorEntry, torch.Tensor, torch.Tensor] | None:
+    """Encode how piece ``old`` became ``new`` (sparse or raw, the smaller);
+    return (entry, changed positions, old values there), None if unchanged."""
+    idx, new_vals, plan = encode_sparse(old, new)
+    if idx.numel() == 0:
+        return None
+    start = common["start"]
+    positions = cks.piece_positions(shard, idx + start)
+    old_vals = old[idx]
+    checksum = cks.add(base, cks.delta_checksum(old_vals, new_vals, positions))
+    if plan is None:
+        blob = as_bytes(new)
+        extra: dict = dict(encoding="raw")
+    else:
+        index_codec, value_codec, streams = plan
+        blob = torch.cat([s.to(new.device) for s in streams])
+        extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
+                     parts=tuple(s.numel() for s in streams), payload_checksum=cks.bytes_checksum(blob),
+                     changed_base_checksum=cks.positions_checksum(old_vals, positions))
+    bucket, offset = writer.add(blob)
+    entry = TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket, offset=offset,
+                        nbytes=blob.numel(), checksum=checksum, base_checksum=base)
+    return entry, idx, old_vals

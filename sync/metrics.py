@@ -1,0 +1,47 @@
+"""What one weight sync cost, for logs and for ``auto`` mode."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class SyncMetrics(msgspec.Struct, kw_only=True):
+    """One sync. ``bytes_sent``: payload bytes published per receiver (all
+    pushes, a full retry included). ``changed_fraction``: elements that differ
+    from the base version (1.0 for full). Times in milliseconds: ``encode_ms``
+    on the trainer, ``transfer_ms`` publishing through the transport,
+    ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` pause to resume."""
+
+    version: int
+    kind: Literal["full", "delta"]
+    bytes_sent: int
+    changed_fraction: float
+    encode_ms: float
+    transfer_ms: float
+    apply_ms: float
+    total_ms: float = 0.0
+    num_engines: int = 0
+    num_full_retries: int = 0
+    num_aborted: int = 0
+
+
+class SyncResult(msgspec.Struct, kw_only=True):
+    """The outcome of :func:`sync.sequence.sync_weights`. ``aborted[i]``:
+    the partial outputs engine ``i`` returned when its in-flight requests
+    were aborted (resume them on the new weights). Reads as a flat metrics
+    mapping (``dict(result)``) for the policy's logs."""
+
+    version: int
+    metrics: SyncMetrics
+    aborted: list[list[Any]] = msgspec.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self.metrics)
+
+    def keys(self) -> Any:
+        return self.as_dict().keys()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]

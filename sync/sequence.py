@@ -1,0 +1,189 @@
+"""The weight-sync sequence, driven by the policy on the global loop.
+
+    pause all ─► abort in-flight (keep partials) ─► sleep(1) if colocated
+        ─► get the update from the source (full | delta)
+        ─► versions check: a delta only goes to engines at its base, others refuse ─► full
+        ─► push to every engine concurrently, each verifies checksums in apply_update
+        ─► an engine that refused or failed gets one full retry
+        ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
+        ─► verify every engine reports the target version
+    finally: wake_up(kv_cache) ─► reset_prefix_cache ─► resume
+
+An engine here is anything with the ``RolloutEngine`` surface (``pause``,
+``resume``, ``abort``, ``sleep``, ``wake_up``, ``update_weights``,
+``reset_prefix_cache``, and ``version`` or ``async get_version()``) — the
+engine itself or a rollout actor's handle.
+
+A source is a :class:`WeightUpdate` (fixed; no retry possible), a
+:class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or an
+object with ``async weight_update()`` and optionally ``async weights_refused()``
+(the trainer actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sync.encode import WeightSender
+from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
+from sync.manifest import WeightUpdate
+from sync.metrics import SyncMetrics, SyncResult
+from sync.transport.base import Transport
+from sync.transport.inproc import InProcessTransport
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+async def engine_version(engine: Any) -> int:
+    """The version an engine (``.version``) or actor handle (``get_version()``) holds."""
+    if hasattr(engine, "get_version"):
+        return int(await _maybe_await(engine.get_version()))
+    return int(engine.version)
+
+
+class _Source:
+    """Uniform view of the three kinds of source."""
+
+    def __init__(self, source: Any, weights: Any, version: int | None) -> None:
+        self.source, self.weights, self.version = source, weights, version
+        self.encode_ms = 0.0
+        if isinstance(source, WeightSender) and (weights is None or version is None):
+            raise ValueError("sync_weights with a WeightSender needs weights= and version=")
+
+    @property
+    def can_retry(self) -> bool:
+        return not isinstance(self.source, WeightUpdate)
+
+    def _weights(self) -> Any:
+        return self.weights() if callable(self.weights) and not isinstance(self.weights, Mapping) else self.weights
+
+    async def update(self, full: bool = False) -> WeightUpdate:
+        t0 = time.perf_counter()
+        s = self.source
+        if isinstance(s, WeightUpdate):
+            update = s
+        elif isinstance(s, WeightSender):
+            if full:
+                s.force_full()
+            update = s.encode(self._weights(), self.version)
+        else:
+            if full and hasattr(s, "weights_refused"):
+                await _maybe_await(s.weights_refused())
+            update = await _maybe_await(s.weight_update())
+        self.encode_ms += (time.perf_counter() - t0) * 1e3
+        return update
+
+    def observe(self, kind: str, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+        if hasattr(self.source, "observe"):
+            self.source.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
+
+    def revert(self) -> WeightUpdate | None:
+        fn: Callable[[], WeightUpdate | None] | None = getattr(self.source, "revert_update", None)
+        return fn() if fn is not None else None
+
+
+async def sync_weights(
+    engines: list[Any],
+    source: Any,
+    *,
+    colocated: bool,
+    weights: Any = None,
+    version: int | None = None,
+    transport: Transport | None = None,
+) -> SyncResult:
+    """Bring every engine to the source's next version, safely.
+
+    Returns a :class:`SyncResult` with the partial outputs of the aborted
+    requests (per engine) and the :class:`SyncMetrics`. On failure raises
+    :class:`~sync.errors.SyncFailed` naming the engine; engines are resumed
+    either way and none is left on a different version from the others when
+    the source can revert (a ``WeightSender``), else ``versions`` says where each is.
+    """
+    transport = transport or InProcessTransport()
+    src = _Source(source, weights, version)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(e.pause() for e in engines))
+    try:
+        aborted = list(await asyncio.gather(*(e.abort(None) for e in engines)))
+        if colocated:
+            await asyncio.gather(*(e.sleep(1) for e in engines))
+        before = list(await asyncio.gather(*(engine_version(e) for e in engines)))
+        update = await src.update()
+        kind, target = update.manifest.kind, update.manifest.version
+        if kind == "delta" and any(v != update.manifest.base_version for v in before) and src.can_retry:
+            update = await src.update(full=True)  # someone missed the base: everyone gets full
+        metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
+                              changed_fraction=update.manifest.changed_fraction, encode_ms=0.0,
+                              transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
+                              num_aborted=sum(len(a) for a in aborted))
+        errors = await _push(engines, list(range(len(engines))), update, transport, metrics)
+        if errors and src.can_retry:
+            metrics.num_full_retries = 1
+            full = await src.update(full=True)
+            errors = await _push(engines, sorted(errors), full, transport, metrics)
+        if errors:
+            await _revert(engines, before, src, transport)
+            i, err = min(errors.items())
+            versions = list(await asyncio.gather(*(engine_version(e) for e in engines)))
+            raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
+        after = list(await asyncio.gather(*(engine_version(e) for e in engines)))
+        bad = [i for i, v in enumerate(after) if v != target]
+        if bad:
+            raise SyncFailed(f"engines report versions {after} after a push to {target}", bad[0], after)
+        metrics.encode_ms = src.encode_ms
+        src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
+    finally:
+        # whatever happened, engines must run again, and never on caches of other weights
+        if colocated:
+            await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
+        await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
+        await asyncio.gather(*(e.resume() for e in engines))
+    metrics.total_ms = (time.perf_counter() - t0) * 1e3
+    return SyncResult(version=target, metrics=metrics, aborted=aborted)
+
+
+async def _push(engines: list[Any], which: list[int], update: WeightUpdate, transport: Transport,
+                metrics: SyncMetrics) -> dict[int, BaseException]:
+    """Push ``update`` to ``engines[i]`` for i in ``which``; return the failures."""
+    t0 = time.perf_counter()
+    handle = transport.send(update)
+    t1 = time.perf_counter()
+    results = await asyncio.gather(*(engines[i].update_weights(handle) for i in which), return_exceptions=True)
+    t2 = time.perf_counter()
+    transport.release(handle)
+    metrics.kind = update.manifest.kind
+    metrics.bytes_sent += update.nbytes
+    metrics.changed_fraction = update.manifest.changed_fraction
+    metrics.transfer_ms += (t1 - t0) * 1e3
+    metrics.apply_ms += (t2 - t1) * 1e3
+    errors: dict[int, BaseException] = {}
+    for i, r in zip(which, results):
+        if isinstance(r, BaseException):
+            if not isinstance(r, Exception):
+                raise r  # cancellation and the like are not push failures
+            errors[i] = r
+        elif r != update.manifest.version:
+            errors[i] = WeightSyncError(f"engine returned version {r}, expected {update.manifest.version}")
+    return errors
+
+
+async def _revert(engines: list[Any], before: list[int], src: _Source, transport: Transport) -> None:
+    """Put engines that already moved back on their previous version."""
+    moved = [i for i, e in enumerate(engines) if await engine_version(e) != before[i]]
+    if not moved:
+        return
+    undo = src.revert()
+    if undo is None:
+        return  # cannot: SyncFailed.versions will show the split
+    await _push(engines, moved, undo, transport, SyncMetrics(version=undo.manifest.version, kind=undo.manifest.kind,
+                                                            bytes_sent=0, changed_fraction=0.0, encode_ms=0.0,
+                                                            transfer_ms=0.0, apply_ms=0.0))
+
+
+__all__ = ["BaseVersionMismatch", "engine_version", "sync_weights"]

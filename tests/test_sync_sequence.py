@@ -1,0 +1,154 @@
+"""The sync sequence with fake engines: order of steps, retries, and no half-updated fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from actors.engines.base import GenerateOutput
+from sync import ChecksumError, SyncFailed, WeightSender, apply_update
+from sync.manifest import WeightUpdate, bucket_tensor
+from sync.sequence import sync_weights
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]
+
+
+class FakeEngine:
+    """Holds bf16 weights by HF name and logs every call of the engine surface."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], log: list[str], idx: int, corrupt: bool = False) -> None:
+        self.weights = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+        self.version, self.log, self.idx, self.corrupt = 0, log, idx, corrupt
+        self.in_flight = [f"req-{idx}-{i}" for i in range(2)]
+        self.paused = False
+
+    def _note(self, what: str) -> None:
+        self.log.append(f"{what}:{self.idx}")
+
+    async def pause(self) -> None:
+        self.paused = True
+        self._note("pause")
+
+    async def resume(self) -> None:
+        self.paused = False
+        self._note("resume")
+
+    async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
+        self._note("abort")
+        out = [GenerateOutput(request_id=r, token_ids=[1, 2], finish_reason="abort") for r in self.in_flight]
+        self.in_flight = []
+        return out
+
+    async def sleep(self, level: int = 1) -> None:
+        self._note(f"sleep{level}")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._note("wake_up")
+
+    async def reset_prefix_cache(self) -> None:
+        self._note("reset_prefix_cache")
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        self._note(f"update_{update.manifest.kind}")
+        await asyncio.sleep(0)
+        if self.corrupt:  # a link that flips a bit in every bucket it carries
+            buckets = [bucket_tensor(b).clone() for b in update.buckets]
+            for b in buckets:
+                b[len(b) // 2] ^= 1
+            update = WeightUpdate(manifest=update.manifest, buckets=buckets)
+        self.version = apply_update(self.weights, update, self.version)
+        return self.version
+
+
+def _trainer(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(40, 30, generator=g), "b.bias": torch.randn(30, generator=g)}
+
+
+def _step(w: dict[str, torch.Tensor], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in w.values():
+        t[torch.rand(t.shape, generator=g) < 0.1] += 0.01
+
+
+def _fleet(w, n: int, log: list[str], corrupt: int | None = None) -> list[FakeEngine]:
+    return [FakeEngine({k: tuple(v.shape) for k, v in w.items()}, log, i, corrupt=(i == corrupt)) for i in range(n)]
+
+
+def _holds(engine: FakeEngine, w: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(engine.weights[k], w[k].bfloat16()) for k in w)
+
+
+async def test_sequence_order_and_aborted_partials_returned() -> None:
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    sender = WeightSender(mode="delta")
+    result = await sync_weights(engines, sender, weights=w, version=1, colocated=True)
+    steps = [entry.split(":")[0] for entry in log]
+    order = ["pause", "abort", "sleep1", "update_full", "wake_up", "reset_prefix_cache", "resume"]
+    assert [s for i, s in enumerate(steps) if s not in steps[:i]] == order
+    assert result.version == 1 and all(e.version == 1 and _holds(e, w) for e in engines)
+    assert [[o.request_id for o in a] for a in result.aborted] == [["req-0-0", "req-0-1"], ["req-1-0", "req-1-1"]]
+    assert all(o.finish_reason == "abort" for a in result.aborted for o in a)
+    assert result.metrics.num_aborted == 4 and not any(e.paused for e in engines)
+    assert dict(result)["kind"] == "full" and dict(result)["bytes_sent"] == result.metrics.bytes_sent > 0
+
+    log.clear()
+    _step(w, 1)
+    result = await sync_weights(engines, sender, weights=w, version=2, colocated=False)
+    assert "sleep1:0" not in log and result.metrics.kind == "delta"
+    assert 0 < result.metrics.changed_fraction < 0.5
+    assert all(e.version == 2 and _holds(e, w) for e in engines)
+
+
+async def test_engine_behind_the_base_gets_a_full_push() -> None:
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    sender = WeightSender(mode="delta")
+    await sync_weights(engines[:1], sender, weights=w, version=1, colocated=False)  # engine 1 misses v1
+    _step(w, 2)
+    result = await sync_weights(engines, sender, weights=w, version=2, colocated=False)
+    assert result.metrics.kind == "full"
+    assert all(e.version == 2 and _holds(e, w) for e in engines)
+
+
+async def test_refused_delta_is_retried_once_with_a_full_update() -> None:
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    sender = WeightSender(mode="delta")
+    await sync_weights(engines, sender, weights=w, version=1, colocated=False)
+    real_update = engines[1].update_weights
+
+    async def drifts_then_updates(update: WeightUpdate) -> int:
+        engines[1].version = 7  # its version moved between the check and the push
+        return await real_update(update)
+
+    engines[1].update_weights = drifts_then_updates
+    log.clear()
+    _step(w, 3)
+    result = await sync_weights(engines, sender, weights=w, version=2, colocated=False)
+    assert result.metrics.num_full_retries == 1
+    assert "update_delta:1" in log and "update_full:1" in log and "update_full:0" not in log
+    assert all(e.version == 2 and _holds(e, w) for e in engines)
+
+
+async def test_failed_push_leaves_every_engine_on_its_previous_version() -> None:
+    w, log = _trainer(), []
+    engines = _fleet(w, 3, log, corrupt=None)
+    sender = WeightSender(mode="delta")
+    await sync_weights(engines, sender, weights=w, version=1, colocated=True)
+    old = {k: v.clone() for k, v in w.items()}
+    engines[1].corrupt = True
+    _step(w, 4)
+    with pytest.raises(SyncFailed) as info:
+        await sync_weights(engines, sender, weights=w, version=2, colocated=True)
+    assert info.value.engine_index == 1 and info.value.versions == [1, 1, 1]
+    assert isinstance(info.value.__cause__, ChecksumError)
+    assert all(e.version == 1 and _holds(e, old) for e in engines), "no engine may keep the new weights"
+    assert not any(e.paused for e in engines) and log[-1].startswith("resume")
+    # the sender went back too: the next sync is a delta from version 1 again
+    engines[1].corrupt = False
+    result = await sync_weights(engines, sender, weights=w, version=2, colocated=True)
+    assert result.metrics.kind == "delta" and all(e.version == 2 and _holds(e, w) for e in engines)
