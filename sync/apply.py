@@ -74,10 +74,12 @@ class _Piece:
         self._flat[pos] = values.to(device=self.device, dtype=self._flat.dtype)
 
 
-def _blob(update: WeightUpdate, e: TensorEntry) -> torch.Tensor:
+def _blob(update: WeightUpdate, e: TensorEntry, buckets: dict[int, torch.Tensor]) -> torch.Tensor:
     if not 0 <= e.bucket < len(update.buckets):
         raise ManifestMismatch(f"{e.name}: bucket {e.bucket} does not exist")
-    bucket = bucket_tensor(update.buckets[e.bucket])
+    bucket = buckets.get(e.bucket)
+    if bucket is None:  # resolve each (possibly remote) bucket once per apply
+        bucket = buckets[e.bucket] = bucket_tensor(update.buckets[e.bucket])
     if e.offset < 0 or e.offset + e.nbytes > bucket.numel():
         raise ManifestMismatch(f"{e.name}: payload [{e.offset}, {e.offset + e.nbytes}) outside bucket {e.bucket}")
     return bucket[e.offset : e.offset + e.nbytes]
@@ -92,10 +94,10 @@ def _raw_values(blob: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
-def _check_payload(update: WeightUpdate, pieces: list[_Piece]) -> None:
+def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
     for piece in pieces:
         e = piece.entry
-        blob = _blob(update, e)
+        blob = _blob(update, e, buckets)
         if e.encoding == "raw":
             got = cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start)
             want = e.checksum
@@ -130,13 +132,14 @@ def apply_update(
     if len(update.buckets) != len(m.bucket_sizes):
         raise ManifestMismatch(f"{len(update.buckets)} buckets for a manifest of {len(m.bucket_sizes)}")
     pieces = [_Piece(weights, e) for e in m.entries]
-    _check_payload(update, pieces)
+    buckets: dict[int, torch.Tensor] = {}
+    _check_payload(update, pieces, buckets)
 
     undo: list[tuple[_Piece, torch.Tensor, torch.Tensor]] = []  # (piece, idx, old values)
     try:
         for piece in pieces:
             e = piece.entry
-            blob = _blob(update, e).to(piece.device)
+            blob = _blob(update, e, buckets).to(piece.device)
             if e.encoding == "raw":
                 new = _raw_values(blob, piece)
                 if m.kind == "delta":

@@ -198,11 +198,14 @@ def merge_updates(updates: list[WeightUpdate]) -> WeightUpdate:
 
 
 def bucket_tensor(buf: Any) -> torch.Tensor:
-    """View a payload bucket (bytes / bytearray / memoryview / numpy / torch)
-    as a 1-D uint8 tensor without copying. Read-only buffers are fine: the
+    """View a payload bucket (bytes / bytearray / memoryview / numpy / torch,
+    or a transport reference with ``materialize()``) as a 1-D uint8 tensor
+    without copying. Read-only buffers are fine: the
     receiver only reads payloads, so torch's not-writable warning is moot."""
     import warnings
 
+    if hasattr(buf, "materialize"):  # a transport's lazy reference (Ray object, CUDA IPC handle)
+        buf = buf.materialize()
     if isinstance(buf, torch.Tensor):
         return buf.reshape(-1).view(torch.uint8)
     with warnings.catch_warnings():
