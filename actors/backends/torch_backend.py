@@ -1,0 +1,215 @@
+"""The plain-PyTorch trainer backend: one HF causal LM, AdamW, a named loss.
+
+Every method is synchronous and blocking; the trainer actor calls them on its
+worker thread so the event loop never waits on a matmul.
+
+    samples ─► pad to [B, T] (prompt + response, right-padded)
+            ─► forward ─► log-probs of the response tokens [B, T_resp]
+            ─► loss(logprobs, rollout_logprobs, advantages, mask) ─► AdamW step
+            ─► version += 1 ─► named_weights() for the weight sync
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import safetensors.torch
+import torch
+
+from actors.models import load_causal_lm, resolve_model_path
+from policies.losses import NEEDS_PROXIMAL, make_loss
+from transfer_queue.sample import Sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchBackend:
+    """Trains a local HF causal LM with one optimizer step per batch.
+
+    ``version`` counts optimizer steps since the loaded checkpoint (0 at
+    start); it is the weight version rollouts are stamped with.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        loss: str = "ppo_clip",
+        loss_kwargs: dict | None = None,
+        seed: int = 0,
+    ):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
+        self.loss_name = loss
+        self.loss_fn = make_loss(loss)  # fail on a bad name at construction, not at step 1
+        self.loss_kwargs = dict(loss_kwargs or {})
+        self.seed = seed
+        self.version = 0
+        self.model = None
+        self.optimizer = None
+
+    # -- setup -----------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Load the model and build the optimizer (heavy; call once, off the loop)."""
+        torch.manual_seed(self.seed)
+        model_dir = resolve_model_path(self.model_path)
+        self.model = load_causal_lm(model_dir, device=self.device, dtype=self.dtype)
+        # No dropout in RL: the log-probs we train on must match the sampler's.
+        self.model.eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+
+    def _require_setup(self) -> None:
+        if self.model is None:
+            raise RuntimeError("TorchBackend.setup() must be called before use")
+
+    # -- batching ----------------------------------------------------------------
+
+    def _batch(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ``input_ids``/``attention_mask`` ``[B, L]``, and for the
+        response: gather index ``[B, T]`` into the logits and ``mask`` ``[B, T]``."""
+        if not samples:
+            raise ValueError("empty batch")
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        width = max(lengths)
+        num_resp = max(len(s.response_ids) for s in samples)
+        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(samples), width), dtype=torch.long)
+        # Logits at position p predict token p + 1, so response token j of a
+        # sample with prompt length P is scored by the logits at P - 1 + j.
+        pos = torch.zeros((len(samples), max(num_resp, 1)), dtype=torch.long)
+        mask = torch.zeros((len(samples), max(num_resp, 1)), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise ValueError(f"sample {s.uid!r} has an empty prompt")
+            row = list(s.prompt_ids) + list(s.response_ids)
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attn[i, : len(row)] = 1
+            n = len(s.response_ids)
+            pos[i, :n] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + n)
+            mask[i, :n] = 1.0
+        return ids.to(self.device), attn.to(self.device), pos.to(self.device), mask.to(self.device)
+
+    def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs ``[B, T]`` of each response token (T=1), entropy ``[B, T]`` and mask."""
+        ids, attn, pos, mask = self._batch(samples)
+        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
+        idx = pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        resp_logits = torch.gather(logits, 1, idx).float()  # [B, T, V]
+        logp_all = torch.log_softmax(resp_logits, dim=-1)
+        targets = torch.gather(ids, 1, (pos + 1).clamp(max=ids.shape[1] - 1))  # [B, T]
+        logprobs = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logprobs * mask, entropy, mask
+
+    # -- endpoints -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token log-probs under the current weights (temperature 1)."""
+        self._require_setup()
+        logprobs, _, _ = self._response_logprobs(samples)
+        return [logprobs[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+
+    def train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+        """One AdamW step on the batch with the configured loss; raises ``version`` by 1.
+
+        ``advantages[i]`` belongs to ``samples[i]`` and applies to all its
+        response tokens; each sample's ``rollout_logprobs`` are the behaviour
+        log-probs (one per response token).
+        """
+        self._require_setup()
+        if len(advantages) != len(samples):
+            raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples")
+        for s in samples:
+            if len(s.rollout_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {s.uid!r} has {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
+                )
+        extra = {}
+        if self.loss_name in NEEDS_PROXIMAL:
+            # The weights before this step are the proximal policy.
+            with torch.no_grad():
+                extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
+        logprobs, entropy, mask = self._response_logprobs(samples)
+        rollout = torch.zeros_like(logprobs)
+        for i, s in enumerate(samples):
+            rollout[i, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, dtype=rollout.dtype)
+        adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
+        loss, metrics = self.loss_fn(logprobs, rollout, adv, mask, **extra, **self.loss_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.version += 1
+        num_tokens = float(mask.sum())
+        return {
+            "loss": float(loss.detach()),
+            "grad_norm": float(grad_norm),
+            "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
+            "tokens": num_tokens,
+            "version": float(self.version),
+            **{k: float(v) for k, v in metrics.items()},
+        }
+
+    def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer under its HF name, detached.
+
+        Tied weights appear under each of their names (``lm_head.weight`` as
+        well as ``model.embed_tokens.weight``) as ``state_dict()`` lists them,
+        so a receiver can match names one to one. ``dtype`` converts (a copy);
+        ``None`` returns the live tensors without copying — do not modify them.
+        """
+        self._require_setup()
+        if isinstance(dtype, str):
+            dtype = _DTYPES[dtype]
+        out = {}
+        for name, tensor in self.model.state_dict(keep_vars=False).items():
+            t = tensor.detach()
+            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return out
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def save(self, directory: str | pathlib.Path) -> None:
+        """Write an HF-loadable checkpoint (config + safetensors), the optimizer
+        state (``optimizer.pt``) and ``trainer_state.json`` (version) into ``directory``."""
+        self._require_setup()
+        path = pathlib.Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        (path / "trainer_state.json").write_text(json.dumps({"version": self.version, "loss": self.loss_name}))
+
+    def load(self, directory: str | pathlib.Path) -> None:
+        """Restore weights, optimizer state and version written by :meth:`save`."""
+        self._require_setup()
+        path = pathlib.Path(directory)
+        for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+            if not (path / name).is_file():
+                raise ValueError(f"checkpoint {str(path)!r} has no {name}")
+        state = safetensors.torch.load_file(str(path / "model.safetensors"), device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # A tied lm_head is saved once, under the embedding's name.
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
+        self.version = int(json.loads((path / "trainer_state.json").read_text())["version"])

@@ -1,0 +1,91 @@
+"""Find and load Hugging Face causal-LM directories from local disk only.
+
+Nothing here ever reaches a model hub: every loader passes
+``local_files_only=True`` and paths are checked before transformers sees them,
+so a typo gives one clear ``ValueError`` instead of a download attempt or a
+long traceback.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+# Any of these next to config.json counts as weights.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+#: The built-in tiny Qwen2 model and tokenizer (built by ``policies.warmstart``).
+BUILTIN_MODEL_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-qwen2"
+
+
+def resolve_model_path(path: str | pathlib.Path, base_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Return the absolute directory of a local HF causal-LM checkpoint.
+
+    A relative ``path`` is tried against ``base_dir`` (the directory of the
+    config file that named it) first, then against the current directory.
+    Raises ``ValueError`` naming the path when no candidate exists, or when the
+    directory lacks ``config.json`` or a weights file.
+    """
+    raw = pathlib.Path(path).expanduser()
+    if raw.is_absolute():
+        candidates = [raw]
+    else:
+        candidates = ([pathlib.Path(base_dir) / raw] if base_dir is not None else []) + [pathlib.Path.cwd() / raw]
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None:
+        tried = ", ".join(str(c) for c in candidates)
+        raise ValueError(f"model path {str(path)!r} is not a directory (tried: {tried})")
+    found = found.resolve()
+    missing = []
+    if not (found / "config.json").is_file():
+        missing.append("config.json")
+    if not any((found / name).is_file() for name in _WEIGHT_FILES):
+        missing.append("weights (" + " or ".join(_WEIGHT_FILES[::2]) + ")")
+    if missing:
+        raise ValueError(f"model path {str(found)!r} has no {' and no '.join(missing)}")
+    return found
+
+
+def load_causal_lm(
+    path: str | pathlib.Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    base_dir: str | pathlib.Path | None = None,
+) -> transformers.PreTrainedModel:
+    """Load a local HF causal LM (Llama, Qwen2, Qwen3, ...) onto ``device`` in ``dtype``.
+
+    Uses eager attention on CPU so results do not depend on which fused
+    kernels a machine happens to have.
+    """
+    model_dir = resolve_model_path(path, base_dir)
+    kwargs: dict = {"local_files_only": True, "dtype": dtype}
+    if torch.device(device).type == "cpu":
+        kwargs["attn_implementation"] = "eager"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    return model.to(device)
+
+
+def load_tokenizer(path: str | pathlib.Path, *, base_dir: str | pathlib.Path | None = None):
+    """Load the local tokenizer saved next to a model (``AutoTokenizer``, no hub).
+
+    Raises ``ValueError`` naming the directory when it holds no tokenizer files.
+    """
+    raw = pathlib.Path(path).expanduser()
+    candidates = [raw] if raw.is_absolute() else (
+        ([pathlib.Path(base_dir) / raw] if base_dir is not None else []) + [pathlib.Path.cwd() / raw]
+    )
+    found = next((c for c in candidates if c.is_dir()), None)
+    if found is None:
+        raise ValueError(f"tokenizer path {str(path)!r} is not a directory")
+    if not any((found / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"tokenizer path {str(found)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
+    return transformers.AutoTokenizer.from_pretrained(str(found), local_files_only=True)

@@ -1,0 +1,233 @@
+"""Policy-gradient losses and off-policy corrections, picked by name in config.
+
+Every loss has the same shape of call::
+
+    loss, metrics = fn(logprobs, rollout_logprobs, advantages, mask, *,
+                       proximal_logprobs=None, **options)
+
+    logprobs           [B, T]  log-prob of each response token under the weights
+                               being trained (carries the gradient)
+    rollout_logprobs   [B, T]  log-prob the rollout engine sampled it with
+                               (the behaviour policy; may be several versions old)
+    advantages         [B] or [B, T]  one per response (broadcast) or per token
+    mask               [B, T]  1 on real response tokens, 0 on padding
+    proximal_logprobs  [B, T]  (decoupled_ppo only) log-probs under the weights
+                               the trainer held before this step, no gradient
+
+Aggregation: **token mean over the whole batch** — the per-token losses are
+summed over every real response token and divided by the number of such
+tokens. Each token counts the same wherever it sits, so long responses are
+not down-weighted per token as a per-sequence mean would do (DAPO's choice),
+and the loss scale does not depend on how the batch was padded.
+
+``metrics`` holds plain floats (token means over the mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over real tokens divided by the number of real tokens (0 if none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(-1).expand_as(like) if advantages.ndim == 1 else advantages
+
+
+def _check(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    if logprobs.shape != rollout_logprobs.shape or logprobs.shape != mask.shape or logprobs.ndim != 2:
+        raise ValueError(
+            f"logprobs, rollout_logprobs and mask must all be [B, T]; got "
+            f"{tuple(logprobs.shape)}, {tuple(rollout_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+
+
+def ppo_clip(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    proximal_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate against the behaviour (rollout) policy.
+
+    ratio = exp(logprobs - rollout_logprobs) says how much more likely the
+    current weights make each sampled token than the sampler did. Each token's
+    loss is -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A): push
+    up tokens with positive advantage, down those with negative advantage, but
+    stop pushing once the ratio has left the trust band in the helpful
+    direction. ``proximal_logprobs`` is ignored (accepted so every loss takes
+    the same arguments). Metrics: ``clip_frac`` (share of tokens whose clipped
+    term is the active one), ``ratio_mean``, ``kl_behav`` (mean of
+    rollout_logprobs - logprobs, a cheap KL estimate).
+    """
+    _check(logprobs, rollout_logprobs, mask)
+    mask = mask.to(logprobs.dtype)
+    adv = _per_token(advantages, logprobs).to(logprobs.dtype)
+    ratio = torch.exp(logprobs - rollout_logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    loss = _token_mean(-torch.minimum(unclipped, clipped), mask)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
+            "ratio_mean": float(_token_mean(ratio, mask)),
+            "kl_behav": float(_token_mean(rollout_logprobs - logprobs, mask)),
+        }
+    return loss, metrics
+
+
+def decoupled_ppo(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None = None,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    behav_weight_cap: float = 5.0,
+    cap_mode: str = "truncate",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL): trust region around the trainer's own recent
+    weights, importance weights for the staleness of the sampler.
+
+    In fully-async training the sampler (behaviour policy) may be several
+    versions old. Clipping against it would make the trust region as wide as
+    the staleness. Instead the trust region is taken around the proximal
+    policy — the weights the trainer holds now, before this step, whose
+    log-probs the trainer recomputes (``proximal_logprobs``, no gradient):
+
+        ratio  = exp(logprobs - proximal_logprobs)           (clipped as in PPO)
+        weight = exp(proximal_logprobs - rollout_logprobs)   (fixed, corrects sampling)
+        token loss = -weight * min(ratio * A, clip(ratio) * A)
+
+    ``weight`` is capped at ``behav_weight_cap`` so a token the sampler found
+    unlikely cannot dominate: ``cap_mode="truncate"`` sets it to the cap,
+    ``cap_mode="mask"`` drops the token from the loss (AReaL's default) while
+    still counting it in the token-mean denominator. Metrics add
+    ``behav_weight_mean`` and ``behav_capped_frac``.
+    """
+    if proximal_logprobs is None:
+        raise ValueError("decoupled_ppo needs proximal_logprobs (the trainer's log-probs before this step)")
+    if cap_mode not in ("truncate", "mask"):
+        raise ValueError(f"cap_mode must be 'truncate' or 'mask', got {cap_mode!r}")
+    _check(logprobs, rollout_logprobs, mask)
+    mask = mask.to(logprobs.dtype)
+    adv = _per_token(advantages, logprobs).to(logprobs.dtype)
+    proximal_logprobs = proximal_logprobs.detach()
+    ratio = torch.exp(logprobs - proximal_logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    weight = torch.exp(proximal_logprobs - rollout_logprobs)
+    capped = weight > behav_weight_cap
+    if cap_mode == "truncate":
+        weight = weight.clamp(max=behav_weight_cap)
+    else:
+        weight = torch.where(capped, torch.zeros_like(weight), weight)
+    loss = _token_mean(-weight * torch.minimum(unclipped, clipped), mask)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
+            "ratio_mean": float(_token_mean(ratio, mask)),
+            "behav_weight_mean": float(_token_mean(weight, mask)),
+            "behav_capped_frac": float(_token_mean(capped.to(mask.dtype), mask)),
+            "kl_behav": float(_token_mean(rollout_logprobs - logprobs, mask)),
+        }
+    return loss, metrics
+
+
+def tis_token(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+    proximal_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy gradient with per-token truncated importance sampling.
+
+    Each token's gradient is the REINFORCE term A * grad(logprob) scaled by
+    w = min(exp(logprobs - rollout_logprobs), cap), computed without gradient:
+    the token is re-weighted by how much more (or less) likely the current
+    weights make it than the sampler did, but never by more than ``cap`` so a
+    rare token cannot blow up the step. Token loss = -w * A * logprobs.
+    At w < cap its gradient equals that of -ratio * A (unclipped PPO).
+    Metrics: ``is_weight_mean``, ``truncated_frac``, ``ratio_mean``.
+    """
+    _check(logprobs, rollout_logprobs, mask)
+    mask = mask.to(logprobs.dtype)
+    adv = _per_token(advantages, logprobs).to(logprobs.dtype)
+    ratio = torch.exp(logprobs.detach() - rollout_logprobs)
+    weight = ratio.clamp(max=cap)
+    loss = _token_mean(-weight * adv * logprobs, mask)
+    metrics = {
+        "is_weight_mean": float(_token_mean(weight, mask)),
+        "truncated_frac": float(_token_mean((ratio > cap).to(mask.dtype), mask)),
+        "ratio_mean": float(_token_mean(ratio, mask)),
+    }
+    return loss, metrics
+
+
+def tis_seq(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+    proximal_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy gradient with sequence-level truncated importance sampling.
+
+    Like :func:`tis_token`, but one weight per response: the ratio of the
+    whole sequence's probabilities, w = min(exp(sum over its tokens of
+    logprobs - rollout_logprobs), cap), without gradient, applied to every
+    token of that response. Unbiased for whole-sequence rewards when not
+    truncated, at the price of higher variance. Token loss = -w_b * A * logprobs;
+    token-mean aggregation as everywhere. Metrics: ``is_weight_mean`` (mean
+    over responses), ``truncated_frac`` (share of responses capped).
+    """
+    _check(logprobs, rollout_logprobs, mask)
+    mask = mask.to(logprobs.dtype)
+    adv = _per_token(advantages, logprobs).to(logprobs.dtype)
+    log_ratio_seq = ((logprobs.detach() - rollout_logprobs) * mask).sum(dim=-1)  # [B]
+    # Clamp in log space: exp of a long sequence's summed log-ratio overflows.
+    weight = torch.exp(log_ratio_seq.clamp(max=torch.log(torch.tensor(cap)).item()))  # [B]
+    loss = _token_mean(-weight.unsqueeze(-1) * adv * logprobs, mask)
+    has_tokens = (mask.sum(dim=-1) > 0).to(mask.dtype)
+    num_seqs = has_tokens.sum().clamp(min=1)
+    metrics = {
+        "is_weight_mean": float((weight * has_tokens).sum() / num_seqs),
+        "truncated_frac": float(((log_ratio_seq > torch.log(torch.tensor(cap))).to(mask.dtype) * has_tokens).sum() / num_seqs),
+    }
+    return loss, metrics
+
+
+_LOSSES: dict[str, LossFn] = {
+    "ppo_clip": ppo_clip,
+    "decoupled_ppo": decoupled_ppo,
+    "tis_token": tis_token,
+    "tis_seq": tis_seq,
+}
+
+#: Losses that need the trainer to recompute proximal log-probs before the step.
+NEEDS_PROXIMAL = frozenset({"decoupled_ppo"})
+
+
+def make_loss(name: str) -> LossFn:
+    """The loss function registered as ``name`` (see the module docstring for its call)."""
+    if name not in _LOSSES:
+        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(_LOSSES))}")
+    return _LOSSES[name]

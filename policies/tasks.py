@@ -1,0 +1,175 @@
+"""Verifiable tasks: prompts in, a reward in [0, 1] for a response out.
+
+A task speaks token ids, not text: prompts are built straight from the
+tokenizer's vocabulary and rewards are computed on response ids, so no
+detokenisation quirk can change a reward.
+
+Built-in tasks (no downloads; they use the built-in tiny tokenizer, whose
+vocabulary is one token per symbol):
+
+    reverse_digits   "<bos> R 3 1 4 :"  ->  "4 1 3 <eos>"    (3-8 digits)
+    long_tail_copy   "<bos> C 3 1 4 :"  ->  "3 1 4 <eos>"    (heavy-tailed lengths)
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import random
+from collections.abc import Callable
+
+import msgspec
+
+#: One token per symbol. ``build_symbol_tokenizer`` turns this into a real
+#: HF fast tokenizer; the order fixes the token ids of the built-in model.
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+SYMBOLS = tuple("0123456789") + (":", "R", "C", "+", "-", "=", " ")
+
+
+class Prompt(msgspec.Struct, kw_only=True):
+    """One prompt: the ids the model conditions on, and what the reward needs
+    (``meta``, e.g. ``{"answer": "4 1 3"}``) which is never shown to the model."""
+
+    prompt_ids: list[int]
+    meta: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A source of prompts plus a verifier that scores responses in [0, 1]."""
+
+    tokenizer: object
+    stop_token_ids: tuple[int, ...]
+
+    @abc.abstractmethod
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """Draw ``n`` independent prompts using only ``rng`` (reproducible)."""
+
+    @abc.abstractmethod
+    def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
+        """Score one response (token ids, maybe ending in a stop token) in [0, 1]."""
+
+
+def positional_reward(answer: list[int], response: list[int], stop_ids: tuple[int, ...], *, no_stop_factor: float = 0.5) -> float:
+    """Dense reward for "emit exactly this token sequence, then stop".
+
+    The response is cut at its first stop token. The score is the number of
+    positions where it agrees with the answer divided by the longer of the two
+    lengths, so both wrong tokens and wrong lengths cost in proportion — every
+    extra correct digit is worth something, which gives GRPO a gradient long
+    before whole answers are right. A response that never stops is multiplied
+    by ``no_stop_factor`` so full credit needs the stop token.
+    """
+    stopped = False
+    for i, tok in enumerate(response):
+        if tok in stop_ids:
+            response, stopped = response[:i], True
+            break
+    denom = max(len(answer), len(response))
+    if denom == 0:
+        return 1.0 if stopped else 0.0
+    score = sum(a == b for a, b in zip(answer, response)) / denom
+    return score if stopped else score * no_stop_factor
+
+
+class _SymbolTask(Task):
+    """Shared plumbing for tasks over the one-token-per-symbol vocabulary."""
+
+    def __init__(self, tokenizer=None):
+        if tokenizer is None:
+            from actors.models import BUILTIN_MODEL_DIR, load_tokenizer
+
+            tokenizer = load_tokenizer(BUILTIN_MODEL_DIR)
+        self.tokenizer = tokenizer
+        ids = tokenizer.convert_tokens_to_ids(list(SYMBOLS) + ["<bos>", "<eos>"])
+        unk = tokenizer.unk_token_id
+        missing = [s for s, i in zip(list(SYMBOLS) + ["<bos>", "<eos>"], ids) if i is None or (unk is not None and i == unk)]
+        if missing:
+            raise ValueError(f"tokenizer lacks the task symbols {missing}; use the built-in tiny-qwen2 tokenizer")
+        self._id = dict(zip(list(SYMBOLS) + ["<bos>", "<eos>"], ids))
+        self.stop_token_ids = (self._id["<eos>"],)
+
+    def _digits(self, rng: random.Random, length: int) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(length))
+
+    def _prompt(self, marker: str, digits: str, answer: str) -> Prompt:
+        ids = [self._id["<bos>"], self._id[marker]] + [self._id[d] for d in digits] + [self._id[":"]]
+        return Prompt(prompt_ids=ids, meta={"answer": answer})
+
+    def answer_ids(self, meta: dict[str, str]) -> list[int]:
+        """The token ids of the reference answer (without the stop token)."""
+        return [self._id[d] for d in meta["answer"]]
+
+    def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
+        return positional_reward(self.answer_ids(meta), list(response_ids), self.stop_token_ids)
+
+
+class ReverseDigits(_SymbolTask):
+    """Reverse a string of ``min_len``..``max_len`` digits (uniform length)."""
+
+    def __init__(self, tokenizer=None, *, min_len: int = 3, max_len: int = 8):
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"reverse_digits needs 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        super().__init__(tokenizer)
+        self.min_len, self.max_len = min_len, max_len
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            digits = self._digits(rng, rng.randint(self.min_len, self.max_len))
+            out.append(self._prompt("R", digits, digits[::-1]))
+        return out
+
+
+class LongTailCopy(_SymbolTask):
+    """Copy a digit string whose length is heavy-tailed (Pareto).
+
+    Length = ``min_len * U**(-1/tail_alpha)`` rounded down, capped at
+    ``max_len``, U uniform in (0, 1]. The median is ``min_len * 2**(1/alpha)``;
+    with the defaults (min 3, alpha 1.2, cap 40) the median answer has ~5
+    digits while about 1 in 20 has 35 or more — the few long answers that
+    hold a synchronous step back.
+    """
+
+    def __init__(self, tokenizer=None, *, min_len: int = 3, tail_alpha: float = 1.2, max_len: int = 40):
+        if not 1 <= min_len <= max_len:
+            raise ValueError(f"long_tail_copy needs 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        if tail_alpha <= 0:
+            raise ValueError(f"long_tail_copy needs tail_alpha > 0, got {tail_alpha}")
+        super().__init__(tokenizer)
+        self.min_len, self.tail_alpha, self.max_len = min_len, tail_alpha, max_len
+
+    def sample_length(self, rng: random.Random) -> int:
+        """One answer length from the capped Pareto distribution."""
+        u = 1.0 - rng.random()  # in (0, 1]
+        return min(self.max_len, int(math.floor(self.min_len * u ** (-1.0 / self.tail_alpha))))
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            digits = self._digits(rng, self.sample_length(rng))
+            out.append(self._prompt("C", digits, digits))
+        return out
+
+
+_TASKS: dict[str, Callable[..., Task]] = {
+    "reverse_digits": ReverseDigits,
+    "long_tail_copy": LongTailCopy,
+}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Add a task factory under ``name`` (a plain function or class)."""
+    _TASKS[name] = factory
+
+
+def make_task(name: str, **kwargs) -> Task:
+    """Build the task registered as ``name`` with its keyword options.
+
+    Raises ``ValueError`` naming the task when it is unknown or its options are wrong.
+    """
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_TASKS))}")
+    try:
+        return _TASKS[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad options for task {name!r}: {e}") from None
