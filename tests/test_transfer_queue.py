@@ -1,0 +1,383 @@
+"""TransferQueue, in-process deployment: readiness, samplers, staleness, backpressure,
+leases, persistence, close semantics, and exactly-once delivery under concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import msgspec
+import numpy as np
+import pytest
+import pytest_asyncio
+
+import loop
+from transfer_queue import (
+    EndOfStream,
+    LeaseLost,
+    QueueClosed,
+    QueueEmpty,
+    QueueFull,
+    Sample,
+    TransferQueue,
+    TransferQueueConfig,
+)
+from transfer_queue.wire import QueueStats
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ------------------------------------------------------------------ helpers (shared)
+def make_samples(
+    num_groups: int, group_size: int = 1, version: int = 0, prefix: str = "s", num_tokens: int = 4
+) -> list[Sample]:
+    """``num_groups`` GRPO groups of ``group_size`` samples, every token from ``version``."""
+    out = []
+    for g in range(num_groups):
+        for k in range(group_size):
+            i = g * group_size + k
+            out.append(
+                Sample(
+                    uid=f"{prefix}{i}",
+                    group_id=f"{prefix}g{g}",
+                    prompt_ids=[1, 2, 3],
+                    response_ids=list(range(i, i + num_tokens)),
+                    rollout_logprobs=[-0.5] * num_tokens,
+                    token_versions=[version] * num_tokens,
+                    reward=float(k),
+                    finish_reason="stop",
+                    meta={"answer": str(i)},
+                )
+            )
+    return out
+
+
+def assert_accounting(stats: QueueStats) -> None:
+    assert stats.dropped == sum(stats.dropped_by_reason.values())
+    assert stats.put == stats.delivered + stats.dropped + stats.pending + stats.in_flight, stats
+
+
+async def run_producers_consumers(
+    tq: TransferQueue, num_producers: int = 4, num_consumers: int = 2, per_producer: int = 64, batch_size: int = 8
+) -> None:
+    """4 producers x 2 consumers; every uid put is delivered exactly once or dropped with a reason."""
+    delivered: list[str] = []
+    received = [0]
+
+    async def produce(p: int) -> None:
+        samples = make_samples(per_producer // 4, 4, prefix=f"p{p}-")
+        for i in range(0, len(samples), 4):
+            await tq.put(samples[i : i + 4])
+
+    async def consume(c: int) -> None:
+        while True:
+            try:
+                batch = await tq.get(f"trainer-{c}", batch_size, sampler="grpo_group", group_size=4)
+            except EndOfStream:
+                return
+            received[0] += 1
+            if received[0] % 3 == 0:
+                await tq.nack(batch.batch_id)  # exercise redelivery under load
+            else:
+                delivered.extend(s.uid for s in batch.samples)
+                await tq.ack(batch.batch_id)
+
+    consumers = [asyncio.create_task(consume(c)) for c in range(num_consumers)]
+    await asyncio.gather(*(produce(p) for p in range(num_producers)))
+    await tq.drop([], "unused")  # a no-op drop is allowed
+    await tq.close()
+    await asyncio.gather(*consumers)
+    stats = await tq.statistics_async()
+    assert_accounting(stats)
+    assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
+    assert stats.put == num_producers * per_producer
+    assert stats.delivered == len(delivered) == stats.put - stats.dropped - stats.pending
+    assert stats.pending == 0 and stats.in_flight == 0
+
+
+@pytest_asyncio.fixture
+async def tq() -> TransferQueue:
+    q = await TransferQueue.create(TransferQueueConfig(capacity=64, num_storage_units=3, lease_s=math.inf))
+    yield q
+    await q.shutdown()
+
+
+# ------------------------------------------------------------------------- data
+@pytest.mark.asyncio
+async def test_samples_round_trip_and_are_stored_as_numpy(tq: TransferQueue) -> None:
+    samples = make_samples(3, 2)
+    await tq.put(samples)
+    batch = await tq.get("trainer", 6)
+    got = batch.samples
+    for s, g in zip(samples, got):
+        assert msgspec.structs.asdict(g) == msgspec.structs.asdict(s)
+    unit_rows = [row for unit in tq._d.units for row in unit._rows.values()]
+    assert {row["response_ids"].dtype for row in unit_rows} == {np.dtype(np.int32)}
+    assert {row["rollout_logprobs"].dtype for row in unit_rows} == {np.dtype(np.float32)}
+    assert sorted(len(u) for u in tq._d.units) == [2, 2, 2]  # sharded by global index
+    assert [c.tolist() for c in batch.column("response_ids")] == [s.response_ids for s in samples]
+    await tq.ack(batch.batch_id)
+    assert sum(len(u) for u in tq._d.units) == 0  # acked rows are freed
+
+
+@pytest.mark.asyncio
+async def test_sample_is_handed_out_only_once_its_requested_fields_are_ready(tq: TransferQueue) -> None:
+    (full,) = make_samples(1)
+    await tq.put_fields([Sample(uid=full.uid, group_id=full.group_id, prompt_ids=full.prompt_ids)], ["prompt_ids"])
+    with pytest.raises(QueueEmpty):
+        await tq.get_nowait("trainer", 1)
+    waiter = asyncio.create_task(tq.get("trainer", 1))
+    await tq.put_fields([full], ["response_ids", "rollout_logprobs", "token_versions"])
+    await asyncio.sleep(0)
+    assert not waiter.done()  # reward and the other scalars are still missing
+    await tq.put_fields([full], ["reward", "finish_reason", "num_resumes", "meta", "created_s", "finished_s", "error"])
+    batch = await waiter
+    assert batch.samples == [full]
+    assert tq.statistics().put == 1  # three writes, one sample
+
+
+@pytest.mark.asyncio
+async def test_get_with_a_field_subset_takes_partial_samples(tq: TransferQueue) -> None:
+    (full,) = make_samples(1)
+    await tq.put_fields([full], ["prompt_ids"])
+    batch = await tq.get("scorer", 1, fields=["prompt_ids"])
+    (s,) = batch.samples
+    assert s.prompt_ids == full.prompt_ids and s.response_ids == []
+    with pytest.raises(RuntimeError, match="leased"):
+        await tq.put_fields([full], ["reward"])
+
+
+@pytest.mark.asyncio
+async def test_bad_requests_are_rejected_with_the_offending_value(tq: TransferQueue) -> None:
+    with pytest.raises(ValueError, match="bogus"):
+        await tq.get("trainer", 4, sampler="bogus")
+    with pytest.raises(ValueError, match="group_size"):
+        await tq.get("trainer", 6, sampler="grpo_group", group_size=4)
+    with pytest.raises(ValueError, match="nope"):
+        await tq.get("trainer", 1, fields=["nope"])
+    with pytest.raises(ValueError, match="max_staleness"):
+        await tq.get("trainer", 1, current_version=3)
+    await tq.put(make_samples(1))
+    with pytest.raises(ValueError, match="already in the queue"):
+        await tq.put(make_samples(1))
+    with pytest.raises(ValueError, match="capacity"):
+        TransferQueueConfig(capacity=0)
+    with pytest.raises(ValueError, match="deployment"):
+        TransferQueueConfig(deployment="mpi")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------- samplers
+@pytest.mark.asyncio
+async def test_grpo_sampler_hands_out_a_group_only_when_all_its_samples_are_ready(tq: TransferQueue) -> None:
+    a, b = make_samples(1, 4, prefix="a"), make_samples(1, 4, prefix="b")
+    await tq.put(a[:3] + b)
+    batch = await tq.get("trainer", 4, sampler="grpo_group", group_size=4, timeout_s=0)
+    assert batch.uids == [s.uid for s in b]  # group a is incomplete, b is whole
+    with pytest.raises(QueueEmpty):
+        await tq.get_nowait("trainer", 4, sampler="grpo_group", group_size=4)
+    await tq.put(a[3:])
+    batch = await tq.get("trainer", 4, sampler="grpo_group", group_size=4)
+    assert set(batch.group_ids) == {a[0].group_id} and len(batch) == 4
+
+
+@pytest.mark.asyncio
+async def test_sequential_sampler_is_fifo(tq: TransferQueue) -> None:
+    samples = make_samples(5)
+    await tq.put(samples)
+    first = await tq.get("trainer", 2)
+    second = await tq.get("trainer", 3)
+    assert first.uids + second.uids == [s.uid for s in samples]
+
+
+# -------------------------------------------------------------------- staleness
+@pytest.mark.asyncio
+async def test_stale_samples_are_dropped_inside_get_and_counted(tq: TransferQueue) -> None:
+    old, new = make_samples(3, version=1, prefix="old"), make_samples(2, version=4, prefix="new")
+    await tq.put(old + new)
+    batch = await tq.get("trainer", 2, current_version=5, max_staleness=2)
+    assert batch.uids == [s.uid for s in new]
+    assert batch.dropped == {"stale": 3}
+    stats = tq.statistics()
+    assert stats.dropped_by_reason == {"stale": 3}
+    assert_accounting(stats)
+
+
+@pytest.mark.asyncio
+async def test_a_stale_member_drops_its_whole_group_and_late_members_on_arrival(tq: TransferQueue) -> None:
+    group = make_samples(1, 4, version=3)
+    group[1].token_versions = [0, 3, 3, 3]  # resumed across an update: min_version 0
+    fresh = make_samples(1, 4, version=3, prefix="f")
+    await tq.put(group[:3] + fresh)
+    batch = await tq.get("trainer", 4, sampler="grpo_group", group_size=4, current_version=3, max_staleness=1)
+    assert batch.uids == [s.uid for s in fresh]
+    assert batch.dropped == {"stale": 1, "stale_group": 2}
+    await tq.put(group[3:])  # the last member of the dead group arrives late
+    stats = tq.statistics()
+    assert stats.dropped_by_reason == {"stale": 1, "stale_group": 3}
+    assert stats.pending == 0
+    assert_accounting(stats)
+
+
+@pytest.mark.asyncio
+async def test_explicit_drop_is_counted_under_its_reason_and_all_or_nothing(tq: TransferQueue) -> None:
+    samples = make_samples(3)
+    await tq.put(samples)
+    with pytest.raises(LookupError, match="nobody"):
+        await tq.drop([samples[0].uid, "nobody"], "reward_error")
+    assert await tq.drop([samples[0].uid], "reward_error") == 1
+    with pytest.raises(ValueError, match="already dropped"):  # a late write cannot resurrect it
+        await tq.put_fields([samples[0]], ["reward"])
+    batch = await tq.get("trainer", 1)
+    with pytest.raises(RuntimeError, match="leased"):
+        await tq.drop(batch.uids, "reward_error")
+    stats = tq.statistics()
+    assert stats.dropped_by_reason == {"reward_error": 1}
+    assert_accounting(stats)
+
+
+# ------------------------------------------------------------------ backpressure
+@pytest.mark.asyncio
+async def test_put_waits_at_capacity_until_an_ack_frees_room() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=4, num_storage_units=1))
+    await tq.put(make_samples(4, prefix="a"))
+    with pytest.raises(QueueFull):
+        await tq.put(make_samples(1, prefix="b"), wait=False)
+    blocked = asyncio.create_task(tq.put(make_samples(2, prefix="b")))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not blocked.done()
+    batch = await tq.get("trainer", 2)
+    await asyncio.sleep(0)
+    assert not blocked.done()  # leased samples still hold their room
+    await tq.ack(batch.batch_id)
+    await blocked
+    stats = tq.statistics()
+    assert (stats.pending, stats.put) == (4, 6)
+    with pytest.raises(ValueError, match="exceeds capacity"):
+        await tq.put(make_samples(5, prefix="c"))
+
+
+# ------------------------------------------------------------------------ leases
+@pytest.mark.asyncio
+async def test_batch_not_acked_within_its_lease_is_redelivered_to_another_consumer() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=8, lease_s=0.05))
+    await tq.put(make_samples(2))
+    lost = await tq.get("trainer-0", 2)  # trainer-0 dies holding it
+    again = await tq.get("trainer-1", 2)  # blocks until the lease runs out
+    assert again.uids == lost.uids
+    with pytest.raises(LeaseLost, match="expired"):
+        await tq.ack(lost.batch_id)
+    await tq.ack(again.batch_id)
+    stats = tq.statistics()
+    assert (stats.delivered, stats.redelivered) == (2, 2)
+    assert stats.consumers["trainer-0"].expired == 2 and stats.consumers["trainer-1"].delivered == 2
+
+
+@pytest.mark.asyncio
+async def test_leases_expire_by_the_clock_and_can_be_extended() -> None:
+    now = [0.0]
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=8, lease_s=1e6), clock=lambda: now[0])
+    await tq.put(make_samples(4))
+    a = await tq.get("t", 2)
+    now[0] = 0.9e6
+    b = await tq.get("t", 2)
+    now[0] = 0.95e6
+    await tq.extend_lease(a.batch_id)  # a's deadline 1.95e6, b's 1.9e6
+    now[0] = 1.92e6
+    assert await tq.expire_leases() == 2
+    c = await tq.get("t", 2, timeout_s=0)
+    assert c.uids == b.uids
+    assert await tq.expire_leases(force=True) == 4
+    with pytest.raises(LeaseLost):
+        await tq.nack(a.batch_id)
+
+
+@pytest.mark.asyncio
+async def test_nack_returns_a_batch_at_once_in_arrival_order(tq: TransferQueue) -> None:
+    samples = make_samples(4)
+    await tq.put(samples)
+    first = await tq.get("trainer", 2)
+    await tq.nack(first.batch_id)
+    again = await tq.get("trainer", 4, timeout_s=0)
+    assert again.uids == [s.uid for s in samples]
+    with pytest.raises(LeaseLost, match="nacked"):
+        await tq.ack(first.batch_id)
+    assert tq.statistics().redelivered == 2
+
+
+# ------------------------------------------------------------------- persistence
+@pytest.mark.asyncio
+async def test_save_and_load_keep_pending_in_flight_partial_samples_and_counters(tq: TransferQueue, tmp_path) -> None:
+    samples = make_samples(6)
+    await tq.put(samples[:5])
+    await tq.put(make_samples(2, prefix="v"), partition="val")
+    await tq.put_fields([samples[5]], ["prompt_ids"])
+    done = await tq.get("trainer", 1)
+    await tq.ack(done.batch_id)
+    await tq.drop([samples[1].uid], "reward_error")
+    await tq.get("trainer", 1)  # in flight at save time: comes back ready
+    before = tq.statistics()
+    path = str(tmp_path / "queue.tq")
+    await tq.save(path)
+
+    tq2 = await TransferQueue.load(path, tq.cfg)
+    after = tq2.statistics()
+    assert (after.put, after.delivered, after.dropped_by_reason) == (before.put, before.delivered, before.dropped_by_reason)
+    assert (after.pending, after.in_flight) == (before.pending + before.in_flight, 0)
+    assert_accounting(after)
+    batch = await tq2.get("trainer", 3, timeout_s=0)
+    assert batch.samples == samples[2:5]
+    with pytest.raises(QueueEmpty):  # the partial sample is still partial
+        await tq2.get_nowait("trainer", 1)
+    val = await tq2.get("eval", 2, partition="val", timeout_s=0)
+    assert val.samples == make_samples(2, prefix="v")
+
+
+# ----------------------------------------------------------------------- close
+@pytest.mark.asyncio
+async def test_close_wakes_waiters_with_end_of_stream_and_put_raises_queue_closed() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=4))
+    await tq.put(make_samples(3))
+    getter = asyncio.create_task(tq.get("trainer", 4))
+    putter = asyncio.create_task(tq.put(make_samples(2, prefix="late")))  # over capacity: waits
+    await asyncio.sleep(0)
+    await tq.close()
+    with pytest.raises(EndOfStream):
+        await getter
+    with pytest.raises(QueueClosed):
+        await putter
+    with pytest.raises(QueueClosed):
+        await tq.put(make_samples(1, prefix="later"))
+    batch = await tq.get("trainer", 3)  # what can still form a batch drains
+    await tq.ack(batch.batch_id)
+    with pytest.raises(EndOfStream):
+        await tq.get("trainer", 1)
+    assert tq.statistics().closed
+
+
+@pytest.mark.asyncio
+async def test_get_timeout_raises_timeout_error(tq: TransferQueue) -> None:
+    with pytest.raises(TimeoutError):
+        await tq.get("trainer", 1, timeout_s=0.01)
+
+
+def test_sync_twins_run_on_the_process_loop(tmp_path) -> None:
+    tq = TransferQueue.create_sync(TransferQueueConfig(capacity=8))
+    tq.put_sync(make_samples(2))
+    batch = tq.get_sync("notebook", 2)
+    assert tq.ack_sync(batch.batch_id) == 2
+    tq.put_sync(make_samples(1, prefix="x"))
+    tq.save_sync(str(tmp_path / "q.tq"))
+    tq2 = TransferQueue.load_sync(str(tmp_path / "q.tq"), tq.cfg)
+    assert tq2.statistics().pending == 1
+    tq.close_sync()
+    with pytest.raises(QueueClosed):
+        tq.put_sync(make_samples(1, prefix="y"))
+    assert loop.get_loop() is loop.get_loop()
+
+
+# ----------------------------------------------------------------- concurrency
+@pytest.mark.asyncio
+async def test_four_producers_two_consumers_deliver_every_sample_exactly_once() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=32, num_storage_units=2))
+    await run_producers_consumers(tq)

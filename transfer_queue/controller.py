@@ -1,0 +1,446 @@
+"""The controller: every sample's metadata, no sample data.
+
+Per partition it knows which samples exist (by uid and global index), which of
+their fields are ready (a bit mask), which are leased to which consumer, and
+each sample's tags (group id, weight versions, lengths). Storage units hold the
+data under the same global index; the controller only tells them what to free.
+
+A write is two-phase so data never goes through the controller:
+
+    reserve(tags) -> global indices      waits for capacity; registers new uids
+    (client writes the rows to storage units index % num_units)
+    commit(indices, tags)                marks the written fields ready; wakes getters
+
+    get_batch -> BatchMeta  (leases the picked samples)  -> ack | nack | lease expiry
+
+Delivery is exactly-once across all consumers of a partition: a sample goes to
+one consumer at a time and leaves the queue when that consumer acks it.
+Every state change sets ``_changed`` (and replaces it), which wakes each waiter
+to re-check its own condition; close() does the same, so no waiter sleeps forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from transfer_queue.codec import FULL_MASK, fields_mask
+from transfer_queue.config import TransferQueueConfig
+from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull
+from transfer_queue.samplers import SAMPLERS, is_stale
+from transfer_queue.wire import BatchMeta, ConsumerStats, PartitionStats, QueueStats, SampleTags, Snapshot
+
+__all__ = ["Controller"]
+
+_VERSIONS_BIT = fields_mask(["token_versions"])
+_MAX_REMEMBERED = 65536  # settled batch ids / uids / dead groups remembered for clear errors
+
+
+class _Record:
+    __slots__ = ("index", "uid", "group_id", "partition", "mask", "min_version", "max_version",
+                 "num_prompt_tokens", "num_response_tokens", "lease")  # fmt: skip
+
+    def __init__(self, index: int, uid: str, group_id: str, partition: str) -> None:
+        self.index, self.uid, self.group_id, self.partition = index, uid, group_id, partition
+        self.mask = 0
+        self.min_version = self.max_version = -1
+        self.num_prompt_tokens = self.num_response_tokens = -1
+        self.lease: str | None = None  # batch id while leased
+
+
+class _Lease:
+    __slots__ = ("batch_id", "consumer", "partition", "records", "deadline_s", "timer")
+
+    def __init__(self, batch_id: str, consumer: str, partition: str, records: list[_Record], deadline_s: float):
+        self.batch_id, self.consumer, self.partition = batch_id, consumer, partition
+        self.records, self.deadline_s = records, deadline_s
+        self.timer: asyncio.TimerHandle | None = None
+
+
+def _remember(store: dict, key: str, value: object) -> None:
+    store[key] = value
+    if len(store) > _MAX_REMEMBERED:
+        del store[next(iter(store))]
+
+
+class Controller:
+    """Metadata, readiness, leases and counters of one TransferQueue.
+
+    ``free(indices)`` is called with the global indices whose data the storage
+    units may drop (acked or dropped samples). ``clock`` times leases (monotonic
+    seconds); tests pass a fake one and call ``expire_leases``.
+    """
+
+    def __init__(
+        self,
+        cfg: TransferQueueConfig,
+        free: Callable[[list[int]], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg, self._free, self._clock = cfg, free, clock
+        self._by_uid: dict[str, _Record] = {}
+        self._by_index: dict[int, _Record] = {}
+        self._pending: dict[str, dict[int, _Record]] = {}  # partition -> unleased, by index order
+        self._version_floor: dict[str, int] = {}  # partition -> lower bound of pending min_version
+        self._leases: dict[str, _Lease] = {}
+        self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
+        self._settled_uids: dict[str, str] = {}  # uid -> "delivered" | "dropped (reason)"
+        self._dead_groups: dict[str, dict[str, None]] = {}  # partition -> group ids
+        self._consumers: dict[str, ConsumerStats] = {}
+        self._num_put = self._num_delivered = self._num_redelivered = 0
+        self._dropped: Counter[str] = Counter()
+        self._next_index = self._next_batch = 0
+        self._closed = False
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ writes
+    async def reserve(
+        self, partition: str, tags: list[SampleTags], new_only: bool, wait: bool = True, timeout_s: float | None = None
+    ) -> list[int]:
+        """Global index per tag (-1: dropped on arrival, its group is dead); waits for capacity."""
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        while True:
+            num_new = self._validate_write(partition, tags, new_only)
+            if num_new > self._cfg.capacity:
+                raise ValueError(f"put of {num_new} new samples exceeds capacity={self._cfg.capacity}")
+            if len(self._by_uid) + num_new <= self._cfg.capacity:
+                break
+            if not wait:
+                raise QueueFull(f"{len(self._by_uid)} of {self._cfg.capacity} samples resident; {num_new} more do not fit")
+            if not await self._wait(self._changed, deadline):
+                raise TimeoutError(f"put waited {timeout_s}s for capacity")
+        dead = self._dead_groups.get(partition, {})
+        pending = self._pending.setdefault(partition, {})
+        indices = []
+        for t in tags:
+            rec = self._by_uid.get(t.uid)
+            if rec is None:
+                self._num_put += 1
+                if t.group_id in dead:
+                    self._dropped["stale_group"] += 1
+                    indices.append(-1)
+                    continue
+                rec = _Record(self._next_index, t.uid, t.group_id, partition)
+                self._next_index += 1
+                self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.index] = rec
+            indices.append(rec.index)
+        return indices
+
+    def _validate_write(self, partition: str, tags: list[SampleTags], new_only: bool) -> int:
+        if self._closed:
+            raise QueueClosed("put on a closed TransferQueue")
+        seen: set[str] = set()
+        num_new = 0
+        for t in tags:
+            if t.uid in seen:
+                raise ValueError(f"uid {t.uid!r} appears twice in one put")
+            seen.add(t.uid)
+            rec = self._by_uid.get(t.uid)
+            if rec is None and t.uid in self._settled_uids:
+                raise ValueError(f"uid {t.uid!r} was already {self._settled_uids[t.uid]}; it cannot be written again")
+            if rec is None:
+                num_new += 1
+            elif new_only:
+                raise ValueError(f"uid {t.uid!r} is already in the queue (use put_fields to add fields)")
+            elif rec.partition != partition:
+                raise ValueError(f"uid {t.uid!r} is in partition {rec.partition!r}, not {partition!r}")
+            elif rec.lease is not None:
+                raise RuntimeError(f"uid {t.uid!r} is leased in batch {rec.lease!r}; its fields cannot change")
+            elif rec.group_id != t.group_id:
+                raise ValueError(f"uid {t.uid!r} has group_id {rec.group_id!r}, not {t.group_id!r}")
+        return num_new
+
+    async def commit(self, indices: list[int], tags: list[SampleTags]) -> None:
+        """Mark the fields in ``tags`` ready for the written ``indices``; wake getters."""
+        orphans = []
+        for index, t in zip(indices, tags):
+            if index < 0:
+                continue
+            rec = self._by_index.get(index)
+            if rec is None or rec.uid != t.uid:  # dropped while its data was being written
+                orphans.append(index)
+                continue
+            rec.mask |= t.mask
+            if t.mask & _VERSIONS_BIT:
+                rec.min_version, rec.max_version = t.min_version, t.max_version
+                if rec.lease is None:
+                    floor = self._version_floor.get(rec.partition, math.inf)
+                    self._version_floor[rec.partition] = min(floor, t.min_version)
+            if t.num_prompt_tokens >= 0:
+                rec.num_prompt_tokens = t.num_prompt_tokens
+            if t.num_response_tokens >= 0:
+                rec.num_response_tokens = t.num_response_tokens
+        self._notify()
+        if orphans:
+            await self._release(orphans)
+
+    async def drop(self, uids: list[str], reason: str) -> int:
+        """Drop pending samples by uid, counted under ``reason``; all or nothing."""
+        if not reason or not isinstance(reason, str):
+            raise ValueError(f"drop reason must be a non-empty string, got {reason!r}")
+        recs = []
+        for uid in uids:
+            rec = self._by_uid.get(uid)
+            if rec is None:
+                raise LookupError(f"uid {uid!r} is not in the queue (delivered, dropped or never put)")
+            if rec.lease is not None:
+                raise RuntimeError(f"uid {uid!r} is leased in batch {rec.lease!r}; nack it before dropping")
+            recs.append(rec)
+        await self._drop(recs, Counter({reason: len(recs)}))
+        return len(recs)
+
+    async def _drop(self, recs: list[_Record], reasons: Counter[str]) -> None:
+        for rec in recs:
+            del self._by_uid[rec.uid], self._by_index[rec.index]
+            _remember(self._settled_uids, rec.uid, "dropped")
+            self._pending[rec.partition].pop(rec.index, None)
+        self._dropped.update(reasons)
+        self._notify()
+        await self._release([r.index for r in recs])
+
+    # ------------------------------------------------------------------- reads
+    async def get_batch(
+        self,
+        partition: str,
+        consumer: str,
+        batch_size: int,
+        sampler: str = "sequential",
+        group_size: int = 1,
+        mask: int = FULL_MASK,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchMeta:
+        """Lease a batch for ``consumer`` once one can be formed; see ``TransferQueue.get``."""
+        pick = SAMPLERS.get(sampler)
+        if pick is None:
+            raise ValueError(f"unknown sampler {sampler!r}; samplers are {sorted(SAMPLERS)}")
+        if not 1 <= batch_size <= self._cfg.capacity:
+            raise ValueError(f"batch_size must be in [1, capacity={self._cfg.capacity}], got {batch_size}")
+        if group_size < 1 or (sampler == "grpo_group" and batch_size % group_size):
+            raise ValueError(f"batch_size={batch_size} must be a multiple of group_size={group_size} >= 1")
+        if (current_version is None) != (max_staleness is None) or (max_staleness or 0) < 0:
+            raise ValueError("pass current_version and max_staleness >= 0 together (or neither)")
+        if timeout_s is not None and timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s}")
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        dropped: Counter[str] = Counter()
+        while True:
+            changed = self._changed
+            self.expire_leases()
+            if current_version is not None:
+                await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
+            candidates = (r for r in self._pending.get(partition, {}).values() if r.mask & mask == mask)
+            picked = pick(candidates, batch_size, group_size)
+            if picked is not None:
+                return self._lease(partition, consumer, picked, mask, dropped)
+            if self._closed:
+                raise EndOfStream(f"partition {partition!r} is closed and cannot form a batch of {batch_size}")
+            if timeout_s == 0:
+                raise QueueEmpty(f"no batch of {batch_size} ready in partition {partition!r}")
+            if not await self._wait(changed, deadline):
+                raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r} after {timeout_s}s")
+
+    async def _drop_stale(
+        self, partition: str, current_version: int, max_staleness: int, whole_groups: bool, dropped: Counter[str]
+    ) -> None:
+        floor = self._version_floor.get(partition, math.inf)
+        if current_version - floor <= max_staleness:  # nothing pending can be stale: skip the scan
+            return
+        pending = self._pending.get(partition, {})
+        stale = [r for r in pending.values() if r.mask & _VERSIONS_BIT and is_stale(r, current_version, max_staleness)]
+        versioned = [r.min_version for r in pending.values() if r.mask & _VERSIONS_BIT]
+        self._version_floor[partition] = min(versioned, default=math.inf)
+        if not stale:
+            return
+        reasons: Counter[str] = Counter(stale=len(stale))
+        if whole_groups:
+            dead = self._dead_groups.setdefault(partition, {})
+            for r in stale:
+                _remember(dead, r.group_id, None)
+            stale_ids = {id(r) for r in stale}
+            siblings = [r for r in pending.values() if r.group_id in dead and id(r) not in stale_ids]
+            reasons["stale_group"] = len(siblings)
+            stale += siblings
+        dropped.update(+reasons)
+        await self._drop(stale, +reasons)
+
+    def _lease(self, partition: str, consumer: str, picked: list, mask: int, dropped: Counter[str]) -> BatchMeta:
+        batch_id = f"{consumer}#{self._next_batch}"
+        self._next_batch += 1
+        pending = self._pending[partition]
+        for rec in picked:
+            del pending[rec.index]
+            rec.lease = batch_id
+        lease = _Lease(batch_id, consumer, partition, picked, self._clock() + self._cfg.lease_s)
+        self._leases[batch_id] = lease
+        self._arm(lease)
+        self._consumer(consumer).in_flight += len(picked)
+        return BatchMeta(batch_id=batch_id, indices=[r.index for r in picked], fields_mask=mask, dropped=dict(dropped))
+
+    # ----------------------------------------------------------------- settling
+    async def ack(self, batch_id: str) -> int:
+        """The consumer is done with the batch: its samples are delivered and freed."""
+        lease = self._take_lease(batch_id, "acked")
+        for rec in lease.records:
+            del self._by_uid[rec.uid], self._by_index[rec.index]
+            _remember(self._settled_uids, rec.uid, "delivered")
+        n = len(lease.records)
+        self._num_delivered += n
+        stats = self._consumer(lease.consumer)
+        stats.in_flight -= n
+        stats.delivered += n
+        self._notify()
+        await self._release([r.index for r in lease.records])
+        return n
+
+    async def nack(self, batch_id: str) -> int:
+        """The consumer hands the batch back: its samples are ready again at once."""
+        lease = self._take_lease(batch_id, "nacked")
+        self._consumer(lease.consumer).nacked += len(lease.records)
+        return self._return(lease)
+
+    async def extend_lease(self, batch_id: str) -> None:
+        """Restart the lease clock of a batch its consumer is still working on."""
+        lease = self._leases.get(batch_id)
+        if lease is None:
+            raise LeaseLost(f"batch {batch_id!r} is not leased ({self._settled.get(batch_id, 'unknown')})")
+        lease.deadline_s = self._clock() + self._cfg.lease_s
+        if lease.timer is not None:
+            lease.timer.cancel()
+        self._arm(lease)
+
+    def expire_leases(self, force: bool = False) -> int:
+        """Return every lease past its deadline (all leases with ``force``) to the ready set."""
+        now = self._clock()
+        due = [lease for lease in self._leases.values() if force or lease.deadline_s <= now]
+        n = 0
+        for lease in due:
+            self._take_lease(lease.batch_id, "expired")
+            self._consumer(lease.consumer).expired += len(lease.records)
+            n += self._return(lease)
+        return n
+
+    def _take_lease(self, batch_id: str, why: str) -> _Lease:
+        lease = self._leases.pop(batch_id, None)
+        if lease is None:
+            raise LeaseLost(f"batch {batch_id!r} is not leased ({self._settled.get(batch_id, 'unknown batch id')})")
+        if lease.timer is not None:
+            lease.timer.cancel()
+        _remember(self._settled, batch_id, why)
+        return lease
+
+    def _return(self, lease: _Lease) -> int:
+        pending = self._pending[lease.partition]
+        floor = self._version_floor.get(lease.partition, math.inf)
+        for rec in lease.records:
+            rec.lease = None
+            pending[rec.index] = rec
+            if rec.mask & _VERSIONS_BIT:
+                floor = min(floor, rec.min_version)
+        self._version_floor[lease.partition] = floor
+        self._pending[lease.partition] = dict(sorted(pending.items()))  # back in arrival order
+        n = len(lease.records)
+        self._num_redelivered += n
+        self._consumer(lease.consumer).in_flight -= n
+        self._notify()
+        return n
+
+    def _arm(self, lease: _Lease) -> None:
+        if math.isfinite(self._cfg.lease_s):
+            loop = asyncio.get_running_loop()
+            lease.timer = loop.call_later(self._cfg.lease_s, self._on_timer, lease.batch_id)
+
+    def _on_timer(self, batch_id: str) -> None:
+        lease = self._leases.get(batch_id)
+        if lease is None:
+            return
+        if self._clock() >= lease.deadline_s:
+            self.expire_leases()
+        else:  # the clock says not yet (lease extended, or a test clock): look again later
+            self._arm(lease)
+
+    # --------------------------------------------------------------- lifecycle
+    async def close(self) -> None:
+        """No more puts; every waiter wakes (getters drain, then get EndOfStream)."""
+        self._closed = True
+        self._notify()
+
+    def statistics(self) -> QueueStats:
+        partitions = {
+            name: PartitionStats(pending=len(p), ready=sum(r.mask == FULL_MASK for r in p.values()))
+            for name, p in self._pending.items()
+        }
+        for lease in self._leases.values():
+            partitions.setdefault(lease.partition, PartitionStats()).in_flight += len(lease.records)
+        return QueueStats(
+            put=self._num_put,
+            delivered=self._num_delivered,
+            dropped=sum(self._dropped.values()),
+            pending=sum(p.pending for p in partitions.values()),
+            in_flight=sum(p.in_flight for p in partitions.values()),
+            redelivered=self._num_redelivered,
+            capacity=self._cfg.capacity,
+            closed=self._closed,
+            dropped_by_reason=dict(self._dropped),
+            partitions=partitions,
+            consumers={k: ConsumerStats(**{f: getattr(v, f) for f in v.__struct_fields__}) for k, v in self._consumers.items()},
+        )
+
+    def snapshot(self) -> tuple[Snapshot, dict[str, list[tuple[int, int]]]]:
+        """Counters, and per partition the (index, mask) of every unsettled sample."""
+        samples: dict[str, list[tuple[int, int]]] = {}
+        for rec in sorted(self._by_uid.values(), key=lambda r: r.index):
+            if rec.mask:
+                samples.setdefault(rec.partition, []).append((rec.index, rec.mask))
+        snap = Snapshot(
+            put=self._num_put,
+            delivered=self._num_delivered,
+            redelivered=self._num_redelivered,
+            dropped_by_reason=dict(self._dropped),
+            dead_groups={p: list(g) for p, g in self._dead_groups.items()},
+            consumers=self.statistics().consumers,
+        )
+        return snap, samples
+
+    async def restore(self, snap: Snapshot) -> None:
+        """Take the counters of a saved queue (after its samples were put back)."""
+        self._num_put, self._num_delivered, self._num_redelivered = snap.put, snap.delivered, snap.redelivered
+        self._dropped = Counter(snap.dropped_by_reason)
+        self._dead_groups = {p: dict.fromkeys(g) for p, g in snap.dead_groups.items()}
+        for name, stats in snap.consumers.items():
+            stats.in_flight = 0
+            self._consumers[name] = stats
+
+    # ----------------------------------------------------------------- helpers
+    def _consumer(self, name: str) -> ConsumerStats:
+        stats = self._consumers.get(name)
+        if stats is None:
+            stats = self._consumers[name] = ConsumerStats()
+        return stats
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _release(self, indices: list[int]) -> None:
+        if self._free is not None and indices:
+            await self._free(indices)
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, deadline: float | None) -> bool:
+        """Wait for ``event``; False when ``deadline`` (loop time) passes first."""
+        if deadline is None:
+            await event.wait()
+            return True
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,41 @@
+"""The TransferQueue's errors: one class per way a call can fail.
+
+In the style of anyio memory streams, "the queue was closed and you used it"
+and "the queue is finished and empty for you" are different errors:
+
+    QueueClosed   put (or put_fields) after close(): a programming error
+    EndOfStream   get after close() when no batch can be formed any more: a normal end
+    QueueFull     put(wait=False) while the queue is at capacity
+    QueueEmpty    get_nowait() (or get with timeout_s=0) when no batch is ready yet
+    LeaseLost     ack/nack of a batch that is not leased (expired, already acked, unknown)
+
+A get with a finite ``timeout_s`` that runs out raises the builtin ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EndOfStream", "LeaseLost", "QueueClosed", "QueueEmpty", "QueueFull", "TransferQueueError"]
+
+
+class TransferQueueError(Exception):
+    """Base class of every TransferQueue error."""
+
+
+class QueueClosed(TransferQueueError):
+    """The queue was closed; it takes no more samples."""
+
+
+class EndOfStream(TransferQueueError):
+    """The queue is closed and no further batch can be formed for this request."""
+
+
+class QueueFull(TransferQueueError):
+    """``put(wait=False)`` found no room for the samples under the capacity bound."""
+
+
+class QueueEmpty(TransferQueueError):
+    """``get_nowait`` found no batch ready to hand out."""
+
+
+class LeaseLost(TransferQueueError):
+    """ack/nack of a batch this queue no longer leases (its lease expired, or it was settled)."""
