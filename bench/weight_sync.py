@@ -1,0 +1,350 @@
+"""Weight-sync benchmark: full vs delta pushes after a real optimizer step.
+
+    python -m bench.weight_sync [--small] [--device cpu|cuda] [--transports inproc,ray,gloo]
+
+A Qwen2.5-0.5B-shaped model (random init, fp32 master weights, AdamW) takes
+one optimizer step per learning rate; the engine copy is bf16. For each step
+the same version is pushed as a delta and as a full update through every
+transport, and we print one JSON object: changed fraction, bytes sent, bytes
+per changed element, and encode / transfer / apply milliseconds per
+transport and kind, plus what ``auto`` mode would choose from those costs.
+
+    transfer_ms: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
+                 measured as receiver-acknowledged wall time minus its apply time
+    apply_ms:    apply_update on the receiver (payload checks, decode, write, verify)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sync import WeightSender, apply_update
+from sync.auto import AutoConfig, AutoPolicy
+from sync.manifest import WeightUpdate
+from sync.transport import make_transport
+
+LRS = (1e-6, 1e-5)
+
+
+def model_config(small: bool) -> Any:
+    import transformers
+
+    if small:
+        dims = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=512, vocab_size=8192)
+    else:  # Qwen2.5-0.5B
+        dims = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                    intermediate_size=4864, vocab_size=151936)
+    return transformers.Qwen2Config(tie_word_embeddings=True, max_position_embeddings=4096, **dims)
+
+
+def engine_shapes(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """HF names the engine holds: tied aliases (lm_head -> embedding) once."""
+    seen, out = set(), {}
+    for name, t in weights.items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = tuple(t.shape)
+    return out
+
+
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, seed: int, device: str) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=g).to(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)  # the grads' memory is not needed during the sync
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- receivers
+
+
+class InProcessReceiver:
+    name = "inproc"
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+        self.weights = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in shapes.items()}
+        self.version, self.device = 0, device
+        self.transport = make_transport("inproc")
+
+    def push(self, update: WeightUpdate) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        got = self.transport.receive(self.transport.send(update))
+        t1 = time.perf_counter()
+        self.version = apply_update(self.weights, got, self.version)
+        _sync(self.device)
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    def close(self) -> None:
+        pass
+
+
+class _RayEngine:
+    """A Ray actor holding bf16 weights by HF name, like a rollout engine."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        torch.set_num_threads(2)
+        self.weights = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+        self.version = 0
+
+    def update_weights(self, handle: WeightUpdate) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        self.version = apply_update(self.weights, handle, self.version)  # ray.get of each bucket inside
+        return (time.perf_counter() - t0) * 1e3, self.version
+
+
+class RayReceiver:
+    name = "ray"
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=int(3.5 * 2**30))
+        self.ray = ray
+        self.actor = ray.remote(num_cpus=0)(_RayEngine).remote(shapes)
+        self.transport = make_transport("ray")
+
+    def push(self, update: WeightUpdate) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        handle = self.transport.send(update)
+        apply_ms, _ = self.ray.get(self.actor.update_weights.remote(handle))
+        total_ms = (time.perf_counter() - t0) * 1e3
+        self.transport.release(handle)
+        return total_ms - apply_ms, apply_ms
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: Any, outbox: Any) -> None:
+    """Receiver process: ``gloo`` (torch.distributed rank 1) or ``cuda_ipc`` (handles over a queue)."""
+    torch.set_num_threads(2)
+    weights = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in shapes.items()}
+    version = 0
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=1, world_size=2)
+        transport = make_transport("dist", src=0)
+    else:
+        transport = make_transport("cuda_ipc", device=device)
+    outbox.put("ready")
+    while True:
+        if kind == "gloo":
+            cmd = torch.zeros(1, dtype=torch.int64)
+            dist.broadcast(cmd, src=0)
+            if not int(cmd):
+                break
+            update = transport.receive(None)
+        else:
+            handle = inbox.get()
+            if handle is None:
+                break
+            update = transport.receive(handle)
+        t0 = time.perf_counter()
+        version = apply_update(weights, update, version)
+        _sync(device)
+        del update
+        outbox.put(((time.perf_counter() - t0) * 1e3, version))
+    if kind == "gloo":
+        dist.destroy_process_group()
+
+
+class SubprocessReceiver:
+    """An engine in another process, fed over gloo broadcast or CUDA IPC."""
+
+    def __init__(self, kind: str, shapes: dict[str, tuple[int, ...]], device: str) -> None:
+        import torch.multiprocessing as mp
+
+        self.name, self.kind, self.device = kind, kind, device
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.proc = ctx.Process(target=_subprocess_engine, args=(kind, port, shapes, device, self.inbox, self.outbox))
+        self.proc.start()
+        if kind == "gloo":
+            import torch.distributed as dist
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=0, world_size=2)
+            self.transport = make_transport("dist", src=0)
+        else:
+            self.transport = make_transport("cuda_ipc", device=device)
+        assert self.outbox.get(timeout=300) == "ready"
+
+    def push(self, update: WeightUpdate) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        if self.kind == "gloo":
+            import torch.distributed as dist
+
+            dist.broadcast(torch.ones(1, dtype=torch.int64), src=0)
+            self.transport.send(update)
+        else:
+            handle = self.transport.send(update)
+            self.inbox.put(handle)
+        apply_ms, _ = self.outbox.get(timeout=600)
+        total_ms = (time.perf_counter() - t0) * 1e3
+        if self.kind != "gloo":
+            self.transport.release(handle)
+        return total_ms - apply_ms, apply_ms
+
+    def close(self) -> None:
+        if self.kind == "gloo":
+            import torch.distributed as dist
+
+            dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)
+            dist.destroy_process_group()
+        else:
+            self.inbox.put(None)
+        self.proc.join(timeout=60)
+
+
+def make_receiver(name: str, shapes: dict, device: str) -> Any:
+    if name == "inproc":
+        return InProcessReceiver(shapes, device)
+    if name == "ray":
+        return RayReceiver(shapes, device)
+    if name in ("gloo", "cuda_ipc"):
+        return SubprocessReceiver(name, shapes, device)
+    raise ValueError(f"unknown transport {name!r} (inproc, ray, gloo, cuda_ipc)")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _codec_mix(update: WeightUpdate) -> dict[str, float]:
+    """Share of changed elements per (encoding, index codec, value codec)."""
+    mix: collections.Counter = collections.Counter()
+    for e in update.manifest.entries:
+        mix["raw" if e.encoding == "raw" else f"{e.index_codec}+{e.value_codec}"] += e.num_changed
+    total = sum(mix.values()) or 1
+    return {k: round(v / total, 4) for k, v in mix.most_common()}
+
+
+def machine(device: str) -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "device": device}
+    try:
+        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        info["ram_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def run(small: bool, device: str, transports: list[str], bucket_bytes: int) -> dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(model_config(small)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LRS[0], weight_decay=0.0)
+    weights = model.state_dict()
+    shapes = engine_shapes(weights)
+    receivers = [make_receiver(t, shapes, device) for t in transports]
+    sender = WeightSender(mode="delta", bucket_bytes=bucket_bytes, dtype=torch.bfloat16)
+    try:
+        first = sender.encode(weights, 1)  # every receiver starts from the same base
+        for r in receivers:
+            r.push(first)
+        del first
+        runs = []
+        for i, lr in enumerate(LRS):
+            version = 2 + i
+            optimizer_step(model, opt, lr, seed=version, device=device)
+            delta = sender.encode(weights, version)
+            delta_encode_ms = sender.last_encode_ms
+            row: dict[str, Any] = {
+                "lr": lr, "version": version,
+                "changed_fraction": round(delta.manifest.changed_fraction, 5),
+                "num_elements": delta.manifest.num_elements,
+                "num_changed": delta.manifest.num_changed,
+                "delta_bytes": delta.nbytes,
+                "bytes_per_changed_element": round(delta.nbytes / max(1, delta.manifest.num_changed), 3),
+                "delta_codec_mix": _codec_mix(delta),
+            }
+            timings = {r.name: {"delta": r.push(delta)} for r in receivers}
+            del delta
+            sender.force_full()
+            full = sender.encode(weights, version)  # the same version, as a full push
+            row["full_bytes"] = full.nbytes
+            row["encode_ms"] = {"delta": round(delta_encode_ms, 1), "full": round(sender.last_encode_ms, 1)}
+            for r in receivers:
+                timings[r.name]["full"] = r.push(full)
+            del full
+            row["transports"] = {}
+            for name, by_kind in timings.items():
+                out: dict[str, Any] = {}
+                policy = AutoPolicy(AutoConfig(alpha=1.0))
+                for kind in ("full", "delta"):
+                    transfer_ms, apply_ms = by_kind[kind]
+                    total = row["encode_ms"][kind] + transfer_ms + apply_ms
+                    out[kind] = {"transfer_ms": round(transfer_ms, 1), "apply_ms": round(apply_ms, 1),
+                                 "total_ms": round(total, 1)}
+                    policy.observe(kind, total)
+                out["delta_over_full"] = round(out["delta"]["total_ms"] / out["full"]["total_ms"], 3)
+                out["faster"] = "delta" if out["delta_over_full"] < 1 else "full"
+                out["auto_choice"] = policy.choose()
+                row["transports"][name] = out
+            runs.append(row)
+            print(json.dumps({"progress": f"lr={lr}", **{k: row[k] for k in ("changed_fraction", "delta_bytes")}}),
+                  flush=True, file=__import__("sys").stderr)
+    finally:
+        for r in receivers:
+            r.close()
+    return {
+        "benchmark": "weight_sync",
+        "machine": machine(device),
+        "model": {"shape": "small" if small else "Qwen2.5-0.5B", "num_params": sum(p.numel() for p in model.parameters()),
+                  "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW"},
+        "bucket_bytes": bucket_bytes,
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="a tiny model for a quick run")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: inproc on the GPU and CUDA IPC)")
+    p.add_argument("--transports", default=None, help="comma list; default inproc,ray,gloo on cpu, inproc,cuda_ipc on cuda")
+    p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    default = "inproc,cuda_ipc" if args.device.startswith("cuda") else "inproc,ray,gloo"
+    transports = (args.transports or default).split(",")
+    torch.set_num_threads(os.cpu_count() or 1)
+    result = run(args.small, args.device, transports, args.bucket_mib << 20)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
