@@ -32,8 +32,6 @@ class TransferQueueConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Ray only: the CPUs each controller / storage-unit actor reserves. 0 lets them
     # share a small machine with the rollout and trainer actors.
     ray_num_cpus: float = 0.0
-    # Ray only: prefix of the actors' names (so several queues can coexist).
-    ray_name_prefix: str = "transfer_queue"
 
     def __post_init__(self) -> None:
         if self.capacity < 1:

@@ -189,7 +189,8 @@ class Controller:
             if rec.lease is not None:
                 raise RuntimeError(f"uid {uid!r} is leased in batch {rec.lease!r}; nack it before dropping")
             recs.append(rec)
-        await self._drop(recs, Counter({reason: len(recs)}))
+        if recs:
+            await self._drop(recs, Counter({reason: len(recs)}))
         return len(recs)
 
     async def _drop(self, recs: list[_Record], reasons: Counter[str]) -> None:

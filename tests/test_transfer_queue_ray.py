@@ -1,0 +1,92 @@
+"""TransferQueue, Ray deployment: same client API, controller and storage units as actors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.test_transfer_queue import assert_accounting, make_samples, run_producers_consumers
+from transfer_queue import EndOfStream, QueueClosed, QueueEmpty, QueueFull, TransferQueue, TransferQueueConfig
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+
+
+def _cfg(**kw) -> TransferQueueConfig:
+    return TransferQueueConfig(deployment="ray", **{"capacity": 32, "num_storage_units": 2, **kw})
+
+
+@pytest.mark.asyncio
+async def test_ray_deployment_refuses_to_start_ray_itself() -> None:
+    if ray.is_initialized():
+        pytest.skip("another test left Ray running")
+    with pytest.raises(RuntimeError, match="ray.init"):
+        await TransferQueue.create(_cfg())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pickles(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg())
+    samples = make_samples(4, 2)
+    await tq.put(samples)
+    rows = await asyncio.gather(*(u.num_rows.remote() for u in tq._d.units))
+    assert sorted(rows) == [4, 4]
+    batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2)
+    assert batch.samples == samples
+    await tq.ack(batch.batch_id)
+    stats = await tq.statistics_async()
+    assert (stats.put, stats.delivered) == (8, 8)
+
+    @ray.remote(num_cpus=0)
+    def produce(queue: TransferQueue) -> int:  # the client pickles into another process
+        from tests.test_transfer_queue import make_samples
+
+        queue.put_sync(make_samples(3, prefix="remote"))
+        return queue.statistics().put
+
+    assert await produce.remote(tq) == 8 + 3
+    batch = await tq.get("trainer", 3)
+    assert batch.uids == ["remote0", "remote1", "remote2"]
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_errors_surface_as_the_queue_errors(ray_cluster, tmp_path) -> None:
+    tq = await TransferQueue.create(_cfg(capacity=4, num_storage_units=1))
+    await tq.put(make_samples(2, 2, version=0))
+    with pytest.raises(QueueFull):
+        await tq.put(make_samples(1, prefix="x"), wait=False)
+    with pytest.raises(QueueEmpty):
+        await tq.get_nowait("trainer", 4, current_version=2, max_staleness=1)
+    assert tq.statistics().dropped_by_reason == {"stale": 4}
+    await tq.put(make_samples(1, 2, version=2, prefix="n"))
+    path = str(tmp_path / "q.tq")
+    await tq.save(path)
+    await tq.shutdown()
+    tq2 = await TransferQueue.load(path, tq.cfg)
+    assert_accounting(await tq2.statistics_async())
+    getter = asyncio.create_task(tq2.get("trainer", 4))
+    await tq2.close()
+    with pytest.raises(EndOfStream):
+        await getter
+    with pytest.raises(QueueClosed):
+        await tq2.put(make_samples(1, prefix="late"))
+    batch = await tq2.get("trainer", 2, timeout_s=0)
+    assert batch.samples == make_samples(1, 2, version=2, prefix="n")
+    await tq2.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_four_producers_two_consumers_deliver_every_sample_exactly_once(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg())
+    await run_producers_consumers(tq)
+    await tq.shutdown()
