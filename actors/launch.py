@@ -192,11 +192,10 @@ class Run:
 
 def _loss_kwargs(cfg: Config) -> dict[str, float]:
     t = cfg.trainer
-    if t.loss in ("ppo_clip", "decoupled_ppo"):
-        kw: dict[str, float] = {"clip_eps": t.clip_eps}
-        if t.loss == "decoupled_ppo":
-            kw["is_cap"] = t.is_cap
-        return kw
+    if t.loss == "ppo_clip":
+        return {"clip_eps_low": t.clip_eps, "clip_eps_high": t.clip_eps}
+    if t.loss == "decoupled_ppo":
+        return {"clip_eps_low": t.clip_eps, "clip_eps_high": t.clip_eps, "behav_weight_cap": t.is_cap}
     return {"cap": t.is_cap}
 
 

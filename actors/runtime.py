@@ -62,10 +62,12 @@ class Handle(abc.ABC):
     """A thin client of one actor: ``await handle.method(*args, **kwargs)``."""
 
     name: str
+    cls: type
 
     def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        if method.startswith("_"):
-            raise AttributeError(method)
+        # Only the actor's public methods: ``hasattr(handle, m)`` tells the truth.
+        if method.startswith("_") or not callable(getattr(self.cls, method, None)):
+            raise AttributeError(f"{self.cls.__name__} has no endpoint {method!r}")
         return functools.partial(self.call, method)
 
     @abc.abstractmethod
@@ -75,7 +77,7 @@ class Handle(abc.ABC):
 
 class _LocalHandle(Handle):
     def __init__(self, name: str, actor: Actor) -> None:
-        self.name, self.actor = name, actor
+        self.name, self.actor, self.cls = name, actor, type(actor)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self.actor, method)
@@ -85,8 +87,8 @@ class _LocalHandle(Handle):
 
 
 class _RayHandle(Handle):
-    def __init__(self, name: str, actor: Any) -> None:
-        self.name, self.actor = name, actor
+    def __init__(self, name: str, actor: Any, cls: type) -> None:
+        self.name, self.actor, self.cls = name, actor, cls
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await getattr(self.actor, method).remote(*args, **kwargs)
@@ -174,7 +176,7 @@ class RayRuntime(Runtime):
         actor = remote_cls.options(name=None).remote(*args, **kwargs)
         self._actors.append(actor)
         await actor.setup.remote()
-        return _RayHandle(name, actor)
+        return _RayHandle(name, actor, cls)
 
     async def shutdown(self) -> None:
         import ray

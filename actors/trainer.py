@@ -46,7 +46,9 @@ class TrainerActor(Actor):
 
         self.backend = TorchBackend(self.model_path, **self.backend_kwargs)
         self.backend.setup()
-        self.sender = WeightSender(**self.sync_kwargs)
+        kwargs = dict(self.sync_kwargs)
+        kwargs["dtype"] = getattr(torch, kwargs.get("dtype", "float32"))
+        self.sender = WeightSender(**kwargs)
 
     async def get_version(self) -> int:
         return self.backend.version
