@@ -1,0 +1,123 @@
+"""Fully-async vs synchronous vs one-step-off training, same everything else.
+
+    python -m bench.async_vs_sync                 # CPU, default model, long-tail task, 3 seeds
+    python -m bench.async_vs_sync --device cuda   # the same on a GPU
+
+Every policy runs the same task, model, engine, trainer, batch size and
+number of trainer steps (so the same sample budget), one after the other in
+this process. Prints one JSON object: per policy the wall time of training
+(setup excluded), samples/s, trainer and rollout idle ratios and the final
+reward (mean over the last 10% of steps), each as mean and spread over seeds,
+and the speedup of fully-async over sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+from actors.launch import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+POLICIES = {
+    "sync": ["policy.type=sync"],
+    "one_step_off": ["policy.type=one_step_off"],
+    "fully_async": ["policy.type=fully_async", "rollout.partial_rollout=true"],
+}
+
+
+def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    overrides = [
+        f"run.seed={seed}", f"run.total_steps={args.steps}", "run.progress=false",
+        f"run.output_dir={args.output_dir}", f"task.type={args.task}",
+        f"rollout.max_response_tokens={args.max_response_tokens}",
+        f"rollout.engine.max_model_len={args.max_response_tokens + 64}",
+        f"trainer.batch_prompts={args.batch_prompts}", f"rollout.n={args.n}",
+        f"policy.staleness_threshold={args.staleness_threshold}",
+        f"policy.max_staleness={args.max_staleness}",
+        *POLICIES[policy], *args.overrides,
+    ]
+    if args.device != "cpu":
+        overrides += [f"rollout.engine.device={args.device}", f"trainer.device={args.device}",
+                      "rollout.engine.dtype=bfloat16", "sync.mode=auto"]
+    run = launch(ROOT / "fully_async.yaml", *overrides)
+    with run:
+        t0 = time.perf_counter()
+        hist = run.train(args.steps)
+        wall_s = time.perf_counter() - t0
+    k = max(1, len(hist) // 10)
+    last = hist[-1]
+    return {
+        "wall_s": wall_s,
+        "samples_per_s": last["trained"] / wall_s,
+        "tokens_per_s": sum(m["response_len_mean"] for m in hist) * run.cfg.batch_size / wall_s,
+        "trainer_idle_ratio": last["trainer_idle_ratio"],
+        "rollout_idle_ratio": last["rollout_idle_ratio"],
+        "final_reward": sum(m["reward"] for m in hist[-k:]) / k,
+        "first_reward": sum(m["reward"] for m in hist[:k]) / k,
+        "staleness_max": max(m["staleness_max"] for m in hist),
+        "partial_ratio": sum(m["partial_ratio"] for m in hist) / len(hist),
+        "dropped": last["dropped"],
+        "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
+    }
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"seeds": runs}
+    for key in ("wall_s", "samples_per_s", "tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio",
+                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean"):
+        values = [r[key] for r in runs]
+        out[key] = {"mean": statistics.fmean(values),
+                    "spread": (max(values) - min(values)) if len(values) > 1 else 0.0}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
+                   help="disaggregated: trainer and engine on different devices (see README)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--task", default="long_tail_copy")
+    p.add_argument("--batch-prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--max-response-tokens", type=int, default=48)
+    p.add_argument("--staleness-threshold", type=float, default=1.0)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--policies", default="sync,one_step_off,fully_async")
+    p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    args = p.parse_args(argv)
+    result: dict[str, Any] = {
+        "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "task": args.task, "steps": args.steps, "seeds": args.seeds,
+        "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
+        "policies": {},
+    }
+    for policy in args.policies.split(","):
+        runs = [_one(policy, seed, args) for seed in range(args.seeds)]
+        result["policies"][policy] = _summarise(runs)
+        print(f"[async_vs_sync] {policy}: {result['policies'][policy]['wall_s']}", file=sys.stderr)
+    pol = result["policies"]
+    if "sync" in pol and "fully_async" in pol:
+        result["speedup_fully_async_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol["fully_async"]["wall_s"]["mean"]
+    if "sync" in pol and "one_step_off" in pol:
+        result["speedup_one_step_off_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol["one_step_off"]["wall_s"]["mean"]
+    text = json.dumps(result)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
