@@ -106,6 +106,8 @@ def run(*, model: str, task: str, steps: int, prompts: int, group: int, lr: floa
         "max_new_tokens": max_new_tokens, "temperature": temperature, "loss": loss,
         "first10_reward": round(first, 4), "last10_reward": round(last, 4), "gain": round(last - first, 4),
         "mean_response_tokens": round(sum(lengths) / len(lengths), 2),
+        # Mean reward of each tenth of the run, to see the shape of the curve.
+        "curve": [round(sum(rewards[i * k : (i + 1) * k]) / k, 3) for i in range(min(10, steps // k))],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 

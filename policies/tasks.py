@@ -7,7 +7,7 @@ detokenisation quirk can change a reward.
 Built-in tasks (no downloads; they use the built-in tiny tokenizer, whose
 vocabulary is one token per symbol):
 
-    reverse_digits   "<bos> R 3 1 4 :"  ->  "4 1 3 <eos>"    (3-8 digits)
+    reverse_digits   "<bos> R 3 1 4 :"  ->  "4 1 3 <eos>"    (3-5 digits by default)
     long_tail_copy   "<bos> C 3 1 4 :"  ->  "3 1 4 <eos>"    (heavy-tailed lengths)
 """
 
@@ -104,9 +104,13 @@ class _SymbolTask(Task):
 
 
 class ReverseDigits(_SymbolTask):
-    """Reverse a string of ``min_len``..``max_len`` digits (uniform length)."""
+    """Reverse a string of ``min_len``..``max_len`` digits (uniform length).
 
-    def __init__(self, tokenizer=None, *, min_len: int = 3, max_len: int = 8):
+    The default 3..5 keeps responses short (<= 6 tokens with ``<eos>``) so
+    GRPO credit assignment is sharp and a CPU run learns in a few hundred steps.
+    """
+
+    def __init__(self, tokenizer=None, *, min_len: int = 3, max_len: int = 5):
         if not 1 <= min_len <= max_len:
             raise ValueError(f"reverse_digits needs 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         super().__init__(tokenizer)

@@ -1,6 +1,6 @@
 """Build the built-in tiny Qwen2 model and tokenizer, and warm it up.
 
-    python -m policies.warmstart --out actors/assets/tiny-qwen2 --steps 150 --seed 0
+    python -m policies.warmstart --out actors/assets/tiny-qwen2 --steps 400 --seed 0 --label-smoothing 0.5
 
 1. A one-token-per-symbol tokenizer (``tokenizers`` WordLevel, wrapped in
    ``PreTrainedTokenizerFast``) over the task symbols — digits, operators,
@@ -116,11 +116,14 @@ def warm_up(model, tasks: list, *, steps: int, seed: int, lr: float = 1e-3, batc
 
 def build(out: pathlib.Path, *, steps: int, seed: int, lr: float = 1e-3, batch_size: int = 64, num_layers: int = 2, label_smoothing: float = 0.0) -> dict:
     """Build, warm up and save the model + tokenizer into ``out``; return a summary."""
+    # One thread: multi-threaded CPU reductions may sum in a different order,
+    # and the checkpoint must be reproducible from the command in its README.
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, num_layers=num_layers)
     model = transformers.Qwen2ForCausalLM(config).float()
-    tasks = [make_task("reverse_digits", tokenizer=tokenizer), make_task("long_tail_copy", tokenizer=tokenizer, max_len=24)]
+    tasks = [make_task("reverse_digits", tokenizer=tokenizer, min_len=3, max_len=8), make_task("long_tail_copy", tokenizer=tokenizer, max_len=24)]
     t0 = time.perf_counter()
     losses = warm_up(model, tasks, steps=steps, seed=seed, lr=lr, batch_size=batch_size, label_smoothing=label_smoothing)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,12 +150,12 @@ def build(out: pathlib.Path, *, steps: int, seed: int, lr: float = 1e-3, batch_s
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, required=True, help="directory to write the HF checkpoint into")
-    parser.add_argument("--steps", type=int, default=150, help="supervised warm-up steps (0 = random init)")
+    parser.add_argument("--steps", type=int, default=400, help="supervised warm-up steps (0 = random init)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--label-smoothing", type=float, default=0.5, help="spread of the warm-up target (see warm_up)")
     args = parser.parse_args(argv)
     summary = build(args.out, steps=args.steps, seed=args.seed, lr=args.lr, batch_size=args.batch_size, num_layers=args.num_layers, label_smoothing=args.label_smoothing)
     print(json.dumps(summary))

@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+
+from policies.losses import decoupled_ppo, make_loss, ppo_clip, tis_seq, tis_token
+
+
+def test_ppo_clip_matches_hand_computed_values():
+    # rollout log-probs 0, so ratio = exp(logprobs). Ratios [[1.5, 0.5], [1.1, pad]], A = [+1, -1], eps 0.2.
+    #   tok (0,0): r 1.5, A +1: min(1.5, 1.2) = 1.2 (clipped)  -> -1.2
+    #   tok (0,1): r 0.5, A +1: min(0.5, 0.8) = 0.5            -> -0.5
+    #   tok (1,0): r 1.1, A -1: min(-1.1, -1.1) = -1.1         -> +1.1
+    # token mean = (-1.2 - 0.5 + 1.1) / 3 = -0.2; clip_frac 1/3; ratio_mean 3.1/3
+    logprobs = torch.log(torch.tensor([[1.5, 0.5], [1.1, 9.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = ppo_clip(logprobs, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    assert loss.item() == pytest.approx(-0.2, abs=1e-6)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["ratio_mean"] == pytest.approx(3.1 / 3, abs=1e-6)
+    loss.backward()
+    # d/dlogp of -r*A/3 is -r*A/3: clipped token 0, (0,1): -0.5/3, (1,0): +1.1/3, padding 0.
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, -0.5 / 3], [1.1 / 3, 0.0]]), atol=1e-6)
+
+
+def test_decoupled_ppo_matches_hand_computed_values():
+    # proximal log-probs 0; behaviour probs [0.5, 0.1, 1.0] -> weights exp(0 - log b) = [2, 10 -> cap 5, 1].
+    # current/proximal ratios [1.0, 1.5, 0.9], A = 2, eps 0.2:
+    #   tok 0: min(2.0, 2.0) = 2.0   * 2 = 4.0
+    #   tok 1: min(3.0, 2.4) = 2.4   * 5 = 12.0  (clipped, weight capped)
+    #   tok 2: min(1.8, 1.8) = 1.8   * 1 = 1.8
+    # truncate: loss = -(4 + 12 + 1.8) / 3 = -5.93333; mask mode drops tok 1: -(4 + 1.8) / 3 = -1.93333
+    logprobs = torch.log(torch.tensor([[1.0, 1.5, 0.9]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.1, 1.0]]))
+    kwargs = dict(proximal_logprobs=torch.zeros(1, 3), behav_weight_cap=5.0)
+    mask = torch.ones(1, 3)
+    loss, m = decoupled_ppo(logprobs, behaviour, torch.tensor([2.0]), mask, **kwargs)
+    assert loss.item() == pytest.approx(-17.8 / 3, abs=1e-5)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["behav_capped_frac"] == pytest.approx(1 / 3)
+    assert m["behav_weight_mean"] == pytest.approx(8 / 3, abs=1e-5)
+    loss, _ = decoupled_ppo(logprobs, behaviour, torch.tensor([2.0]), mask, cap_mode="mask", **kwargs)
+    assert loss.item() == pytest.approx(-5.8 / 3, abs=1e-5)
+
+
+def test_decoupled_ppo_without_proximal_logprobs_is_an_error():
+    with pytest.raises(ValueError, match="proximal_logprobs"):
+        decoupled_ppo(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1))
+
+
+def test_tis_token_matches_hand_computed_values():
+    # current probs [0.6, 0.9], behaviour [0.2, 0.9] -> ratios [3 -> cap 2, 1]; A = 1
+    # loss = -(2 * log 0.6 + 1 * log 0.9) / 2 = (1.021651 + 0.105361) / 2 = 0.563506
+    # gradient w.r.t. logprobs = -w * A / 2 = [-1.0, -0.5]
+    logprobs = torch.log(torch.tensor([[0.6, 0.9]])).requires_grad_()
+    loss, m = tis_token(logprobs, torch.log(torch.tensor([[0.2, 0.9]])), torch.tensor([1.0]), torch.ones(1, 2), cap=2.0)
+    assert loss.item() == pytest.approx(-(2 * math.log(0.6) + math.log(0.9)) / 2, abs=1e-6)
+    assert m["truncated_frac"] == pytest.approx(0.5)
+    assert m["is_weight_mean"] == pytest.approx(1.5)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.0, -0.5]]), atol=1e-6)
+
+
+def test_tis_seq_matches_hand_computed_values():
+    # seq 0: probs [0.6, 0.9] vs behaviour [0.2, 0.9] -> ratio 3 -> cap 2; A = +1
+    # seq 1: probs [0.5] vs behaviour [0.5] -> ratio 1; A = -1  (second token is padding)
+    # loss = -(2 log 0.6 + 2 log 0.9 - log 0.5) / 3 = -(-1.021651 - 0.210721 + 0.693147) / 3 = 0.179742
+    logprobs = torch.log(torch.tensor([[0.6, 0.9], [0.5, 0.3]]))
+    behaviour = torch.log(torch.tensor([[0.2, 0.9], [0.5, 0.7]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = tis_seq(logprobs, behaviour, torch.tensor([1.0, -1.0]), mask, cap=2.0)
+    assert loss.item() == pytest.approx(-(2 * math.log(0.6) + 2 * math.log(0.9) - math.log(0.5)) / 3, abs=1e-6)
+    assert m["is_weight_mean"] == pytest.approx(1.5, abs=1e-6)
+    assert m["truncated_frac"] == pytest.approx(0.5)
+
+
+def test_every_loss_is_zero_on_an_all_padding_batch():
+    for name in ("ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"):
+        loss, _ = make_loss(name)(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), proximal_logprobs=torch.zeros(2, 3)
+        )
+        assert loss.item() == 0.0
+
+
+def test_unknown_loss_name_is_named_in_the_error():
+    with pytest.raises(ValueError, match="'ppo_clipp'"):
+        make_loss("ppo_clipp")

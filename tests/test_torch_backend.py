@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from actors.backends.torch_backend import TorchBackend
+from actors.models import BUILTIN_MODEL_DIR, load_causal_lm
+from transfer_queue.sample import Sample
+
+
+def _samples(backend: TorchBackend) -> list[Sample]:
+    """Two responses to one reverse_digits prompt, with on-policy rollout log-probs."""
+    prompt = [1, 15, 4, 5, 6, 13]  # <bos> R 1 2 3 :
+    out = [
+        Sample(uid="a", group_id="g", prompt_ids=prompt, response_ids=[6, 5, 4, 2]),  # "321<eos>"
+        Sample(uid="b", group_id="g", prompt_ids=prompt, response_ids=[9, 2]),  # "6<eos>"
+    ]
+    for s, lps in zip(out, backend.compute_logprobs(out)):
+        s.rollout_logprobs = lps
+    return out
+
+
+@pytest.fixture
+def backend():
+    b = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, seed=0)
+    b.setup()
+    return b
+
+
+def test_logprobs_match_a_plain_forward_pass(backend):
+    samples = _samples(backend)
+    model = load_causal_lm(BUILTIN_MODEL_DIR)
+    ids = torch.tensor([samples[1].prompt_ids + samples[1].response_ids])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0], -1)
+    p = len(samples[1].prompt_ids)
+    expected = [logp[p - 1 + j, t].item() for j, t in enumerate(samples[1].response_ids)]
+    assert [len(s.rollout_logprobs) for s in samples] == [4, 2]
+    assert samples[1].rollout_logprobs == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"])
+def test_one_step_with_positive_advantage_raises_that_responses_logprob(loss):
+    backend = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss=loss)
+    backend.setup()
+    samples = _samples(backend)
+    before = [sum(s.rollout_logprobs) for s in samples]
+    metrics = backend.train_step(samples, [1.0, -1.0])
+    after = [sum(lp) for lp in backend.compute_logprobs(samples)]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert backend.version == 1
+    assert metrics["tokens"] == 6.0 and metrics["grad_norm"] > 0
+    assert {"loss", "grad_norm", "entropy", "tokens"} <= metrics.keys()
+
+
+def test_named_weights_use_hf_names_including_the_tied_head(backend):
+    weights = backend.named_weights(dtype=torch.bfloat16)
+    assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    assert all(not t.requires_grad and t.dtype == torch.bfloat16 for t in weights.values())
+    assert set(weights) == set(load_causal_lm(BUILTIN_MODEL_DIR).state_dict())
+
+
+def test_save_then_load_restores_weights_optimizer_and_version(backend, tmp_path):
+    samples = _samples(backend)
+    backend.train_step(samples, [1.0, -1.0])
+    backend.save(tmp_path)
+    saved = {k: v.clone() for k, v in backend.named_weights().items()}
+    next_metrics = backend.train_step(samples, [1.0, -1.0])  # the step a resumed run must repeat exactly
+
+    fresh = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3)
+    fresh.setup()
+    fresh.load(tmp_path)
+    assert fresh.version == 1
+    assert all(torch.equal(saved[k], v) for k, v in fresh.named_weights().items())
+    assert fresh.train_step(samples, [1.0, -1.0])["loss"] == pytest.approx(next_metrics["loss"], abs=1e-7)
+    assert all(torch.allclose(backend.named_weights()[k], v, atol=1e-7) for k, v in fresh.named_weights().items())
+
+
+def test_misuse_and_bad_input_are_clear_errors(backend, tmp_path):
+    with pytest.raises(ValueError, match="unknown loss"):
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss="nope")
+    with pytest.raises(RuntimeError, match="setup"):
+        TorchBackend(str(BUILTIN_MODEL_DIR)).compute_logprobs([])
+    samples = _samples(backend)
+    with pytest.raises(ValueError, match="advantages"):
+        backend.train_step(samples, [1.0])
+    samples[0].rollout_logprobs = [0.0]
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        backend.train_step(samples, [1.0, -1.0])
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        backend.load(tmp_path)
