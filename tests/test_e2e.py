@@ -62,3 +62,50 @@ def test_cli_runs_the_default_job_and_prints_a_summary(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
     assert summary["steps"] == 4
+
+
+class _FlakyReward:
+    """A task whose reward raises for every third call: the run must count and
+    isolate those samples, never crash or lose them."""
+
+    def __init__(self, **kwargs):
+        from policies.tasks import make_task
+
+        self._inner = make_task("reverse_digits", **kwargs)
+        self._calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def reward(self, meta, response_ids):
+        self._calls += 1
+        if self._calls % 3 == 0:
+            raise ZeroDivisionError("user reward bug")
+        return self._inner.reward(meta, response_ids)
+
+
+def test_a_reward_function_that_raises_is_counted_and_isolated(tmp_path):
+    from policies.tasks import register_task
+
+    register_task("flaky_reverse_digits", _FlakyReward)
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "task.type=flaky_reverse_digits",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=3)
+        last = run.history[-1]
+    assert last["dropped"]["reward_error"] > 0
+    assert last["dropped"].get("group_incomplete", 0) > 0  # their group-mates, counted too
+    assert last["produced"] == last["trained"] + sum(last["dropped"].values()) + last["pending"]
+
+
+def test_train_works_from_a_notebook_whose_thread_runs_a_loop(tmp_path):
+    import asyncio
+
+    async def cell():
+        run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}")
+        try:
+            return [m["step"] for m in run.train(steps=2)]
+        finally:
+            run.close()
+
+    assert asyncio.run(cell()) == [1, 2]
