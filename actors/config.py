@@ -144,6 +144,9 @@ class QueueConfig(_Section):
     num_storage_units: PosInt = 2
     lease_s: PosFloat = 600.0
     """A batch not acknowledged within this returns to the ready set."""
+    deployment: Literal["local", "ray"] = "local"
+    """``local``: controller and storage units in the driver process. ``ray``:
+    they are Ray actors (needs ``runtime.type=ray``)."""
 
 
 class SyncConfig(_Section):
@@ -273,6 +276,8 @@ def _check_consistency(cfg: Config) -> None:
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
             f"the prompt in rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}"
         )
+    if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
+        raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":
         raise ConfigError("runtime.address: only used with runtime.type=ray")
     if not math.isfinite(cfg.trainer.lr):

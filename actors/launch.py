@@ -79,10 +79,6 @@ class Run:
             import torch
 
             torch.set_num_threads(threads)
-        q = cfg.transfer_queue
-        self.queue = await TransferQueue.create(TransferQueueConfig(
-            capacity=q.capacity, num_storage_units=q.num_storage_units, lease_s=q.lease_s,
-            deployment="local"))
         t = cfg.trainer
         trainer = await self.runtime.spawn(
             TrainerActor, name="trainer", num_cpus=1,
@@ -108,6 +104,11 @@ class Run:
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
             for i in range(r.num_actors)
         ]
+        # after the actors: a Ray deployment joins the cluster the runtime started
+        q = cfg.transfer_queue
+        self.queue = await TransferQueue.create(TransferQueueConfig(
+            capacity=q.capacity, num_storage_units=q.num_storage_units, lease_s=q.lease_s,
+            deployment=q.deployment))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=_weight_sync_fn(cfg))
 

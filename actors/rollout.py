@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from actors.engines.base import GenerateOutput, SamplingParams
-from actors.runtime import Actor
+from actors.runtime import Actor, quiet_transformers
 from policies.partial import absorb, next_request
 from transfer_queue.sample import Sample
 
@@ -60,6 +60,7 @@ class RolloutActor(Actor):
         from actors.engines import make_engine
         from policies.tasks import make_task
 
+        quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self._running = asyncio.Event()

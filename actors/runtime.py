@@ -25,9 +25,19 @@ from typing import Any, TypeVar
 
 import loop as global_loop
 
-__all__ = ["Actor", "Handle", "Runtime", "LocalRuntime", "RayRuntime", "make_runtime"]
+__all__ = ["quiet_transformers", "Actor", "Handle", "Runtime", "LocalRuntime", "RayRuntime", "make_runtime"]
 
 T = TypeVar("T")
+
+
+def quiet_transformers() -> None:
+    """No per-load progress bars from transformers in actor logs (the run has its own)."""
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 class Actor:

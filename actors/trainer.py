@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.runtime import Actor
+from actors.runtime import Actor, quiet_transformers
 from transfer_queue.sample import Sample
 
 __all__ = ["TrainerActor"]
@@ -37,6 +37,7 @@ class TrainerActor(Actor):
 
         from sync import WeightSender
 
+        quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if self.backend_type != "torch":

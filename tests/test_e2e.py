@@ -33,9 +33,9 @@ def _check_run(run, steps: int) -> None:
     assert (run.dir / "config.yaml").is_file()
 
 
-@pytest.mark.parametrize("runtime", ["local", pytest.param("ray", marks=pytest.mark.ray)])
-def test_fully_async_run_trains_a_few_steps(runtime, tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, f"runtime.type={runtime}",
+@pytest.mark.parametrize(("runtime", "queue"), [("local", "local"), pytest.param("ray", "ray", marks=pytest.mark.ray)])
+def test_fully_async_run_trains_a_few_steps(runtime, queue, tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"runtime.type={runtime}", f"transfer_queue.deployment={queue}",
                  f"run.output_dir={tmp_path}")
     try:
         run.train(steps=2)  # step by step, as from a notebook
