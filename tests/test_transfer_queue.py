@@ -106,7 +106,8 @@ async def tq() -> TransferQueue:
 @pytest.mark.asyncio
 async def test_samples_round_trip_and_are_stored_as_numpy(tq: TransferQueue) -> None:
     samples = make_samples(3, 2)
-    await tq.put(samples)
+    for group in range(3):  # each put's samples go to one storage unit, round robin
+        await tq.put(samples[2 * group : 2 * group + 2])
     batch = await tq.get("trainer", 6)
     got = batch.samples
     for s, g in zip(samples, got):
@@ -114,7 +115,7 @@ async def test_samples_round_trip_and_are_stored_as_numpy(tq: TransferQueue) -> 
     unit_rows = [row for unit in tq._d.units for row in unit._rows.values()]
     assert {row["response_ids"].dtype for row in unit_rows} == {np.dtype(np.int32)}
     assert {row["rollout_logprobs"].dtype for row in unit_rows} == {np.dtype(np.float32)}
-    assert sorted(len(u) for u in tq._d.units) == [2, 2, 2]  # sharded by global index
+    assert sorted(len(u) for u in tq._d.units) == [2, 2, 2]  # sharded by global index % 3
     assert [c.tolist() for c in batch.column("response_ids")] == [s.response_ids for s in samples]
     await tq.ack(batch.batch_id)
     assert sum(len(u) for u in tq._d.units) == 0  # acked rows are freed

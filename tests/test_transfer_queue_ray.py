@@ -37,7 +37,8 @@ def ray_cluster():
 async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pickles(ray_cluster) -> None:
     tq = await TransferQueue.create(_cfg())
     samples = make_samples(4, 2)
-    await tq.put(samples)
+    await tq.put(samples[:4])
+    await tq.put(samples[4:])
     rows = await asyncio.gather(*(u.num_rows.remote() for u in tq._d.units))
     assert sorted(rows) == [4, 4]
     batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2)

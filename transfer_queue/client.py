@@ -19,9 +19,10 @@ from typing import Any
 import loop
 from transfer_queue.batch import Batch
 from transfer_queue.codec import ALL_FIELDS, FULL_MASK, fields_mask, mask_fields, sample_to_row, tags_of
+from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.sample import Sample
-from transfer_queue.wire import QueueStats
+from transfer_queue.wire import QueueStats, SampleTags
 
 __all__ = ["TransferQueue"]
 
@@ -32,6 +33,14 @@ class TransferQueue:
     def __init__(self, cfg: TransferQueueConfig, deployment: Any) -> None:
         self.cfg = cfg
         self._d = deployment
+        # Across processes a put costs round trips: concurrent puts share them.
+        self._coalescer = PutCoalescer(self._reserve_write_commit) if cfg.deployment == "ray" else None
+
+    def __getstate__(self) -> dict[str, Any]:  # to another process: the handles, not our queued puts
+        return {"cfg": self.cfg, "_d": self._d}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["cfg"], state["_d"])
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -94,15 +103,28 @@ class TransferQueue:
         mask = fields_mask(fields)
         rows = [sample_to_row(s, fields) for s in samples]
         tags = [tags_of(r, mask) for r in rows]
-        indices = await self._d.call("reserve", partition, tags, new_only, wait, timeout_s)
-        kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
+        key = (partition, fields, wait, timeout_s, new_only)
+        if self._coalescer is None:
+            try:
+                await self._reserve_write_commit(key, rows, tags)
+            except ReserveRefused as e:
+                raise e.cause from None
+        else:
+            await self._coalescer.put(key, rows, tags)
+
+    async def _reserve_write_commit(self, key: tuple, rows: list[dict[str, Any]], tags: list[SampleTags]) -> None:
+        partition, _, wait, timeout_s, new_only = key
         try:
-            await self._d.write([indices[i] for i in kept], [rows[i] for i in kept])
+            indices = await self._d.call("reserve", partition, tags, new_only, wait, timeout_s)
+        except Exception as e:  # nothing was registered
+            raise ReserveRefused(e) from None
+        kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
+        try:  # rows to the storage units, then the fields are marked ready (commit)
+            await self._d.write_commit([indices[i] for i in kept], [rows[i] for i in kept], indices, tags)
         except BaseException:
             if new_only:  # nothing of these samples is readable: drop them, counted, and re-raise
                 await self._d.call("drop", [tags[i].uid for i in kept], "write_failed")
             raise
-        await self._d.call("commit", indices, tags)
 
     async def drop(self, uids: Sequence[str], reason: str) -> int:
         """Remove pending samples by uid, counted under ``reason``. All or nothing:

@@ -40,11 +40,11 @@ _MAX_REMEMBERED = 65536  # settled batch ids / uids / dead groups remembered for
 
 
 class _Record:
-    __slots__ = ("index", "uid", "group_id", "partition", "mask", "min_version", "max_version",
+    __slots__ = ("index", "seq", "uid", "group_id", "partition", "mask", "min_version", "max_version",
                  "num_prompt_tokens", "num_response_tokens", "lease")  # fmt: skip
 
-    def __init__(self, index: int, uid: str, group_id: str, partition: str) -> None:
-        self.index, self.uid, self.group_id, self.partition = index, uid, group_id, partition
+    def __init__(self, index: int, seq: int, uid: str, group_id: str, partition: str) -> None:
+        self.index, self.seq, self.uid, self.group_id, self.partition = index, seq, uid, group_id, partition
         self.mask = 0
         self.min_version = self.max_version = -1
         self.num_prompt_tokens = self.num_response_tokens = -1
@@ -83,7 +83,7 @@ class Controller:
         self._cfg, self._free, self._clock = cfg, free, clock
         self._by_uid: dict[str, _Record] = {}
         self._by_index: dict[int, _Record] = {}
-        self._pending: dict[str, dict[int, _Record]] = {}  # partition -> unleased, by index order
+        self._pending: dict[str, dict[int, _Record]] = {}  # partition -> seq -> unleased record, arrival order
         self._version_floor: dict[str, int] = {}  # partition -> lower bound of pending min_version
         self._leases: dict[str, _Lease] = {}
         self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
@@ -92,7 +92,10 @@ class Controller:
         self._consumers: dict[str, ConsumerStats] = {}
         self._num_put = self._num_delivered = self._num_redelivered = 0
         self._dropped: Counter[str] = Counter()
-        self._next_index = self._next_batch = 0
+        # A put's new samples all go to one storage unit (round robin over puts), so a
+        # write is one message: global index = slot * num_storage_units + unit.
+        self._next_slot = [0] * cfg.num_storage_units
+        self._next_unit = self._next_seq = self._next_batch = 0
         self._closed = False
         self._changed = asyncio.Event()
 
@@ -114,6 +117,8 @@ class Controller:
                 raise TimeoutError(f"put waited {timeout_s}s for capacity")
         dead = self._dead_groups.get(partition, {})
         pending = self._pending.setdefault(partition, {})
+        unit, num_units = self._next_unit, len(self._next_slot)
+        self._next_unit = (unit + 1) % num_units
         indices = []
         for t in tags:
             rec = self._by_uid.get(t.uid)
@@ -123,9 +128,10 @@ class Controller:
                     self._dropped["stale_group"] += 1
                     indices.append(-1)
                     continue
-                rec = _Record(self._next_index, t.uid, t.group_id, partition)
-                self._next_index += 1
-                self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.index] = rec
+                rec = _Record(self._next_slot[unit] * num_units + unit, self._next_seq, t.uid, t.group_id, partition)
+                self._next_slot[unit] += 1
+                self._next_seq += 1
+                self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.seq] = rec
             indices.append(rec.index)
         return indices
 
@@ -197,7 +203,7 @@ class Controller:
         for rec in recs:
             del self._by_uid[rec.uid], self._by_index[rec.index]
             _remember(self._settled_uids, rec.uid, "dropped")
-            self._pending[rec.partition].pop(rec.index, None)
+            self._pending[rec.partition].pop(rec.seq, None)
         self._dropped.update(reasons)
         self._notify()
         await self._release([r.index for r in recs])
@@ -274,7 +280,7 @@ class Controller:
         self._next_batch += 1
         pending = self._pending[partition]
         for rec in picked:
-            del pending[rec.index]
+            del pending[rec.seq]
             rec.lease = batch_id
         lease = _Lease(batch_id, consumer, partition, picked, self._clock() + self._cfg.lease_s)
         self._leases[batch_id] = lease
@@ -339,7 +345,7 @@ class Controller:
         floor = self._version_floor.get(lease.partition, math.inf)
         for rec in lease.records:
             rec.lease = None
-            pending[rec.index] = rec
+            pending[rec.seq] = rec
             if rec.mask & _VERSIONS_BIT:
                 floor = min(floor, rec.min_version)
         self._version_floor[lease.partition] = floor
@@ -394,7 +400,7 @@ class Controller:
     def snapshot(self) -> tuple[Snapshot, dict[str, list[tuple[int, int]]]]:
         """Counters, and per partition the (index, mask) of every unsettled sample."""
         samples: dict[str, list[tuple[int, int]]] = {}
-        for rec in sorted(self._by_uid.values(), key=lambda r: r.index):
+        for rec in sorted(self._by_uid.values(), key=lambda r: r.seq):
             if rec.mask:
                 samples.setdefault(rec.partition, []).append((rec.index, rec.mask))
         snap = Snapshot(

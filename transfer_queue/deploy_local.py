@@ -15,7 +15,7 @@ from typing import Any
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.storage import StorageUnit
-from transfer_queue.wire import QueueStats
+from transfer_queue.wire import QueueStats, SampleTags
 
 __all__ = ["LocalDeployment"]
 
@@ -24,7 +24,7 @@ class LocalDeployment:
     """Controller + storage units in this process, behind the deployment interface.
 
     The interface every deployment has (the client uses nothing else):
-    ``call`` a controller method, ``write``/``read`` rows by global index,
+    ``call`` a controller method, ``write_commit``/``read`` rows by global index,
     ``statistics``, ``shutdown``.
     """
 
@@ -48,6 +48,13 @@ class LocalDeployment:
             return
         for unit, (idx, part) in _shard(indices, rows, n).items():
             self.units[unit].put_rows(idx, part)
+
+    async def write_commit(
+        self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[SampleTags]
+    ) -> None:
+        """Store the rows, then commit their tags (``all_indices`` may hold -1: dropped on arrival)."""
+        await self.write(indices, rows)
+        await self.controller.commit(all_indices, tags)
 
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
         n = len(self.units)

@@ -75,6 +75,11 @@ class ControllerActor:
             result = await result
         return result
 
+    async def commit_after(self, indices: list[int], tags: list[Any], *_written: None) -> None:
+        """commit, once the storage writes passed in (as ObjectRefs) are done: Ray
+        resolves them before this runs, so the client waits on one reply, not N+1."""
+        await self._controller.commit(indices, tags)
+
     async def _free(self, indices: list[int]) -> None:
         # Fire and forget: global indices are never reused, so a late delete can
         # never hit a newer row, and ack need not wait for the storage round trip.
@@ -103,12 +108,12 @@ class RayDeployment:
     async def call(self, method: str, *args: Any) -> Any:
         return await _unwrap(self._controller.call.remote(method, *args))
 
-    async def write(self, indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> None:
-        if not indices:
-            return
+    async def write_commit(
+        self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[Any]
+    ) -> None:
         n = len(self.units)
         puts = [self.units[u].put.remote(pack_rows(idx, part)) for u, (idx, part) in _shard(indices, rows, n).items()]
-        await _unwrap(asyncio.gather(*puts))
+        await _unwrap(self._controller.commit_after.remote(all_indices, tags, *puts))
 
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
         n = len(self.units)

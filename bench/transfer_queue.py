@@ -1,0 +1,241 @@
+"""TransferQueue benchmark: samples/s and get latency, in-process vs Ray vs ray.util.queue.
+
+    python -m bench.transfer_queue [--num-batches 24] [--latency-rounds 40] [--out PATH]
+
+Workload: batches of 256 samples, each a 128-token prompt and a 1,024-token
+response (ids, log-probs and per-token versions), in GRPO groups of 8.
+Samples are built before timing starts; producers and consumers are asyncio
+tasks in this process (the rollout and trainer sides), so every deployment
+pays its own encode / transport / decode costs on the same two cores.
+
+    throughput   4 producers put groups of 8; 2 consumers get batches of 256,
+                 read every sample (``batch.samples``: Python lists, like the
+                 Sample objects ray.util.queue hands back) and ack.
+                 samples/s = samples delivered / wall time.
+    latency      one batch of 256 is put and made ready, then ``get`` is timed
+                 (``get_ms``); ``get_samples_ms`` adds turning it into Sample
+                 objects. For ray.util.queue the get (``get_nowait_batch``)
+                 already returns Sample objects.
+
+ray.util.queue.Queue runs with its batch API (``put_nowait_batch`` /
+``get_nowait_batch``, polling when empty or full), its fastest use.
+Prints one JSON object and writes it to ``bench/results/transfer_queue_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transfer_queue import EndOfStream, Sample, TransferQueue, TransferQueueConfig
+
+BATCH = 256
+GROUP = 8
+PROMPT_TOKENS = 128
+RESPONSE_TOKENS = 1024
+NUM_PRODUCERS = 4
+NUM_CONSUMERS = 2
+CAPACITY = 4 * BATCH
+POLL_S = 0.001
+
+
+def make_samples(n: int, tag: str) -> list[Sample]:
+    """``n`` distinct samples sharing token lists (building them is not what we measure)."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 150_000, PROMPT_TOKENS).tolist()
+    response = rng.integers(0, 150_000, RESPONSE_TOKENS).tolist()
+    logprobs = (-rng.random(RESPONSE_TOKENS)).astype(np.float32).tolist()
+    versions = [3] * RESPONSE_TOKENS
+    # Each sample gets its own lists (sharing the int objects): pickle memoizes a
+    # list it has seen, which would flatter ray.util.queue.
+    return [
+        Sample(uid=f"{tag}{i}", group_id=f"{tag}g{i // GROUP}", prompt_ids=list(prompt), response_ids=list(response),
+               rollout_logprobs=list(logprobs), token_versions=list(versions), reward=1.0, finish_reason="stop")
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    ms = np.array(seconds) * 1e3
+    return {"p50": round(float(np.percentile(ms, 50)), 3), "p99": round(float(np.percentile(ms, 99)), 3)}
+
+
+# ----------------------------------------------------------------- TransferQueue
+async def tq_throughput(tq: TransferQueue, samples: list[Sample]) -> float:
+    chunks = [samples[i : i + GROUP] for i in range(0, len(samples), GROUP)]
+    delivered = [0]
+
+    async def produce(p: int) -> None:
+        for chunk in chunks[p::NUM_PRODUCERS]:
+            await tq.put(chunk)
+
+    async def consume(c: int) -> None:
+        while True:
+            try:
+                batch = await tq.get(f"trainer-{c}", BATCH, sampler="grpo_group", group_size=GROUP)
+            except EndOfStream:
+                return
+            delivered[0] += sum(len(s.response_ids) > 0 for s in batch.samples)
+            await tq.ack(batch.batch_id)
+
+    t0 = time.perf_counter()
+    consumers = [asyncio.create_task(consume(c)) for c in range(NUM_CONSUMERS)]
+    await asyncio.gather(*(produce(p) for p in range(NUM_PRODUCERS)))
+    await tq.close()
+    await asyncio.gather(*consumers)
+    elapsed = time.perf_counter() - t0
+    assert delivered[0] == len(samples), (delivered[0], len(samples))
+    return len(samples) / elapsed
+
+
+async def tq_latency(tq: TransferQueue, rounds: int) -> dict[str, Any]:
+    get_s, samples_s = [], []
+    for r in range(rounds):
+        await tq.put(make_samples(BATCH, f"lat{r}-"))
+        t0 = time.perf_counter()
+        batch = await tq.get("trainer", BATCH, sampler="grpo_group", group_size=GROUP, timeout_s=0)
+        t1 = time.perf_counter()
+        assert len(batch.samples) == BATCH
+        t2 = time.perf_counter()
+        await tq.ack(batch.batch_id)
+        del batch  # freeing its Python lists is the consumer's cost, not the next get's
+        get_s.append(t1 - t0)
+        samples_s.append(t2 - t0)
+    return {"get_ms": percentiles_ms(get_s), "get_samples_ms": percentiles_ms(samples_s)}
+
+
+async def bench_tq(deployment: str, num_batches: int, rounds: int) -> dict[str, Any]:
+    cfg = TransferQueueConfig(capacity=CAPACITY, num_storage_units=2, lease_s=600.0, deployment=deployment)
+    tq = await TransferQueue.create(cfg)
+    latency = await tq_latency(tq, rounds)
+    await tq.shutdown()
+    tq = await TransferQueue.create(cfg)
+    await tq_throughput(tq, make_samples(BATCH, "warm-"))  # warm-up: actors, imports, caches
+    await tq.shutdown()
+    tq = await TransferQueue.create(cfg)
+    rate = await tq_throughput(tq, make_samples(num_batches * BATCH, "s"))
+    await tq.shutdown()
+    return {"samples_per_s": round(rate, 1), **latency}
+
+
+# ------------------------------------------------------------ ray.util.queue
+async def rq_throughput(samples: list[Sample]) -> float:
+    from ray.util.queue import Empty, Full, Queue
+
+    q = Queue(maxsize=CAPACITY)
+    chunks = [samples[i : i + GROUP] for i in range(0, len(samples), GROUP)]
+    done = asyncio.Event()
+    delivered = [0]
+
+    async def produce(p: int) -> None:
+        for chunk in chunks[p::NUM_PRODUCERS]:
+            while True:
+                try:
+                    await q.actor.put_nowait_batch.remote(chunk)
+                    break
+                except Full:
+                    await asyncio.sleep(POLL_S)
+
+    async def consume() -> None:
+        while not (done.is_set() and delivered[0] >= len(samples)):
+            try:
+                batch = await q.actor.get_nowait_batch.remote(BATCH)
+            except Empty:
+                await asyncio.sleep(POLL_S)
+                continue
+            delivered[0] += sum(len(s.response_ids) > 0 for s in batch)
+
+    t0 = time.perf_counter()
+    consumers = [asyncio.create_task(consume()) for _ in range(NUM_CONSUMERS)]
+    await asyncio.gather(*(produce(p) for p in range(NUM_PRODUCERS)))
+    done.set()
+    await asyncio.gather(*consumers)
+    elapsed = time.perf_counter() - t0
+    q.shutdown()
+    assert delivered[0] == len(samples)
+    return len(samples) / elapsed
+
+
+async def rq_latency(rounds: int) -> dict[str, Any]:
+    from ray.util.queue import Queue
+
+    q = Queue(maxsize=CAPACITY)
+    get_s = []
+    for r in range(rounds):
+        await q.actor.put_nowait_batch.remote(make_samples(BATCH, f"lat{r}-"))
+        t0 = time.perf_counter()
+        batch = await q.actor.get_nowait_batch.remote(BATCH)
+        get_s.append(time.perf_counter() - t0)
+        assert len(batch) == BATCH
+    q.shutdown()
+    return {"get_ms": percentiles_ms(get_s), "get_samples_ms": percentiles_ms(get_s)}
+
+
+async def bench_rq(num_batches: int, rounds: int) -> dict[str, Any]:
+    latency = await rq_latency(rounds)
+    await rq_throughput(make_samples(BATCH, "warm-"))
+    rate = await rq_throughput(make_samples(num_batches * BATCH, "s"))
+    return {"samples_per_s": round(rate, 1), **latency}
+
+
+def machine() -> str:
+    load = os.getloadavg()
+    return (
+        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), no GPU, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}; "
+        f"shared with other jobs: load average {load[0]:.1f} at start"
+    )
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    result: dict[str, Any] = {
+        "bench": "transfer_queue",
+        "machine": machine(),
+        "workload": {
+            "batch_size": BATCH, "group_size": GROUP, "prompt_tokens": PROMPT_TOKENS,
+            "response_tokens": RESPONSE_TOKENS, "num_producers": NUM_PRODUCERS,
+            "num_consumers": NUM_CONSUMERS, "capacity": CAPACITY,
+            "throughput_samples": args.num_batches * BATCH, "latency_rounds": args.latency_rounds,
+        },  # fmt: skip
+    }
+    result["local"] = await bench_tq("local", args.num_batches, args.latency_rounds)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result["ray"] = await bench_tq("ray", args.num_batches, args.latency_rounds)
+        result["ray_util_queue"] = await bench_rq(args.num_batches, args.latency_rounds)
+    finally:
+        if started:
+            ray.shutdown()
+    ray_rate, rq_rate = result["ray"]["samples_per_s"], result["ray_util_queue"]["samples_per_s"]
+    result["ratio_ray_vs_ray_util_queue"] = round(ray_rate / rq_rate, 2)
+    result["ratio_local_vs_ray_util_queue"] = round(result["local"]["samples_per_s"] / rq_rate, 2)
+    result["goals"] = {
+        "ray_at_least_5x_ray_util_queue": ray_rate >= 5 * rq_rate,
+        "local_get_p99_under_1ms": result["local"]["get_ms"]["p99"] < 1.0,
+    }
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-batches", type=int, default=24, help="batches of 256 in the throughput run")
+    parser.add_argument("--latency-rounds", type=int, default=40, help="timed gets per deployment")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer_queue_cpu.json"))
+    args = parser.parse_args()
+    out = asyncio.run(main(args))
+    text = json.dumps(out, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")

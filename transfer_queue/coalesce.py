@@ -1,0 +1,104 @@
+"""Group commit: concurrent puts of one client share one reserve / write / commit.
+
+Across processes each put costs three round trips (reserve at the controller,
+write to the storage units, commit). A rollout actor finishes many samples at
+once, so while one put of a client is in flight, the puts that arrive behind it
+(same partition, fields and options) wait and then go as one. No timer is
+involved: a put on an idle client goes at once, so coalescing adds no latency,
+only saves messages when there is a queue of them.
+
+Errors stay per put: when a merged reserve is refused (a bad uid in one put,
+QueueFull, a timeout), nothing was registered, so each put is retried alone and
+gets its own answer. A failure after reserve (a storage write) is reported to
+every put of the group; their samples were dropped with reason "write_failed".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+
+
+__all__ = ["PutCoalescer", "ReserveRefused"]
+
+
+class ReserveRefused(Exception):
+    """Raised by the write function when the controller refused the reserve (nothing registered)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+Write = Callable[[Hashable, list, list], Awaitable[None]]
+
+
+class PutCoalescer:
+    """Runs ``write(key, rows, tags)``; puts with the same key that queue up meanwhile are merged."""
+
+    def __init__(self, write: Write) -> None:
+        self._write = write
+        self._busy: set[Hashable] = set()
+        self._queued: dict[Hashable, list[tuple[list, list, asyncio.Future]]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def put(self, key: Hashable, rows: list, tags: list) -> None:
+        if key in self._busy:
+            fut = asyncio.get_running_loop().create_future()
+            self._queued.setdefault(key, []).append((rows, tags, fut))
+            await fut
+            return
+        self._busy.add(key)
+        try:
+            await self._write_one(key, rows, tags)
+        finally:
+            self._next(key)
+
+    async def _write_one(self, key: Hashable, rows: list, tags: list) -> None:
+        try:
+            await self._write(key, rows, tags)
+        except ReserveRefused as e:
+            raise e.cause from None
+
+    def _next(self, key: Hashable) -> None:
+        group = self._queued.pop(key, None)
+        if not group:
+            self._busy.discard(key)
+            return
+        task = asyncio.get_running_loop().create_task(self._flush(key, group))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _flush(self, key: Hashable, group: list[tuple[list, list, asyncio.Future]]) -> None:
+        try:
+            rows = [r for g in group for r in g[0]]
+            tags = [t for g in group for t in g[1]]
+            try:
+                await self._write(key, rows, tags)
+                _settle(group, None)
+            except ReserveRefused as e:
+                if len(group) == 1:
+                    _settle(group, e.cause)
+                else:  # someone's bad input or no room for all: each put alone
+                    for one in group:
+                        try:
+                            await self._write_one(key, one[0], one[1])
+                            _settle([one], None)
+                        except Exception as err:  # handed to that put's caller
+                            _settle([one], err)
+            except Exception as err:  # handed to every caller of the group
+                _settle(group, err)
+        finally:
+            self._next(key)
+
+
+def _settle(group: list[tuple[list, list, asyncio.Future]], error: BaseException | None) -> None:
+    for _, _, fut in group:
+        if fut.done():  # its caller was cancelled; the samples went in anyway
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+
