@@ -22,6 +22,7 @@ from sync.manifest import Checksum, ShardSpec
 
 MASK64 = (1 << 64) - 1
 _BLOCK = 4096  # row length for the (row sum, column sum) trick below
+_ROWS_PER_PASS = 64  # 64 x 4096 x 2 bytes: stays in L2 between the two sums
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -42,8 +43,12 @@ def _weighted_np(a: np.ndarray) -> tuple[int, int]:
     s0 = s1 = 0
     if rows_n:
         main = a[: rows_n * _BLOCK].reshape(rows_n, _BLOCK)
-        rows = main.sum(axis=1, dtype=np.int64)
-        cols = main.sum(axis=0, dtype=np.int64)
+        rows = np.empty(rows_n, dtype=np.int64)
+        cols = np.zeros(_BLOCK, dtype=np.int64)
+        for r in range(0, rows_n, _ROWS_PER_PASS):  # both sums while the rows are in cache
+            block = main[r : r + _ROWS_PER_PASS]
+            block.sum(axis=1, dtype=np.int64, out=rows[r : r + _ROWS_PER_PASS])
+            cols += block.sum(axis=0, dtype=np.int64)
         s0 += int(rows.sum(dtype=np.int64))
         # sum over (r, c) of (r*B + c) * x[r, c] = B * sum_r r*rows[r] + sum_c c*cols[c]
         s1 += _BLOCK * int((rows * np.arange(rows_n, dtype=np.int64)).sum(dtype=np.int64))
@@ -72,8 +77,18 @@ def region_checksum(values: torch.Tensor, first_pos: int) -> Checksum:
     return (s0 & MASK64, ((first_pos + 1) * s0 + sj) & MASK64)
 
 
+def _np_weighted(x: np.ndarray, p: np.ndarray) -> Checksum:
+    x = x.astype(np.int64)
+    s0 = int(x.sum(dtype=np.int64))
+    p = p + 1
+    p *= x  # wraps mod 2**64 like the torch path
+    return s0 & MASK64, int(p.sum(dtype=np.int64)) & MASK64
+
+
 def positions_checksum(values: torch.Tensor, positions: torch.Tensor) -> Checksum:
     """Checksum of values at arbitrary flat ``positions`` (int64, same length)."""
+    if not values.is_cuda:
+        return _np_weighted(int_view(values.contiguous()).numpy(), positions.cpu().to(torch.int64).numpy())
     x = int_view(values.contiguous()).to(torch.int64)
     p = positions.to(device=x.device, dtype=torch.int64)
     return int(x.sum()) & MASK64, int((x * (p + 1)).sum()) & MASK64
@@ -84,6 +99,10 @@ def delta_checksum(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     to ``new`` (integer views or same-dtype float tensors)."""
     o = old if not old.is_floating_point() else int_view(old)
     n = new if not new.is_floating_point() else int_view(new)
+    if not n.is_cuda:
+        d_np = n.contiguous().numpy().astype(np.int64)
+        d_np -= o.contiguous().numpy()
+        return _np_weighted(d_np, positions.cpu().to(torch.int64).numpy())
     d = n.to(torch.int64) - o.to(torch.int64)
     p = positions.to(device=d.device, dtype=torch.int64)
     return int(d.sum()) & MASK64, int((d * (p + 1)).sum()) & MASK64

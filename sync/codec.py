@@ -11,7 +11,8 @@ Value streams:
     most changed bf16 elements by one unit in the last place, so this is
     1 byte per change; it is exact because the receiver holds the base.
 
-Everything is vectorised torch and runs on the device the tensors are on.
+Everything is vectorised: numpy for CPU tensors (:mod:`sync.codec_np`), torch
+on the device for CUDA tensors; both write the same bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from sync import codec_np as cnp
 from sync.checksum import int_view
 
 IndexCodec = Literal["varint", "bitmask"]
@@ -145,17 +147,22 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def encode_sparse(
     old: torch.Tensor, new: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
-    """Compare two same-dtype 1-D pieces bit for bit.
+    """Compare 1-D pieces bit for bit, ``new`` cast to ``old.dtype`` first.
 
     Returns ``(idx, new_changed_values, plan)`` where ``plan`` is None when a
     raw copy of ``new`` is no larger than the best sparse encoding, else the
     chosen codecs and the byte streams (index, values, escapes).
     """
+    return _encode_sparse_np(old, new) if not new.is_cuda else _encode_sparse_torch(old, new)
+
+
+def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor):
+    new = new.to(old.dtype)
     oi, ni = int_view(old), int_view(new)
     idx = torch.nonzero(oi != ni).view(-1)
     k, n, size = idx.numel(), new.numel(), new.element_size()
     if k == 0:
-        return idx, new[:0], ("varint", "raw", [])
+        return idx, new[:0], None
     old_c, new_c = oi[idx], ni[idx]
     idx_sizes = {"varint": varint_size(idx), "bitmask": (n + 7) // 8}
     index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
@@ -173,6 +180,48 @@ def encode_sparse(
     return idx, new_vals, (index_codec, value_codec, streams)
 
 
+_CHUNK = 1 << 22  # elements compared at a time on CPU: the temporaries stay in cache
+
+
+def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor):
+    """:func:`encode_sparse` for CPU tensors, in numpy. ``new`` may still be
+    in the trainer's dtype: it is cast chunk by chunk while comparing, so the
+    piece is read once instead of cast, written, and read again."""
+    oi = int_view(old).numpy()
+    idx_parts, new_parts = [], []
+    for s in range(0, oi.size, _CHUNK):
+        n_chunk = new[s : s + _CHUNK].to(old.dtype)
+        ni = int_view(n_chunk).numpy()
+        where = np.flatnonzero(oi[s : s + _CHUNK] != ni)
+        if where.size:
+            new_parts.append(ni[where])
+            where += s
+            idx_parts.append(where)
+    k, n, size = sum(p.size for p in idx_parts), oi.size, oi.itemsize
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64), old[:0], None
+    idx, new_c = np.concatenate(idx_parts), np.concatenate(new_parts)
+    old_c = oi[idx]
+    gaps = cnp.gaps_of(idx)
+    plan = cnp.VarintPlan(gaps)
+    idx_sizes = {"varint": plan.size, "bitmask": (n + 7) // 8}
+    index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
+    val_sizes = {"raw": k * size}
+    if size > 1:
+        d8, fits = cnp.diff8(old_c, new_c)
+        val_sizes["diff8"] = k + (k - int(np.count_nonzero(fits))) * size
+    value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
+    idx_t, new_vals = torch.from_numpy(idx), torch.from_numpy(new_c).view(old.dtype)
+    if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
+        return idx_t, new_vals, None
+    index_bytes = cnp.varint_encode(gaps, plan) if index_codec == "varint" else cnp.bitmask_encode(idx, n)
+    if value_codec == "raw":
+        streams = [index_bytes, new_c.view(np.uint8), np.empty(0, np.uint8)]
+    else:
+        streams = [index_bytes, d8.view(np.uint8), new_c[~fits].view(np.uint8)]
+    return idx_t, new_vals, (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
+
+
 def decode_sparse(
     blob: torch.Tensor,
     parts: tuple[int, ...],
@@ -188,6 +237,13 @@ def decode_sparse(
     if len(parts) != 3 or sum(parts) != blob.numel():
         raise ValueError(f"sparse parts {parts} do not add up to {blob.numel()} bytes")
     a, b = parts[0], parts[0] + parts[1]
+    if not blob.is_cuda:
+        return _decode_sparse_np(blob.numpy(), a, b, index_codec, value_codec, count, num_changed, old_values_at, dtype)
+    return _decode_sparse_torch(blob, a, b, index_codec, value_codec, count, num_changed, old_values_at, dtype)
+
+
+def _decode_sparse_torch(blob: torch.Tensor, a: int, b: int, index_codec: str, value_codec: str, count: int,
+                         num_changed: int, old_values_at: "callable", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     idx_bytes, val_bytes, esc_bytes = blob[:a], blob[a:b], blob[b:]
     if index_codec == "varint":
         idx = varint_decode(idx_bytes, num_changed)
@@ -208,3 +264,27 @@ def decode_sparse(
     if new.numel() != num_changed:
         raise ValueError("decoded values do not match the manifest")
     return idx, new.view(dtype)
+
+
+def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_codec: str, count: int,
+                      num_changed: int, old_values_at: "callable", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if index_codec == "varint":
+        idx = cnp.varint_decode(blob[:a], num_changed)
+    elif index_codec == "bitmask":
+        idx = cnp.bitmask_decode(blob[:a], count)
+    else:
+        raise ValueError(f"unknown index codec {index_codec!r}")
+    if idx.size != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
+        raise ValueError("decoded positions do not match the manifest")
+    int_dtype = int_view(torch.empty(0, dtype=dtype)).numpy().dtype
+    idx_t = torch.from_numpy(idx)
+    if value_codec == "raw":
+        new = blob[a:b].copy().view(int_dtype)  # copy: the slice may be misaligned for the dtype
+    elif value_codec == "diff8":
+        old = int_view(old_values_at(idx_t).to(dtype)).numpy()
+        new = cnp.diff8_decode(old, blob[a:b].view(np.int8), blob[b:].copy().view(int_dtype))
+    else:
+        raise ValueError(f"unknown value codec {value_codec!r}")
+    if new.size != num_changed:
+        raise ValueError("decoded values do not match the manifest")
+    return idx_t, torch.from_numpy(new).view(dtype)

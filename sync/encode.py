@@ -33,30 +33,39 @@ _ALIGN = 8  # raw pieces start 8-byte aligned so receivers view them in place
 
 
 class _BucketWriter:
-    """Packs entry blobs into uint8 buckets of at most ``bucket_bytes``."""
+    """Packs entry blobs into uint8 buckets of at most ``bucket_bytes``
+    (a piece is never larger than that), writing each blob in place once."""
 
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
         self.buckets: list[torch.Tensor] = []
-        self._parts: list[torch.Tensor] = []
+        self._cur: torch.Tensor | None = None
         self._used = 0
 
-    def add(self, blob: torch.Tensor) -> tuple[int, int]:
+    def reserve(self, nbytes: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+        """Room for ``nbytes``: (bucket index, offset, the uint8 view to fill)."""
         pad = (-self._used) % _ALIGN
-        if self._parts and self._used + pad + blob.numel() > self.bucket_bytes:
+        if self._cur is not None and self._used + pad + nbytes > self._cur.numel():
             self.flush()
             pad = 0
-        if pad:
-            self._parts.append(blob.new_zeros(pad))
+        if self._cur is None:
+            self._cur = torch.empty(max(self.bucket_bytes, nbytes), dtype=torch.uint8, device=device)
+        self._cur[self._used : self._used + pad].zero_()
         offset = self._used + pad
-        self._parts.append(blob)
-        self._used = offset + blob.numel()
-        return len(self.buckets), offset
+        self._used = offset + nbytes
+        return len(self.buckets), offset, self._cur[offset : self._used]
+
+    def add(self, blob: torch.Tensor) -> tuple[int, int]:
+        bucket, offset, view = self.reserve(blob.numel(), blob.device)
+        view.copy_(blob)
+        return bucket, offset
 
     def flush(self) -> None:
-        if self._parts:
-            self.buckets.append(torch.cat(self._parts))
-        self._parts, self._used = [], 0
+        if self._cur is not None:
+            used = self._cur[: self._used]
+            # a mostly empty last bucket should not pin a whole bucket of memory
+            self.buckets.append(used.clone() if self._used < self._cur.numel() // 2 else used)
+        self._cur, self._used = None, 0
 
 
 def _iter_named(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor, ShardSpec | None]]:
@@ -164,28 +173,32 @@ class WeightSender:
             if fresh:
                 prev = self._prev[key] = torch.empty(src.numel(), dtype=dtype, device=src.device)
             num_elements += src.numel()
+            itemsize = prev.element_size()
             for start in range(0, src.numel(), piece_elems):
-                new = src[start : start + piece_elems].to(dtype)
-                common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=new.numel())
+                piece = src[start : start + piece_elems]  # still in the trainer's dtype
+                count = piece.numel()
+                common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=count)
                 sum_key = (name, shard, start)
                 if kind == "full" or fresh:
                     revertible = revertible and kind == "delta" and not fresh
+                    bucket, offset, view = writer.reserve(count * itemsize, src.device)
+                    new = view.view(dtype)
+                    new.copy_(piece)  # cast straight into the payload
                     checksum = cks.piece_checksum(new, shard, start)
-                    bucket, offset = writer.add(as_bytes(new))
-                    entries.append(TensorEntry(**common, encoding="raw", num_changed=new.numel(), bucket=bucket,
-                                               offset=offset, nbytes=new.numel() * new.element_size(), checksum=checksum))
-                    prev[start : start + new.numel()].copy_(new)
-                    num_changed += new.numel()
+                    entries.append(TensorEntry(**common, encoding="raw", num_changed=count, bucket=bucket,
+                                               offset=offset, nbytes=count * itemsize, checksum=checksum))
+                    prev[start : start + count].copy_(new)
+                    num_changed += count
                 else:
-                    old = prev[start : start + new.numel()]
-                    found = _delta_piece(writer, common, old, new, shard, self._prev_sums[sum_key])
+                    old = prev[start : start + count]
+                    found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key])
                     if found is None:
                         continue
-                    entry, idx, old_vals = found
+                    entry, idx, old_vals, new_vals = found
                     entries.append(entry)
                     # int32 positions: the undo log is O(changed) and should stay small
                     undo.append((key, sum_key, idx.to(torch.int32), old_vals, self._prev_sums[sum_key], common))
-                    old[idx] = new[idx]
+                    old[idx] = new_vals
                     num_changed += idx.numel()
                     checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
@@ -246,9 +259,10 @@ class WeightSender:
 
 
 def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
-                 shard: ShardSpec | None, base: cks.Checksum) -> tuple[TensorEntry, torch.Tensor, torch.Tensor] | None:
-    """Encode how piece ``old`` became ``new`` (sparse or raw, the smaller);
-    return (entry, changed positions, old values there), None if unchanged."""
+                 shard: ShardSpec | None, base: cks.Checksum) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Encode how piece ``old`` became ``new`` (any float dtype; compared in
+    ``old``'s), sparse or raw, the smaller; return (entry, changed positions,
+    old values there, new values there), None if unchanged."""
     idx, new_vals, plan = encode_sparse(old, new)
     if idx.numel() == 0:
         return None
@@ -257,7 +271,7 @@ def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: to
     old_vals = old[idx]
     checksum = cks.add(base, cks.delta_checksum(old_vals, new_vals, positions))
     if plan is None:
-        blob = as_bytes(new)
+        blob = as_bytes(new.to(old.dtype))
         extra: dict = dict(encoding="raw")
     else:
         index_codec, value_codec, streams = plan
@@ -268,4 +282,4 @@ def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: to
     bucket, offset = writer.add(blob)
     entry = TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket, offset=offset,
                         nbytes=blob.numel(), checksum=checksum, base_checksum=base)
-    return entry, idx, old_vals
+    return entry, idx, old_vals, new_vals

@@ -110,3 +110,47 @@ def test_checksum_is_additive_over_pieces() -> None:
     y[[5, 9]] = y[[9, 5]]
     if not torch.equal(int_view(x[5:6]), int_view(x[9:10])):
         assert region_checksum(y, 0) != whole
+
+
+@settings(max_examples=60, deadline=None)
+@given(gaps=st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**40)), max_size=300),
+       n_extra=st.integers(1, 100))
+def test_numpy_and_torch_index_codecs_write_the_same_bytes(gaps: list[int], n_extra: int) -> None:
+    import numpy as np
+
+    from sync import codec_np as cnp
+    from sync.codec import varint_size
+
+    idx = torch.cumsum(torch.tensor(gaps, dtype=torch.int64) + 1, 0) - 1
+    plan = cnp.VarintPlan(cnp.gaps_of(idx.numpy()))
+    stream = cnp.varint_encode(cnp.gaps_of(idx.numpy()), plan)
+    assert np.array_equal(stream, varint_encode(idx).numpy()) and plan.size == varint_size(idx) == stream.size
+    assert np.array_equal(cnp.varint_decode(stream, idx.numel()), idx.numpy())
+    if gaps and idx[-1] < 10**6:
+        n = int(idx[-1]) + n_extra
+        assert np.array_equal(cnp.bitmask_encode(idx.numpy(), n), bitmask_encode(idx, n).numpy())
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), frac=st.floats(0, 1), seed=st.integers(0, 2**31))
+def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) -> None:
+    """The CUDA code path (torch ops) run on CPU writes what the CPU path writes."""
+    from sync.codec import _decode_sparse_np, _decode_sparse_torch, _encode_sparse_np, _encode_sparse_torch
+
+    old = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    new = _perturb(old, frac, 3, seed)
+    a_idx, a_vals, a_plan = _encode_sparse_np(old, new)
+    b_idx, b_vals, b_plan = _encode_sparse_torch(old, new)
+    assert torch.equal(a_idx, b_idx) and torch.equal(int_view(a_vals), int_view(b_vals))
+    assert (a_plan is None) == (b_plan is None)
+    if a_plan is None:
+        return
+    assert a_plan[:2] == b_plan[:2]
+    assert all(torch.equal(x, y) for x, y in zip(a_plan[2], b_plan[2]))
+    blob = torch.cat(a_plan[2])
+    a, b = a_plan[2][0].numel(), a_plan[2][0].numel() + a_plan[2][1].numel()
+    args = (a, b, a_plan[0], a_plan[1], n, a_idx.numel(), lambda i: old[i], dtype)
+    got_np = _decode_sparse_np(blob.numpy(), *args)
+    got_torch = _decode_sparse_torch(blob, *args)
+    for idx, vals in (got_np, got_torch):
+        assert torch.equal(idx, a_idx) and torch.equal(int_view(vals), int_view(new[a_idx]))
