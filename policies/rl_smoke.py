@@ -1,6 +1,6 @@
 """A small synchronous GRPO loop: proof that the model, task, loss and backend learn.
 
-    python -m policies.rl_smoke --steps 200 --seed 0
+    python -m policies.rl_smoke --steps 400 --seed 0
 
 Each step: sample ``--prompts`` prompts, generate ``--group`` responses each
 with HF ``generate(do_sample=True)`` on the trainer's own weights (so it is
@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(BUILTIN_MODEL_DIR))
     parser.add_argument("--task", default="reverse_digits")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="responses per prompt")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--loss", default="ppo_clip")

@@ -87,3 +87,17 @@ def test_misuse_and_bad_input_are_clear_errors(backend, tmp_path):
         backend.train_step(samples, [1.0, -1.0])
     with pytest.raises(ValueError, match="has no model.safetensors"):
         backend.load(tmp_path)
+
+
+def test_decoupled_ppo_accepts_proximal_logprobs_from_compute_logprobs():
+    runs = []
+    for pass_proximal in (False, True):
+        b = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss="decoupled_ppo")
+        b.setup()
+        samples = _samples(b)
+        for s in samples:  # a stale sampler: behaviour log-probs differ from the trainer's
+            s.rollout_logprobs = [lp - 0.1 for lp in s.rollout_logprobs]
+        proximal = b.compute_logprobs(samples) if pass_proximal else None
+        runs.append(b.train_step(samples, [1.0, -1.0], proximal_logprobs=proximal))
+    assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], abs=1e-7)
+    assert runs[0]["behav_weight_mean"] == pytest.approx(1.1052, abs=1e-3)  # exp(0.1)

@@ -127,30 +127,33 @@ class TorchBackend:
         logprobs, _, _ = self._response_logprobs(samples)
         return [logprobs[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
 
-    def train_step(self, samples: list[Sample], advantages: list[float]) -> dict[str, float]:
+    def train_step(
+        self,
+        samples: list[Sample],
+        advantages: list[float],
+        proximal_logprobs: list[list[float]] | None = None,
+    ) -> dict[str, float]:
         """One AdamW step on the batch with the configured loss; raises ``version`` by 1.
 
         ``advantages[i]`` belongs to ``samples[i]`` and applies to all its
         response tokens; each sample's ``rollout_logprobs`` are the behaviour
-        log-probs (one per response token).
+        log-probs (one per response token). For a loss that needs proximal
+        log-probs (``decoupled_ppo``) pass what :meth:`compute_logprobs`
+        returned for this batch, or leave ``None`` and they are recomputed
+        here from the current weights (one extra forward pass).
         """
         self._require_setup()
         if len(advantages) != len(samples):
             raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples")
-        for s in samples:
-            if len(s.rollout_logprobs) != len(s.response_ids):
-                raise ValueError(
-                    f"sample {s.uid!r} has {len(s.rollout_logprobs)} rollout_logprobs for {len(s.response_ids)} response tokens"
-                )
         extra = {}
-        if self.loss_name in NEEDS_PROXIMAL:
+        if self.loss_name in NEEDS_PROXIMAL and proximal_logprobs is None:
             # The weights before this step are the proximal policy.
             with torch.no_grad():
                 extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
         logprobs, entropy, mask = self._response_logprobs(samples)
-        rollout = torch.zeros_like(logprobs)
-        for i, s in enumerate(samples):
-            rollout[i, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, dtype=rollout.dtype)
+        if self.loss_name in NEEDS_PROXIMAL and proximal_logprobs is not None:
+            extra["proximal_logprobs"] = self._pad(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
+        rollout = self._pad(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
         adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
         loss, metrics = self.loss_fn(logprobs, rollout, adv, mask, **extra, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
@@ -168,6 +171,18 @@ class TorchBackend:
             "version": float(self.version),
             **{k: float(v) for k, v in metrics.items()},
         }
+
+    @staticmethod
+    def _pad(samples: list[Sample], values: list[list[float]], what: str, *, like: torch.Tensor) -> torch.Tensor:
+        """Per-token values (one list per sample) as a zero-padded tensor shaped ``like`` ``[B, T]``."""
+        if len(values) != len(samples):
+            raise ValueError(f"got {what} for {len(values)} samples, expected {len(samples)}")
+        out = torch.zeros_like(like, requires_grad=False)
+        for i, (s, v) in enumerate(zip(samples, values)):
+            if len(v) != len(s.response_ids):
+                raise ValueError(f"sample {s.uid!r} has {len(v)} {what} for {len(s.response_ids)} response tokens")
+            out[i, : len(v)] = torch.tensor(v, dtype=out.dtype)
+        return out
 
     def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under its HF name, detached.
