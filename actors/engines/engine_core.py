@@ -1,0 +1,330 @@
+"""The generation loop of the torch engine: one dedicated thread per engine.
+
+    event loop ── commands (deque + Condition) ──► engine thread
+    event loop ◄── loop.call_soon_threadsafe(deliver, events, callbacks) ──┘
+
+Each turn of the thread:
+  1. drain commands in order: submit, abort, pause/resume, sleep/wake,
+     weight update (applied here, between decode steps, before any new
+     request is prefilled), reset_prefix_cache, close;
+  2. unless paused or asleep: admit waiting requests into free slots and
+     prefill them (sampling their first token), then run ONE decode step
+     for every running request;
+  3. post the new tokens (one callback per turn) and finish what stopped.
+
+Everything that touches torch runs on this thread. Requests preempted by a
+weight update or by ``sleep`` keep their tokens and are prefilled again from
+prompt + generated tokens, so no KV computed with old weights is reused.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.engines.base import SamplingParams
+from actors.engines.kv_cache import KVCache
+from actors.engines.model import Model, ModelConfig
+from actors.engines.sampling import SamplingBatch, sample
+from actors.engines.weights import FullWeights, WeightStore
+
+# (stream, token | None, logprob, raw_logprob, version, finish_reason | None, error | None)
+Event = tuple[Any, int | None, float, float, int, str | None, BaseException | None]
+
+
+@dataclass(eq=False)
+class Seq:
+    """Engine-thread state of one request."""
+
+    request_id: str
+    stream: Any  # loop-side sink, opaque here
+    tokens: list[int]  # prompt + generated; the last one is not in the KV cache yet while running
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    num_generated: int = 0
+    slot: int = -1
+    finish: str | None = field(default=None)
+
+
+@dataclass
+class EngineOptions:
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_num_seqs: int
+    max_model_len: int
+    seed: int
+    cuda_graphs: bool
+    max_prefill_tokens: int
+
+
+class EngineCore:
+    """Owns model, weights, KV cache and scheduling; lives on its thread."""
+
+    def __init__(self, opts: EngineOptions, post: Callable[[list[Event], list[Callable[[], None]]], None]):
+        self.opts = opts
+        self._post = post
+        self._cond = threading.Condition()
+        self._commands: deque[tuple] = deque()
+        self._thread = threading.Thread(target=self._main, name="asyncrl-torch-engine", daemon=True)
+        self.version = 0
+        self.paused = False
+        self.closed = False
+        self.running: list[Seq] = []  # running[i].slot == i
+        self.waiting: deque[Seq] = deque()
+        self._rng = random.Random(opts.seed)
+        self._params_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        self.num_preemptions = 0
+
+    # ---- called from the event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def push(self, *command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        while not self.closed:
+            with self._cond:
+                while not self._commands and not self._can_step():
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+            for cmd in commands:
+                self._handle(cmd)
+            if self._can_step():
+                try:
+                    self._step()
+                except Exception as exc:  # a broken step fails its requests, not the engine
+                    self._fail_all(exc)
+
+    def _can_step(self) -> bool:
+        return (not self.closed and not self.paused and self.awake
+                and bool(self.running or self.waiting))
+
+    @property
+    def awake(self) -> bool:
+        return hasattr(self, "kv") and self.kv.allocated and self.weights.device == self.opts.device
+
+    def _handle(self, cmd: tuple) -> None:
+        name, *args, done = cmd
+        try:
+            result = getattr(self, "_cmd_" + name)(*args)
+        except BaseException as exc:  # the caller gets it, the thread goes on
+            if done is not None:
+                self._post([], [lambda exc=exc: done(None, exc)])  # `exc` is unbound after except
+            return
+        if name == "abort":
+            events, streams = result
+            self._post(events, [] if done is None else [lambda: done(streams, None)])
+        elif done is not None:
+            self._post([], [lambda: done(result, None)])
+
+    # ---- commands ------------------------------------------------------------------------------
+    def _cmd_init(self) -> int:
+        o = self.opts
+        torch.manual_seed(o.seed)
+        self.cfg = ModelConfig.from_dir(o.model_path)
+        self.weights = WeightStore(self.cfg, o.device, o.dtype)
+        self.weights.load_dir(o.model_path)
+        self.model = Model(self.cfg, o.max_model_len, o.device, o.dtype)
+        self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, o.max_model_len,
+                          self.cfg.head_dim, o.device, o.dtype)
+        self.graphs = None
+        if o.cuda_graphs and o.device.type == "cuda":
+            from actors.engines.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, o.max_num_seqs, o.device)
+        return self.version
+
+    def _cmd_submit(self, seq: Seq) -> None:
+        if seq.seed < 0:
+            seq.seed = self._rng.getrandbits(32)
+        if seq.max_tokens <= 0:
+            self._post([(seq.stream, None, 0.0, 0.0, self.version, "length", None)], [])
+            return
+        self.waiting.append(seq)
+
+    def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[Any]]:
+        wanted = None if request_ids is None else set(request_ids)
+        hit = [s for s in (*self.running, *self.waiting) if wanted is None or s.request_id in wanted]
+        events: list[Event] = []
+        for s in hit:
+            s.finish = "abort"
+            events.append((s.stream, None, 0.0, 0.0, self.version, "abort", None))
+        self.waiting = deque(s for s in self.waiting if s.finish is None)
+        self._compact()
+        return events, [s.stream for s in hit]
+
+    def _cmd_pause(self) -> None:
+        self.paused = True
+
+    def _cmd_resume(self) -> None:
+        self.paused = False
+
+    def _cmd_sleep(self, level: int) -> None:
+        self._preempt_all()
+        if self.graphs is not None:
+            self.graphs.reset()
+        self.kv.free()
+        if level >= 2:
+            self.weights.to(torch.device("cpu"))
+        if self.opts.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _cmd_wake(self, tags: list[str] | None) -> bool:
+        tags = ["weights", "kv_cache"] if tags is None else tags
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} unknown (use 'weights', 'kv_cache')")
+        if "weights" in tags:
+            self.weights.to(self.opts.device)
+        if "kv_cache" in tags:
+            self.kv.allocate()
+        return self.awake
+
+    def _cmd_update(self, update: object) -> int:
+        if isinstance(update, FullWeights):
+            self.weights.load_full(update.tensors)
+            new_version = int(update.version)
+        else:
+            try:
+                from sync.apply import apply_update
+            except ImportError as exc:
+                raise TypeError(
+                    f"update of type {type(update).__name__} needs sync.apply, which is not "
+                    "available; pass actors.engines.FullWeights"
+                ) from exc
+            new_version = apply_update(self.weights.params, update, self.version)
+        self.version = new_version
+        self._preempt_all()  # their KV was computed with the old weights
+        return self.version
+
+    def _cmd_reset_prefix_cache(self) -> None:
+        # No prefix cache is kept across requests; running requests' KV is their own.
+        return None
+
+    def _cmd_close(self) -> None:
+        events = [(s.stream, None, 0.0, 0.0, self.version, "abort", None) for s in (*self.running, *self.waiting)]
+        self.running, self.waiting = [], deque()
+        self.closed = True
+        if events:
+            self._post(events, [])
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _preempt_all(self) -> None:
+        """Running requests go back to the head of the queue, tokens kept, KV dropped."""
+        self.num_preemptions += len(self.running)
+        for s in reversed(self.running):
+            s.slot = -1
+            self.waiting.appendleft(s)
+        self.running = []
+
+    def _compact(self) -> None:
+        """Drop finished requests and move survivors into the holes below them."""
+        alive = [s for s in self.running if s.finish is None]
+        n = len(alive)
+        holes = iter(sorted(set(range(n)) - {s.slot for s in alive}))
+        for s in alive:
+            if s.slot >= n:
+                dst = next(holes)
+                self.kv.move(s.slot, dst, len(s.tokens) - 1)
+                s.slot = dst
+        alive.sort(key=lambda s: s.slot)
+        self.running = alive
+
+    def _step(self) -> None:
+        events: list[Event] = []
+        admit: list[Seq] = []
+        while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
+            admit.append(self.waiting.popleft())
+        if admit:
+            self._prefill(admit, events)
+            self._compact()
+        if self.running:
+            self._decode(events)
+            self._compact()
+        self._post(events, [])
+
+    def _prefill(self, seqs: list[Seq], events: list[Event]) -> None:
+        device = self.opts.device
+        for s in seqs:
+            s.slot = len(self.running)
+            self.running.append(s)
+        chunk: list[Seq] = []
+        for s in sorted(seqs, key=lambda s: len(s.tokens)):
+            longest = len(s.tokens)  # sorted: the newcomer is the longest of the chunk
+            if chunk and longest * (len(chunk) + 1) > self.opts.max_prefill_tokens:
+                self._prefill_chunk(chunk, events, device)
+                chunk = []
+            chunk.append(s)
+        if chunk:
+            self._prefill_chunk(chunk, events, device)
+
+    def _prefill_chunk(self, seqs: list[Seq], events: list[Event], device: torch.device) -> None:
+        T = max(len(s.tokens) for s in seqs)
+        rows = [s.tokens + [0] * (T - len(s.tokens)) for s in seqs]
+        tokens = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        meta = torch.tensor([[s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
+        meta = meta.to(device, non_blocking=True)
+        logits = self.model.prefill(self.weights, self.kv, tokens, meta[0], meta[1])
+        self._sample(seqs, logits, meta[1] + 1, events)
+
+    def _decode(self, events: list[Event]) -> None:
+        seqs = self.running
+        meta = torch.tensor([[s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
+        meta = meta.to(self.opts.device, non_blocking=True)
+        if self.graphs is not None:
+            logits = self.graphs.decode(self.weights, self.kv, meta[0], meta[1])
+        else:
+            logits = self.model.decode(self.weights, self.kv, meta[0], meta[1])
+        self._sample(seqs, logits, meta[1] + 1, events)
+
+    def _sampling_batch(self, seqs: list[Seq]) -> SamplingBatch:
+        key = tuple(id(s) for s in seqs)
+        if self._params_cache is not None and self._params_cache[0] == key:
+            return self._params_cache[1]
+        device = self.opts.device
+        sp = [s.sampling for s in seqs]
+        batch = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in sp], dtype=torch.float32).to(device),
+            top_k=torch.tensor([p.top_k for p in sp], dtype=torch.int64).to(device),
+            top_p=torch.tensor([p.top_p for p in sp], dtype=torch.float32).to(device),
+            seed=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(device),
+            needs_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in sp),
+        )
+        self._params_cache = (key, batch)
+        return batch
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor, positions: torch.Tensor, events: list[Event]) -> None:
+        token, lp, raw = sample(logits, self._sampling_batch(seqs), positions)
+        # one device->host copy per step (float64 holds token ids exactly)
+        token_l, lp_l, raw_l = torch.stack([token.double(), lp.double(), raw.double()]).cpu().tolist()
+        max_len = self.opts.max_model_len
+        for s, t, a, b in zip(seqs, token_l, lp_l, raw_l):
+            t = int(t)
+            s.tokens.append(t)
+            s.num_generated += 1
+            if t in s.sampling.stop_token_ids:
+                s.finish = "stop"
+            elif s.num_generated >= s.max_tokens or len(s.tokens) >= max_len:
+                s.finish = "length"
+            events.append((s.stream, t, a, b, self.version, s.finish, None))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        events = [(s.stream, None, 0.0, 0.0, self.version, None, exc) for s in (*self.running, *self.waiting)]
+        self.running, self.waiting = [], deque()
+        self._post(events, [])

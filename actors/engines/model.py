@@ -1,0 +1,242 @@
+"""The decoder forward of the Llama / Qwen2 / Qwen3 families, written against
+Hugging Face-named weights so that the engine owns the KV cache layout and can
+capture decode steps as CUDA graphs.
+
+    prefill(tokens [B, T], slots [B])           -> logits [B, T, V]   (writes KV[:, slots, :, :T])
+    decode(tokens [B], positions [B], B)        -> logits [B, V]      (writes KV[:, :B, :, pos])
+
+Decode runs on the first ``B`` cache slots: the engine keeps running
+requests packed into slots ``0..n-1`` so no gather of the cache is needed.
+Numerics follow Hugging Face (RMSNorm in fp32, RoPE with ``rotate_half``,
+cos/sin cast to the activation dtype) so fp32 outputs match it to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a Hugging Face ``config.json`` the forward needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # llama3-style scaling parameters, None = plain RoPE
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (always for Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported by the torch engine "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported by the torch engine")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported by the torch engine")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type={rope_type!r} is not supported (default, llama3)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_path: str | Path) -> "ModelConfig":
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model_path={str(model_path)!r} has no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape, in an order that keeps q/k/v and gate/up adjacent
+        (the weight store lays them out contiguously so they fuse as views)."""
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            if self.attention_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (q,)
+                shapes[p + "self_attn.k_proj.bias"] = (kv,)
+                shapes[p + "self_attn.v_proj.bias"] = (kv,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2] (fp32), llama3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Model:
+    """Stateless forward over a :class:`~actors.engines.weights.WeightStore`
+    and a :class:`~actors.engines.kv_cache.KVCache`."""
+
+    def __init__(self, cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        pos = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.key_positions = torch.arange(max_model_len, device=device)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [..., hidden] -> q [..., Hq, D], k/v [..., Hkv, D] with RoPE applied."""
+        cfg = self.cfg
+        x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        if cfg.qk_norm:
+            q = _rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = _rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _mlp_residual(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = h + F.linear(attn, layer.o_w)
+        x = _rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)
+
+    def _logits(self, weights, h: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(h, weights.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(h, weights.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, weights, kv, tokens: torch.Tensor, slots: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts tokens [B, T] into cache ``slots`` [B]; returns
+        the fp32 logits [B, V] at ``last_index`` [B] (each prompt's last token).
+        Padding sits after each prompt, so a causal mask alone keeps it out of
+        every real token's attention; its cache entries are overwritten later."""
+        B, T = tokens.shape
+        cos, sin = self.cos[:T], self.sin[:T]
+        h = F.embedding(tokens, weights.embed)
+        for n, layer in enumerate(weights.layers):
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, T, H, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+            kv.k[n][slots, :, :T] = k
+            kv.v[n][slots, :, :T] = v
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, is_causal=True, scale=self.scale,
+                enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
+            )
+            h = self._mlp_residual(layer, h, a.transpose(1, 2).flatten(2))
+        h = h[torch.arange(B, device=h.device), last_index]
+        return self._logits(weights, h)
+
+    @torch.inference_mode()
+    def decode(self, weights, kv, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token for each of the first B slots: tokens/positions [B] ->
+        fp32 logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
+        cfg = self.cfg
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
+        # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
+        bias = torch.zeros(B, 1, 1, kv.max_len, device=tokens.device, dtype=torch.float32)
+        bias.masked_fill_(self.key_positions[None, :] > positions[:, None].view(B, 1, 1, 1), float("-inf"))
+        group = cfg.num_heads // cfg.num_kv_heads
+        h = F.embedding(tokens, weights.embed)
+        for n, layer in enumerate(weights.layers):
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, H, D]
+            kv.k[n][rows, :, positions] = k
+            kv.v[n][rows, :, positions] = v
+            keys, values = kv.k[n][:B], kv.v[n][:B]  # [B, Hkv, L, D]
+            q = q.view(B, cfg.num_kv_heads, group, cfg.head_dim)
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, L]
+            probs = torch.softmax(scores + bias, dim=-1).to(values.dtype)
+            a = torch.matmul(probs, values)  # [B, Hkv, G, D]
+            h = self._mlp_residual(layer, h, a.reshape(B, cfg.num_heads * cfg.head_dim))
+        return self._logits(weights, h)

@@ -1,0 +1,244 @@
+"""The built-in rollout engine: pure PyTorch, continuous batching, a
+preallocated slot KV cache, CUDA-graph decode on GPU.
+
+The coroutines here run on the caller's event loop; all torch work runs on
+the engine's one thread (:mod:`actors.engines.engine_core`), which streams
+tokens back with ``loop.call_soon_threadsafe``. Per request the loop side
+keeps a :class:`_Stream` (the cumulative output and an ``asyncio.Event``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine
+from actors.engines.engine_core import EngineCore, EngineOptions, Event, Seq
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CLOSE_TIMEOUT_S = 30.0
+
+
+class _Stream:
+    """Loop-side sink of one request."""
+
+    __slots__ = ("out", "event", "done", "error")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.out = GenerateOutput(request_id=request_id)
+        self.event = asyncio.Event()
+        self.done: asyncio.Future[GenerateOutput] = loop.create_future()
+        self.error: BaseException | None = None
+
+
+class TorchEngine(RolloutEngine):
+    """Built-in engine for Llama / Qwen2 / Qwen3 checkpoints.
+
+    ``model_path``: directory with ``config.json`` and ``*.safetensors``.
+    ``device``: "cpu" or "cuda[:i]". ``dtype``: "float32" | "bfloat16" |
+    "float16" (None: float32 on CPU, bfloat16 on CUDA). ``max_num_seqs``:
+    KV slots = most requests decoded together. ``max_model_len``: most
+    tokens (prompt + response) per request. ``seed``: seeds the per-request
+    seeds of unseeded requests. ``cuda_graphs``: replay decode steps as CUDA
+    graphs (CUDA only). ``max_prefill_tokens``: padded tokens per prefill batch.
+    """
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str | None = None,
+                 max_num_seqs: int = 64, max_model_len: int = 2048, seed: int = 0,
+                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384):
+        if dtype is None:
+            dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+        self.model_path = str(model_path)
+        self._device_name = str(device)
+        self._dtype = _DTYPES[dtype]
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self._seed = seed
+        self._cuda_graphs = cuda_graphs
+        self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
+        self._core: EngineCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._version = 0
+        self._asleep = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def setup(self) -> None:
+        if self._core is not None:
+            raise RuntimeError("TorchEngine.setup() called twice")
+        device = torch.device(self._device_name)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self._device_name!r} but CUDA is not available")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        self._loop = asyncio.get_running_loop()
+        opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
+                             self._seed, self._cuda_graphs, self._max_prefill_tokens)
+        self._core = EngineCore(opts, self._post)
+        self._core.start()
+        self._version = await self._call("init")
+
+    async def close(self) -> None:
+        if self._core is None or self._core.closed:
+            return
+        await self._call("close")
+        await asyncio.to_thread(self._core.join, _CLOSE_TIMEOUT_S)  # the thread exits right after
+
+    # ---- thread -> loop ------------------------------------------------------------------------
+    def _post(self, events: list[Event], callbacks: list) -> None:
+        """Called on the engine thread; runs :meth:`_deliver` on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, events, callbacks)
+        except RuntimeError:  # loop closed: nobody is left to deliver to
+            pass
+
+    def _deliver(self, events: list[Event], callbacks: list) -> None:
+        for st, token, lp, raw, version, finish, error in events:
+            out = st.out
+            if token is not None:
+                out.token_ids.append(token)
+                out.logprobs.append(lp)
+                out.raw_logprobs.append(raw)
+                out.token_versions.append(version)
+            if error is not None:
+                st.error = error
+                self._streams.pop(out.request_id, None)
+                if not st.done.done():
+                    st.done.set_exception(error)
+                    st.done.exception()  # mark retrieved: stream() re-raises it
+            elif finish is not None:
+                out.finish_reason = finish
+                self._streams.pop(out.request_id, None)
+                if not st.done.done():
+                    st.done.set_result(out)
+            st.event.set()
+        for cb in callbacks:
+            cb()
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        if self._core is None:
+            raise RuntimeError("TorchEngine.setup() was not awaited")
+        fut = self._loop.create_future()
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self._core.push(name, *args, done)
+        return await fut
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _submit(self, request: GenerateRequest) -> _Stream:
+        if self._core is None:
+            raise RuntimeError("TorchEngine.setup() was not awaited")
+        if self._core.closed:
+            raise RuntimeError("TorchEngine is closed")
+        if self._asleep:
+            raise EngineAsleepError(f"request {request.request_id!r}: the engine is asleep; call wake_up()")
+        if request.request_id in self._streams:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r} has empty prompt_ids")
+        if n >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of {n} tokens does not fit "
+                             f"max_model_len={self.max_model_len}")
+        sp = request.sampling
+        if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
+            raise ValueError(f"request {request.request_id!r}: bad sampling params {sp}")
+        st = _Stream(request.request_id, self._loop)
+        self._streams[request.request_id] = st
+        seed = -1 if sp.seed is None else sp.seed % (1 << 32)
+        self._core.push("submit", Seq(request.request_id, st, list(request.prompt_ids),
+                                      request.max_tokens, sp, seed), None)
+        return st
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if self._asleep:
+            raise EngineAsleepError(f"request {request.request_id!r}: the engine is asleep; call wake_up()")
+        return self._stream(request)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        st = self._submit(request)
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if st.error is not None:
+                    raise RuntimeError(f"request {request.request_id!r} failed in the engine") from st.error
+                out = st.out
+                yield GenerateOutput(request_id=out.request_id, token_ids=list(out.token_ids),
+                                     logprobs=list(out.logprobs), raw_logprobs=list(out.raw_logprobs),
+                                     token_versions=list(out.token_versions), finish_reason=out.finish_reason)
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if st.out.finish_reason is None and st.error is None and not self._core.closed:
+                self._core.push("abort", [request.request_id], None)  # consumer left early
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        st = self._submit(request)
+        try:
+            return await asyncio.shield(st.done)
+        except asyncio.CancelledError:
+            self._core.push("abort", [request.request_id], None)
+            raise
+        except Exception as exc:
+            raise RuntimeError(f"request {request.request_id!r} failed in the engine") from exc
+
+    async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
+        streams = await self._call("abort", None if request_ids is None else list(request_ids))
+        return [st.out for st in streams]
+
+    # ---- control -------------------------------------------------------------------------------
+    async def pause(self) -> None:
+        await self._call("pause")
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level} must be 1 (KV cache) or 2 (KV cache and weights)")
+        self._asleep = True
+        await self._call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        awake = await self._call("wake", None if tags is None else list(tags))
+        self._asleep = not awake
+
+    async def update_weights(self, update: object) -> int:
+        self._version = await self._call("update", update)
+        return self._version
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("reset_prefix_cache")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def statistics(self) -> dict[str, int]:
+        """Counts for monitoring (read without locking; approximate while running)."""
+        core = self._core
+        return {
+            "num_running": len(core.running) if core else 0,
+            "num_waiting": len(core.waiting) if core else 0,
+            "num_preemptions": core.num_preemptions if core else 0,
+            "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
+            "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
+        }

@@ -1,0 +1,144 @@
+"""Model weights held as tensors keyed by Hugging Face parameter names.
+
+All parameters live in ONE flat buffer; ``params[name]`` is a view into it.
+q/k/v and gate/up sit next to each other, so the fused projections the
+forward uses (``qkv_w``, ``gate_up_w``) are views too: an update written in
+place into ``params[name]`` (by name, as the trainer sends it) is seen by the
+fused matmuls and by captured CUDA graphs without any copy. Offloading
+(``sleep(2)``) moves the one buffer and rebuilds the views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+
+from actors.engines.model import ModelConfig
+
+
+@dataclass
+class FullWeights:
+    """A full set of HF-named weights at ``version`` — the update type the
+    torch engine accepts besides ``sync``'s manifests. ``lm_head.weight`` is
+    ignored for tied-embedding models."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+class WeightStore:
+    """HF-named views over one flat buffer, plus fused views for the forward."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.shapes = cfg.param_shapes()
+        total = sum(_numel(s) for s in self.shapes.values())
+        self.buffer: torch.Tensor | None = torch.empty(total, device=device, dtype=dtype)
+        self._bind()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def _bind(self) -> None:
+        """(Re)build the HF-named and fused views over ``self.buffer``."""
+        self.params: dict[str, torch.Tensor] = {}
+        offset = 0
+        spans: dict[str, tuple[int, int]] = {}
+        for name, shape in self.shapes.items():
+            n = _numel(shape)
+            self.params[name] = self.buffer[offset : offset + n].view(shape)
+            spans[name] = (offset, n)
+            offset += n
+        cfg, p = self.cfg, self.params
+
+        def fused(names: list[str], cols: int | None) -> torch.Tensor:
+            start = spans[names[0]][0]
+            n = sum(spans[x][1] for x in names)
+            assert spans[names[-1]][0] + spans[names[-1]][1] == start + n, names
+            flat = self.buffer[start : start + n]
+            return flat.view(-1, cols) if cols else flat
+
+        self.layers = []
+        for i in range(cfg.num_layers):
+            pre = f"model.layers.{i}."
+            a, m = pre + "self_attn.", pre + "mlp."
+            self.layers.append(SimpleNamespace(
+                input_norm=p[pre + "input_layernorm.weight"],
+                post_norm=p[pre + "post_attention_layernorm.weight"],
+                qkv_w=fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], cfg.hidden_size),
+                qkv_b=fused([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], None) if cfg.attention_bias else None,
+                q_norm=p.get(a + "q_norm.weight"),
+                k_norm=p.get(a + "k_norm.weight"),
+                o_w=p[a + "o_proj.weight"],
+                gate_up_w=fused([m + "gate_proj.weight", m + "up_proj.weight"], cfg.hidden_size),
+                down_w=p[m + "down_proj.weight"],
+            ))
+        self.embed = p["model.embed_tokens.weight"]
+        self.final_norm = p["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else p["lm_head.weight"]
+
+    @torch.no_grad()
+    def load_dir(self, model_path: str | Path) -> None:
+        """Read every ``*.safetensors`` file of ``model_path`` into the views."""
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model_path={str(model_path)!r} has no *.safetensors files")
+        seen: set[str] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    if self._skip(name):
+                        continue
+                    self._check(name, tuple(sf.get_slice(name).get_shape()))
+                    self.params[name].copy_(sf.get_tensor(name))
+                    seen.add(name)
+        missing = sorted(set(self.shapes) - seen)
+        if missing:
+            raise ValueError(f"model_path={str(model_path)!r} lacks weights: {missing[:5]}")
+
+    @torch.no_grad()
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a full HF-named state in place; checks everything before writing."""
+        names = [n for n in tensors if not self._skip(n)]
+        for n in names:
+            self._check(n, tuple(tensors[n].shape))
+        missing = sorted(set(self.shapes) - set(names))
+        if missing:
+            raise ValueError(f"full weight update lacks weights: {missing[:5]}")
+        for n in names:
+            self.params[n].copy_(tensors[n])
+
+    def _skip(self, name: str) -> bool:
+        return self.cfg.tie_word_embeddings and name == "lm_head.weight"
+
+    def _check(self, name: str, shape: tuple[int, ...]) -> None:
+        if name not in self.shapes:
+            raise ValueError(f"unknown weight {name!r} for a {self.cfg.model_type} model")
+        if shape != self.shapes[name]:
+            raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(self.shapes[name])}")
+
+    def to(self, device: torch.device) -> None:
+        """Move the buffer (offload / restore) and rebind the views."""
+        if self.buffer.device == torch.device(device):
+            return
+        new = torch.empty_like(self.buffer, device=device, pin_memory=False)
+        new.copy_(self.buffer)
+        self.buffer = new
+        self._bind()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

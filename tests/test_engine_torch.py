@@ -1,0 +1,112 @@
+"""The engine contract run against the built-in TorchEngine on CPU (fp32),
+plus what is particular to it: a preallocated KV cache, the factory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import loop
+from actors.engines import FullWeights, make_engine
+from actors.engines.torch_engine import TorchEngine
+from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running, tiny_models  # noqa: F401
+
+
+@pytest.fixture
+def engine_factory():
+    return lambda model_dir, **options: TorchEngine(model_dir, device="cpu", dtype="float32", **options)
+
+
+@pytest.fixture
+def make_update():
+    return lambda version, state: FullWeights(version=version, tensors=state)
+
+
+class TestTorchEngineContract(EngineContract):
+    pass
+
+
+def test_kv_cache_is_allocated_once_and_not_grown_by_decoding(engine_factory, tiny_models):
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            kv = engine._core.kv
+            ptrs = [t.data_ptr() for t in kv.k + kv.v]
+            await asyncio.gather(*(engine.generate(req(f"r{i}", p, 30)) for i, p in enumerate(PROMPTS)))
+            return ptrs, [t.data_ptr() for t in kv.k + kv.v], engine.statistics()
+
+    before, after, stats = loop.run(body())
+    assert before == after
+    assert stats["num_running"] == 0 and stats["kv_cache_bytes"] > 0
+
+
+def test_sleep_frees_the_kv_cache_and_level_2_offloads_weights(engine_factory, tiny_models):
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            core = engine._core
+            await engine.sleep(1)
+            freed = (core.kv.allocated, core.weights.device.type)
+            await engine.wake_up(["kv_cache"])
+            await engine.sleep(2)
+            offloaded = (core.kv.allocated, core.weights.device.type)
+            await engine.wake_up()
+            return freed, offloaded, core.kv.allocated
+
+    freed, offloaded, restored = loop.run(body())
+    assert freed == (False, "cpu") and offloaded == (False, "cpu") and restored
+
+
+def test_full_weight_update_with_a_wrong_shape_is_refused_and_changes_nothing(engine_factory, tiny_models):
+    path, hf = tiny_models["qwen2"]
+    bad = {k: v.detach().clone() for k, v in tiny_models["qwen2-b"][1].state_dict().items()}
+    bad["model.norm.weight"] = torch.ones(3)
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            with pytest.raises(ValueError, match="model.norm.weight"):
+                await engine.update_weights(FullWeights(version=1, tensors=bad))
+            return engine.version, (await engine.generate(req("a", PROMPTS[0], 8))).token_ids
+
+    version, tokens = loop.run(body())
+    assert version == 0 and tokens == hf_greedy(hf, PROMPTS[0], 8)
+
+
+def test_prompts_that_do_not_fit_are_a_clear_error(engine_factory, tiny_models):
+    path, _ = tiny_models["llama"]
+
+    async def body():
+        async with running(engine_factory, path, max_model_len=16) as engine:
+            with pytest.raises(ValueError, match="max_model_len"):
+                await engine.generate(req("big", list(range(20)), 4))
+            # a response that runs into max_model_len ends with "length"
+            return await engine.generate(req("edge", list(range(10)), 50))
+
+    out = loop.run(body())
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+
+
+def test_make_engine_builds_torch_and_names_missing_adapters(tiny_models):
+    path, _ = tiny_models["qwen2"]
+    assert isinstance(make_engine("torch", path), TorchEngine)
+    for kind in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match=f"{kind} adapter is not available"):
+            make_engine(kind, path)
+    with pytest.raises(ValueError, match="unknown"):
+        make_engine("tgi", path)
+
+
+def test_unsupported_model_type_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+
+    async def body():
+        engine = TorchEngine(str(tmp_path))
+        with pytest.raises(ValueError, match="gpt2"):
+            await engine.setup()
+        await engine.close()
+
+    loop.run(body())
