@@ -12,6 +12,9 @@ pays its own encode / transport / decode costs on the same two cores.
                  read every sample (``batch.samples``: Python lists, like the
                  Sample objects ray.util.queue hands back) and ack.
                  samples/s = samples delivered / wall time.
+                 ``samples_per_s_arrays``: the same, but the consumer wants what a
+                 trainer wants, token arrays: ``batch.column(...)`` here, and
+                 ``np.array(list)`` per field on ray.util.queue's Sample objects.
     latency      one batch of 256 is put and made ready, then ``get`` is timed
                  (``get_ms``); ``get_samples_ms`` adds turning it into Sample
                  objects. For ray.util.queue the get (``get_nowait_batch``)
@@ -69,7 +72,17 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------- TransferQueue
-async def tq_throughput(tq: TransferQueue, samples: list[Sample]) -> float:
+def arrays_from_samples(samples: list[Sample]) -> int:
+    """What a trainer does with Sample objects: token lists -> numpy arrays."""
+    n = 0
+    for s in samples:
+        arrays = (np.array(s.prompt_ids, np.int32), np.array(s.response_ids, np.int32),
+                  np.array(s.rollout_logprobs, np.float32), np.array(s.token_versions, np.int32))  # fmt: skip
+        n += arrays[1].size > 0
+    return n
+
+
+async def tq_throughput(tq: TransferQueue, samples: list[Sample], arrays: bool = False) -> float:
     chunks = [samples[i : i + GROUP] for i in range(0, len(samples), GROUP)]
     delivered = [0]
 
@@ -83,7 +96,11 @@ async def tq_throughput(tq: TransferQueue, samples: list[Sample]) -> float:
                 batch = await tq.get(f"trainer-{c}", BATCH, sampler="grpo_group", group_size=GROUP)
             except EndOfStream:
                 return
-            delivered[0] += sum(len(s.response_ids) > 0 for s in batch.samples)
+            if arrays:  # the trainer reads token arrays straight from storage (no lists)
+                delivered[0] += sum(a.size > 0 for a in batch.column("response_ids"))
+                assert len(batch.column("prompt_ids")) == len(batch.column("rollout_logprobs")) == len(batch)
+            else:
+                delivered[0] += sum(len(s.response_ids) > 0 for s in batch.samples)
             await tq.ack(batch.batch_id)
 
     t0 = time.perf_counter()
@@ -123,11 +140,14 @@ async def bench_tq(deployment: str, num_batches: int, rounds: int) -> dict[str, 
     tq = await TransferQueue.create(cfg)
     rate = await tq_throughput(tq, make_samples(num_batches * BATCH, "s"))
     await tq.shutdown()
-    return {"samples_per_s": round(rate, 1), **latency}
+    tq = await TransferQueue.create(cfg)
+    rate_arrays = await tq_throughput(tq, make_samples(num_batches * BATCH, "a"), arrays=True)
+    await tq.shutdown()
+    return {"samples_per_s": round(rate, 1), "samples_per_s_arrays": round(rate_arrays, 1), **latency}
 
 
 # ------------------------------------------------------------ ray.util.queue
-async def rq_throughput(samples: list[Sample]) -> float:
+async def rq_throughput(samples: list[Sample], arrays: bool = False) -> float:
     from ray.util.queue import Empty, Full, Queue
 
     q = Queue(maxsize=CAPACITY)
@@ -151,7 +171,10 @@ async def rq_throughput(samples: list[Sample]) -> float:
             except Empty:
                 await asyncio.sleep(POLL_S)
                 continue
-            delivered[0] += sum(len(s.response_ids) > 0 for s in batch)
+            if arrays:
+                delivered[0] += arrays_from_samples(batch)
+            else:
+                delivered[0] += sum(len(s.response_ids) > 0 for s in batch)
 
     t0 = time.perf_counter()
     consumers = [asyncio.create_task(consume()) for _ in range(NUM_CONSUMERS)]
@@ -183,7 +206,8 @@ async def bench_rq(num_batches: int, rounds: int) -> dict[str, Any]:
     latency = await rq_latency(rounds)
     await rq_throughput(make_samples(BATCH, "warm-"))
     rate = await rq_throughput(make_samples(num_batches * BATCH, "s"))
-    return {"samples_per_s": round(rate, 1), **latency}
+    rate_arrays = await rq_throughput(make_samples(num_batches * BATCH, "a"), arrays=True)
+    return {"samples_per_s": round(rate, 1), "samples_per_s_arrays": round(rate_arrays, 1), **latency}
 
 
 def machine() -> str:
@@ -220,6 +244,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             ray.shutdown()
     ray_rate, rq_rate = result["ray"]["samples_per_s"], result["ray_util_queue"]["samples_per_s"]
     result["ratio_ray_vs_ray_util_queue"] = round(ray_rate / rq_rate, 2)
+    result["ratio_ray_vs_ray_util_queue_arrays"] = round(
+        result["ray"]["samples_per_s_arrays"] / result["ray_util_queue"]["samples_per_s_arrays"], 2
+    )
     result["ratio_local_vs_ray_util_queue"] = round(result["local"]["samples_per_s"] / rq_rate, 2)
     result["goals"] = {
         "ray_at_least_5x_ray_util_queue": ray_rate >= 5 * rq_rate,

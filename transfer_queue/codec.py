@@ -78,7 +78,9 @@ def sample_to_row(sample: Sample, fields: Sequence[str]) -> dict[str, Any]:
     for name in fields:
         value = getattr(sample, name)
         dtype = TOKEN_FIELDS.get(name)
-        row[name] = np.array(value, dtype=dtype) if dtype is not None else value
+        # asarray: a list is converted once; an array of the right dtype (an engine's
+        # output handed over as is) is kept without a copy.
+        row[name] = np.asarray(value, dtype=dtype) if dtype is not None else value
     return row
 
 

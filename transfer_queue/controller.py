@@ -30,40 +30,13 @@ from collections.abc import Awaitable, Callable
 from transfer_queue.codec import FULL_MASK, fields_mask
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull
+from transfer_queue.records import Lease, Record, remember
 from transfer_queue.samplers import SAMPLERS, is_stale
 from transfer_queue.wire import BatchMeta, ConsumerStats, PartitionStats, QueueStats, SampleTags, Snapshot
 
 __all__ = ["Controller"]
 
 _VERSIONS_BIT = fields_mask(["token_versions"])
-_MAX_REMEMBERED = 65536  # settled batch ids / uids / dead groups remembered for clear errors
-
-
-class _Record:
-    __slots__ = ("index", "seq", "uid", "group_id", "partition", "mask", "min_version", "max_version",
-                 "num_prompt_tokens", "num_response_tokens", "lease")  # fmt: skip
-
-    def __init__(self, index: int, seq: int, uid: str, group_id: str, partition: str) -> None:
-        self.index, self.seq, self.uid, self.group_id, self.partition = index, seq, uid, group_id, partition
-        self.mask = 0
-        self.min_version = self.max_version = -1
-        self.num_prompt_tokens = self.num_response_tokens = -1
-        self.lease: str | None = None  # batch id while leased
-
-
-class _Lease:
-    __slots__ = ("batch_id", "consumer", "partition", "records", "deadline_s", "timer")
-
-    def __init__(self, batch_id: str, consumer: str, partition: str, records: list[_Record], deadline_s: float):
-        self.batch_id, self.consumer, self.partition = batch_id, consumer, partition
-        self.records, self.deadline_s = records, deadline_s
-        self.timer: asyncio.TimerHandle | None = None
-
-
-def _remember(store: dict, key: str, value: object) -> None:
-    store[key] = value
-    if len(store) > _MAX_REMEMBERED:
-        del store[next(iter(store))]
 
 
 class Controller:
@@ -81,11 +54,11 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg, self._free, self._clock = cfg, free, clock
-        self._by_uid: dict[str, _Record] = {}
-        self._by_index: dict[int, _Record] = {}
-        self._pending: dict[str, dict[int, _Record]] = {}  # partition -> seq -> unleased record, arrival order
+        self._by_uid: dict[str, Record] = {}
+        self._by_index: dict[int, Record] = {}
+        self._pending: dict[str, dict[int, Record]] = {}  # partition -> seq -> unleased record, arrival order
         self._version_floor: dict[str, int] = {}  # partition -> lower bound of pending min_version
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
         self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
         self._settled_uids: dict[str, str] = {}  # uid -> "delivered" | "dropped (reason)"
         self._dead_groups: dict[str, dict[str, None]] = {}  # partition -> group ids
@@ -128,7 +101,7 @@ class Controller:
                     self._dropped["stale_group"] += 1
                     indices.append(-1)
                     continue
-                rec = _Record(self._next_slot[unit] * num_units + unit, self._next_seq, t.uid, t.group_id, partition)
+                rec = Record(self._next_slot[unit] * num_units + unit, self._next_seq, t.uid, t.group_id, partition)
                 self._next_slot[unit] += 1
                 self._next_seq += 1
                 self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.seq] = rec
@@ -199,10 +172,10 @@ class Controller:
             await self._drop(recs, Counter({reason: len(recs)}))
         return len(recs)
 
-    async def _drop(self, recs: list[_Record], reasons: Counter[str]) -> None:
+    async def _drop(self, recs: list[Record], reasons: Counter[str]) -> None:
         for rec in recs:
             del self._by_uid[rec.uid], self._by_index[rec.index]
-            _remember(self._settled_uids, rec.uid, "dropped")
+            remember(self._settled_uids, rec.uid, "dropped")
             self._pending[rec.partition].pop(rec.seq, None)
         self._dropped.update(reasons)
         self._notify()
@@ -267,7 +240,7 @@ class Controller:
         if whole_groups:
             dead = self._dead_groups.setdefault(partition, {})
             for r in stale:
-                _remember(dead, r.group_id, None)
+                remember(dead, r.group_id, None)
             stale_ids = {id(r) for r in stale}
             siblings = [r for r in pending.values() if r.group_id in dead and id(r) not in stale_ids]
             reasons["stale_group"] = len(siblings)
@@ -282,7 +255,7 @@ class Controller:
         for rec in picked:
             del pending[rec.seq]
             rec.lease = batch_id
-        lease = _Lease(batch_id, consumer, partition, picked, self._clock() + self._cfg.lease_s)
+        lease = Lease(batch_id, consumer, partition, picked, self._clock() + self._cfg.lease_s)
         self._leases[batch_id] = lease
         self._arm(lease)
         self._consumer(consumer).in_flight += len(picked)
@@ -294,7 +267,7 @@ class Controller:
         lease = self._take_lease(batch_id, "acked")
         for rec in lease.records:
             del self._by_uid[rec.uid], self._by_index[rec.index]
-            _remember(self._settled_uids, rec.uid, "delivered")
+            remember(self._settled_uids, rec.uid, "delivered")
         n = len(lease.records)
         self._num_delivered += n
         stats = self._consumer(lease.consumer)
@@ -331,16 +304,16 @@ class Controller:
             n += self._return(lease)
         return n
 
-    def _take_lease(self, batch_id: str, why: str) -> _Lease:
+    def _take_lease(self, batch_id: str, why: str) -> Lease:
         lease = self._leases.pop(batch_id, None)
         if lease is None:
             raise LeaseLost(f"batch {batch_id!r} is not leased ({self._settled.get(batch_id, 'unknown batch id')})")
         if lease.timer is not None:
             lease.timer.cancel()
-        _remember(self._settled, batch_id, why)
+        remember(self._settled, batch_id, why)
         return lease
 
-    def _return(self, lease: _Lease) -> int:
+    def _return(self, lease: Lease) -> int:
         pending = self._pending[lease.partition]
         floor = self._version_floor.get(lease.partition, math.inf)
         for rec in lease.records:
@@ -356,7 +329,7 @@ class Controller:
         self._notify()
         return n
 
-    def _arm(self, lease: _Lease) -> None:
+    def _arm(self, lease: Lease) -> None:
         if math.isfinite(self._cfg.lease_s):
             loop = asyncio.get_running_loop()
             lease.timer = loop.call_later(self._cfg.lease_s, self._on_timer, lease.batch_id)
