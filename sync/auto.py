@@ -25,12 +25,17 @@ class AutoConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     alpha: float = 0.5
     probe_every: int = 10
+    assumed_bytes_per_s: float = 2e9
+    """Link speed assumed for a sync nobody reported on (``WeightSender.observe``
+    not called): its cost is taken as encode time + bytes / this."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"AutoConfig.alpha must be in (0, 1], got {self.alpha}")
         if self.probe_every < 2:
             raise ValueError(f"AutoConfig.probe_every must be >= 2, got {self.probe_every}")
+        if self.assumed_bytes_per_s <= 0:
+            raise ValueError(f"AutoConfig.assumed_bytes_per_s must be > 0, got {self.assumed_bytes_per_s}")
 
 
 class AutoPolicy:

@@ -123,6 +123,7 @@ class WeightSender:
         self._last_kind: Kind | None = None
         self.dedup_tied = dedup_tied
         self._undo: tuple[int | None, list[tuple]] | None = None
+        self._unreported: tuple[Kind, float, int] | None = None
 
     def force_full(self) -> None:
         """Make the next update full (a receiver refused a delta)."""
@@ -138,13 +139,22 @@ class WeightSender:
 
     def observe(self, kind: Kind, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
         """Report the measured cost of a sync of ``kind`` (feeds ``auto``)."""
+        self._unreported = None
         self.policy.observe(kind, encode_ms + transfer_ms + apply_ms)
+
+    def _estimate_unreported(self) -> None:
+        # Nobody reported how the last sync went: estimate it from what we know.
+        if self._unreported is not None:
+            kind, encode_ms, nbytes = self._unreported
+            self.policy.observe(kind, encode_ms + nbytes / self.policy.config.assumed_bytes_per_s * 1e3)
+            self._unreported = None
 
     def encode(self, named_tensors: NamedTensors, version: int) -> WeightUpdate:
         """Encode the weights as ``version``: a delta against :attr:`version`
         or a full update. Accepts ``{hf_name: tensor}`` or an iterable of
         ``(hf_name, local_shard_tensor, ShardSpec | None)``."""
         t0 = time.perf_counter()
+        self._estimate_unreported()
         kind = self.next_kind()
         # a forced full may re-send the version a receiver refused as a delta
         if self.version is not None and (version < self.version or (version == self.version and kind != "full")):
@@ -225,6 +235,7 @@ class WeightSender:
         self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
         self._last_kind = kind
         self.last_encode_ms = (time.perf_counter() - t0) * 1e3
+        self._unreported = (kind, self.last_encode_ms, manifest.payload_bytes)
         return WeightUpdate(manifest=manifest, buckets=writer.buckets)
 
     def revert_update(self) -> WeightUpdate | None:

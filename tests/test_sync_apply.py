@@ -195,3 +195,16 @@ def test_sharded_senders_give_the_same_receiver_weights(dim_of) -> None:
         v = apply_update(engine, update, v, verify="full")
         assert _same(engine, ref_engine)
     assert _same(engine, {k: t.bfloat16() for k, t in w.items()})
+
+
+def test_auto_mode_without_reports_estimates_from_bytes() -> None:
+    """Nobody calls observe(): a tiny delta against a large full update at a
+    slow assumed link still makes auto pick delta after trying both."""
+    w = {"w": torch.zeros(200_000)}
+    sender = WeightSender(mode="auto", auto=AutoConfig(alpha=1.0, assumed_bytes_per_s=1e6))
+    kinds = []
+    for v in range(1, 6):
+        w["w"][v] += 1.0
+        kinds.append(sender.encode(w, v).manifest.kind)
+    assert kinds == ["full", "delta", "delta", "delta", "delta"]
+    assert sender.policy.cost_ms["full"] > 10 * sender.policy.cost_ms["delta"]
