@@ -11,6 +11,9 @@ from sync.apply import apply_update
 from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, SyncFailed, WeightSyncError
 from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, merge_updates
+from sync.metrics import SyncMetrics, SyncResult
+from sync.sequence import sync_weights
+from sync.transport import Transport, make_transport
 
 __all__ = [
     "BaseVersionMismatch",
@@ -19,10 +22,15 @@ __all__ = [
     "ManifestMismatch",
     "ShardSpec",
     "SyncFailed",
+    "SyncMetrics",
+    "SyncResult",
     "TensorEntry",
+    "Transport",
     "WeightSender",
     "WeightSyncError",
     "WeightUpdate",
     "apply_update",
+    "make_transport",
     "merge_updates",
+    "sync_weights",
 ]
