@@ -35,16 +35,24 @@ __all__ = ["RayDeployment"]
 
 @ray.remote
 class StorageActor:
-    """One storage unit in its own process. A sync actor: calls run one at a time."""
+    """One storage unit in its own process. An async actor: its methods run one
+    at a time on the actor's loop (none awaits while touching the rows)."""
 
     def __init__(self, unit_id: int) -> None:
         self._unit = StorageUnit(unit_id)
+        self._controller: Any = None
 
-    def ready(self) -> int:
+    def ready(self, controller: Any) -> int:
+        self._controller = controller
         return self._unit.unit_id
 
     def put(self, packed: Any) -> None:
         self._unit.put_packed(packed)
+
+    async def put_commit(self, packed: Any, all_indices: list[int], tags: list[Any]) -> None:
+        """Store the rows, then commit them at the controller: one client message per write."""
+        self._unit.put_packed(packed)
+        await self._controller.commit_after.remote(all_indices, tags)
 
     def get(self, indices: list[int], fields: Sequence[str] | None) -> Any:
         return self._unit.get_packed(indices, fields)
@@ -99,7 +107,7 @@ class RayDeployment:
             raise RuntimeError("deployment='ray' joins a running Ray; call ray.init(...) first")
         units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i) for i in range(cfg.num_storage_units)]
         controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, units)
-        await _unwrap(asyncio.gather(controller.setup.remote(), *(u.ready.remote() for u in units)))
+        await _unwrap(asyncio.gather(controller.setup.remote(), *(u.ready.remote(controller) for u in units)))
         return cls(controller, units, owner=True)
 
     def __reduce__(self) -> tuple:
@@ -111,8 +119,12 @@ class RayDeployment:
     async def write_commit(
         self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[Any]
     ) -> None:
-        n = len(self.units)
-        puts = [self.units[u].put.remote(pack_rows(idx, part)) for u, (idx, part) in _shard(indices, rows, n).items()]
+        shards = _shard(indices, rows, len(self.units))
+        if len(shards) == 1:  # the usual case: a put's new samples share one unit
+            ((u, (idx, part)),) = shards.items()
+            await _unwrap(self.units[u].put_commit.remote(pack_rows(idx, part), all_indices, tags))
+            return
+        puts = [self.units[u].put.remote(pack_rows(idx, part)) for u, (idx, part) in shards.items()]
         await _unwrap(self._controller.commit_after.remote(all_indices, tags, *puts))
 
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
