@@ -101,3 +101,8 @@ def test_decoupled_ppo_accepts_proximal_logprobs_from_compute_logprobs():
         runs.append(b.train_step(samples, [1.0, -1.0], proximal_logprobs=proximal))
     assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], abs=1e-7)
     assert runs[0]["behav_weight_mean"] == pytest.approx(1.1052, abs=1e-3)  # exp(0.1)
+
+
+def test_an_option_the_loss_does_not_take_is_named_at_construction():
+    with pytest.raises(ValueError, match="clip_eps"):
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss="ppo_clip", loss_kwargs={"clip_eps": 0.2})

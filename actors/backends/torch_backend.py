@@ -11,6 +11,7 @@ worker thread so the event loop never waits on a matmul.
 
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 
@@ -56,6 +57,9 @@ class TorchBackend:
         self.loss_name = loss
         self.loss_fn = make_loss(loss)  # fail on a bad name at construction, not at step 1
         self.loss_kwargs = dict(loss_kwargs or {})
+        accepted = set(inspect.signature(self.loss_fn).parameters) - {"logprobs", "rollout_logprobs", "advantages", "mask", "proximal_logprobs"}
+        if unknown := sorted(set(self.loss_kwargs) - accepted):
+            raise ValueError(f"loss {loss!r} has no option(s) {unknown}; it accepts {sorted(accepted)}")
         self.seed = seed
         self.version = 0
         self.model = None
