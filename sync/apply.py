@@ -64,14 +64,27 @@ class _Piece:
         else:
             self.write(torch.arange(self.entry.count, device=self.device), values)
 
+    def _pos(self, idx: torch.Tensor) -> torch.Tensor:
+        if self._positions is not None:
+            return self._index(idx)
+        if self.device.type == "cpu":
+            return torch.from_numpy(idx.numpy() + self._base)
+        return idx.to(self.device) + self._base
+
     def read(self, idx: torch.Tensor) -> torch.Tensor:
-        if self._positions is None:
-            return self._flat[idx.to(self.device) + self._base].to(self.dtype)
-        return self._flat[self._index(idx)].to(self.dtype)
+        pos = self._pos(idx)
+        if self.device.type == "cpu":  # numpy's gather is several times faster than torch's on CPU
+            got = torch.from_numpy(cks.int_view(self._flat).numpy()[pos.numpy()]).view(self._flat.dtype)
+            return got.to(self.dtype)
+        return self._flat[pos].to(self.dtype)
 
     def write(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        pos = idx.to(self.device) + self._base if self._positions is None else self._index(idx)
-        self._flat[pos] = values.to(device=self.device, dtype=self._flat.dtype)
+        pos = self._pos(idx)
+        values = values.to(device=self.device, dtype=self._flat.dtype)
+        if self.device.type == "cpu":
+            cks.int_view(self._flat).numpy()[pos.numpy()] = cks.int_view(values).numpy()
+        else:
+            self._flat[pos] = values
 
 
 def _blob(update: WeightUpdate, e: TensorEntry, buckets: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -151,15 +164,16 @@ def apply_update(
                 piece.write_all(new)
                 continue
             try:
-                idx, new = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
+                idx, new, old = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
                                          e.num_changed, piece.read, piece.dtype)
             except (ValueError, RuntimeError, IndexError) as exc:
                 raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
-            old = piece.read(idx)
-            positions = cks.piece_positions(e.shard, idx.to(old.device) + e.start)
-            if cks.positions_checksum(old, positions) != e.changed_base_checksum:
+            old = piece.read(idx) if old is None else old
+            old_sum = cks.sparse_checksum(old, idx, e.shard, e.start)
+            if old_sum != e.changed_base_checksum:
                 raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: receiver values differ from the base version")
-            if e.base_checksum is None or cks.add(e.base_checksum, cks.delta_checksum(old, new, positions)) != e.checksum:
+            new_sum = cks.sparse_checksum(new, idx, e.shard, e.start)
+            if e.base_checksum is None or cks.add(e.base_checksum, cks.sub(new_sum, old_sum)) != e.checksum:
                 raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
             undo.append((piece, idx, old))
             piece.write(idx, new)

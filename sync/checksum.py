@@ -130,3 +130,25 @@ def piece_checksum(values: torch.Tensor, shard: ShardSpec | None, start: int) ->
         return region_checksum(values, shard.global_start + start)
     local = torch.arange(start, start + values.numel(), dtype=torch.int64, device=values.device)
     return positions_checksum(values, shard.global_positions(local))
+
+
+def sub(a: Checksum, b: Checksum) -> Checksum:
+    return ((a[0] - b[0]) & MASK64, (a[1] - b[1]) & MASK64)
+
+
+def sparse_checksum(values: torch.Tensor, local_idx: torch.Tensor, shard: ShardSpec | None, start: int) -> Checksum:
+    """Checksum of ``values`` at piece-local indices ``local_idx`` (sorted or
+    not) of the piece starting at shard-local ``start``. For pieces contiguous
+    in the full tensor this is one dot product, no position array."""
+    if shard is not None and not shard.is_contiguous:
+        return positions_checksum(values, shard.global_positions(local_idx.to(torch.int64) + start))
+    offset = start + (shard.global_start if shard is not None else 0)
+    if values.is_cuda:
+        x = int_view(values.contiguous()).to(torch.int64)
+        s0 = int(x.sum())
+        sj = int((x * local_idx.to(device=x.device, dtype=torch.int64)).sum())
+    else:
+        x = int_view(values.contiguous()).numpy().astype(np.int64)
+        s0 = int(x.sum(dtype=np.int64))
+        sj = int(np.dot(x, local_idx.numpy().astype(np.int64, copy=False)))
+    return s0 & MASK64, ((offset + 1) * s0 + sj) & MASK64

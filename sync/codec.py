@@ -149,7 +149,8 @@ def encode_sparse(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
     """Compare 1-D pieces bit for bit, ``new`` cast to ``old.dtype`` first.
 
-    Returns ``(idx, new_changed_values, plan)`` where ``plan`` is None when a
+    Returns ``(idx, old_values, new_values, plan)`` (values at ``idx``, in
+    ``old.dtype``) where ``plan`` is None when a
     raw copy of ``new`` is no larger than the best sparse encoding, else the
     chosen codecs and the byte streams (index, values, escapes).
     """
@@ -162,22 +163,23 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor):
     idx = torch.nonzero(oi != ni).view(-1)
     k, n, size = idx.numel(), new.numel(), new.element_size()
     if k == 0:
-        return idx, new[:0], None
+        return idx, old[:0], new[:0], None
     old_c, new_c = oi[idx], ni[idx]
-    idx_sizes = {"varint": varint_size(idx), "bitmask": (n + 7) // 8}
+    idx_sizes = {"varint": varint_size(idx)} if k * 8 < n else {}
+    idx_sizes["bitmask"] = (n + 7) // 8
     index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
     val_sizes = {"raw": k * size, "diff8": diff8_size(old_c, new_c) if size > 1 else k * size + 1}
     value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
-    new_vals = new[idx]
+    new_vals, old_vals = new[idx], old[idx]
     if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx, new_vals, None
+        return idx, old_vals, new_vals, None
     index_bytes = varint_encode(idx) if index_codec == "varint" else bitmask_encode(idx, n)
     if value_codec == "raw":
         streams = [index_bytes, as_bytes(new_c), index_bytes.new_empty(0)]
     else:
         d8, escapes = diff8_encode(old_c, new_c)
         streams = [index_bytes, as_bytes(d8), as_bytes(escapes)]
-    return idx, new_vals, (index_codec, value_codec, streams)
+    return idx, old_vals, new_vals, (index_codec, value_codec, streams)
 
 
 _CHUNK = 1 << 22  # elements compared at a time on CPU: the temporaries stay in cache
@@ -199,12 +201,15 @@ def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor):
             idx_parts.append(where)
     k, n, size = sum(p.size for p in idx_parts), oi.size, oi.itemsize
     if k == 0:
-        return torch.empty(0, dtype=torch.int64), old[:0], None
+        return torch.empty(0, dtype=torch.int64), old[:0], old[:0], None
     idx, new_c = np.concatenate(idx_parts), np.concatenate(new_parts)
     old_c = oi[idx]
-    gaps = cnp.gaps_of(idx)
-    plan = cnp.VarintPlan(gaps)
-    idx_sizes = {"varint": plan.size, "bitmask": (n + 7) // 8}
+    idx_sizes = {}
+    if k * 8 < n:  # otherwise varint (>= 1 byte per change) cannot beat the bitmask
+        gaps = cnp.gaps_of(idx)
+        plan = cnp.VarintPlan(gaps)
+        idx_sizes["varint"] = plan.size
+    idx_sizes["bitmask"] = (n + 7) // 8
     index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
     val_sizes = {"raw": k * size}
     if size > 1:
@@ -212,14 +217,15 @@ def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor):
         val_sizes["diff8"] = k + (k - int(np.count_nonzero(fits))) * size
     value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
     idx_t, new_vals = torch.from_numpy(idx), torch.from_numpy(new_c).view(old.dtype)
+    old_vals = torch.from_numpy(old_c).view(old.dtype)
     if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx_t, new_vals, None
+        return idx_t, old_vals, new_vals, None
     index_bytes = cnp.varint_encode(gaps, plan) if index_codec == "varint" else cnp.bitmask_encode(idx, n)
     if value_codec == "raw":
         streams = [index_bytes, new_c.view(np.uint8), np.empty(0, np.uint8)]
     else:
         streams = [index_bytes, d8.view(np.uint8), new_c[~fits].view(np.uint8)]
-    return idx_t, new_vals, (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
+    return idx_t, old_vals, new_vals, (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
 
 
 def decode_sparse(
@@ -231,9 +237,10 @@ def decode_sparse(
     num_changed: int,
     old_values_at: "callable",
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a sparse blob -> (positions within the piece, new values in ``dtype``).
-    ``old_values_at(idx)`` returns the receiver's current values there (for diff8)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decode a sparse blob -> (positions within the piece, new values in
+    ``dtype``, old values there or None). ``old_values_at(idx)`` returns the
+    receiver's current values (read only for diff8, and then returned)."""
     if len(parts) != 3 or sum(parts) != blob.numel():
         raise ValueError(f"sparse parts {parts} do not add up to {blob.numel()} bytes")
     a, b = parts[0], parts[0] + parts[1]
@@ -254,16 +261,17 @@ def _decode_sparse_torch(blob: torch.Tensor, a: int, b: int, index_codec: str, v
     if idx.numel() != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
         raise ValueError("decoded positions do not match the manifest")
     int_dtype = int_view(torch.empty(0, dtype=dtype)).dtype
+    old_t = None
     if value_codec == "raw":
         new = val_bytes.clone().view(int_dtype)
     elif value_codec == "diff8":
-        old = int_view(old_values_at(idx).to(dtype))
-        new = diff8_decode(old, val_bytes.clone().view(torch.int8), esc_bytes.clone().view(int_dtype))
+        old_t = old_values_at(idx).to(dtype)
+        new = diff8_decode(int_view(old_t), val_bytes.clone().view(torch.int8), esc_bytes.clone().view(int_dtype))
     else:
         raise ValueError(f"unknown value codec {value_codec!r}")
     if new.numel() != num_changed:
         raise ValueError("decoded values do not match the manifest")
-    return idx, new.view(dtype)
+    return idx, new.view(dtype), old_t
 
 
 def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_codec: str, count: int,
@@ -278,13 +286,14 @@ def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_
         raise ValueError("decoded positions do not match the manifest")
     int_dtype = int_view(torch.empty(0, dtype=dtype)).numpy().dtype
     idx_t = torch.from_numpy(idx)
+    old_t = None
     if value_codec == "raw":
         new = blob[a:b].copy().view(int_dtype)  # copy: the slice may be misaligned for the dtype
     elif value_codec == "diff8":
-        old = int_view(old_values_at(idx_t).to(dtype)).numpy()
-        new = cnp.diff8_decode(old, blob[a:b].view(np.int8), blob[b:].copy().view(int_dtype))
+        old_t = old_values_at(idx_t).to(dtype)
+        new = cnp.diff8_decode(int_view(old_t).numpy(), blob[a:b].view(np.int8), blob[b:].copy().view(int_dtype))
     else:
         raise ValueError(f"unknown value codec {value_codec!r}")
     if new.size != num_changed:
         raise ValueError("decoded values do not match the manifest")
-    return idx_t, torch.from_numpy(new).view(dtype)
+    return idx_t, torch.from_numpy(new).view(dtype), old_t

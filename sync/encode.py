@@ -274,23 +274,27 @@ def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: to
     """Encode how piece ``old`` became ``new`` (any float dtype; compared in
     ``old``'s), sparse or raw, the smaller; return (entry, changed positions,
     old values there, new values there), None if unchanged."""
-    idx, new_vals, plan = encode_sparse(old, new)
+    idx, old_vals, new_vals, plan = encode_sparse(old, new)
     if idx.numel() == 0:
         return None
     start = common["start"]
-    positions = cks.piece_positions(shard, idx + start)
-    old_vals = old[idx]
-    checksum = cks.add(base, cks.delta_checksum(old_vals, new_vals, positions))
+    old_sum = cks.sparse_checksum(old_vals, idx, shard, start)
+    checksum = cks.add(base, cks.sub(cks.sparse_checksum(new_vals, idx, shard, start), old_sum))
     if plan is None:
         blob = as_bytes(new.to(old.dtype))
         extra: dict = dict(encoding="raw")
     else:
         index_codec, value_codec, streams = plan
-        blob = torch.cat([s.to(new.device) for s in streams])
+        parts = tuple(s.numel() for s in streams)
+        bucket, offset, blob = writer.reserve(sum(parts), old.device)
+        at = 0
+        for s in streams:  # straight into the bucket, no concatenated copy
+            blob[at : at + s.numel()].copy_(s)
+            at += s.numel()
         extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
-                     parts=tuple(s.numel() for s in streams), payload_checksum=cks.bytes_checksum(blob),
-                     changed_base_checksum=cks.positions_checksum(old_vals, positions))
-    bucket, offset = writer.add(blob)
+                     parts=parts, payload_checksum=cks.bytes_checksum(blob), changed_base_checksum=old_sum)
+    if plan is None:
+        bucket, offset = writer.add(blob)
     entry = TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket, offset=offset,
                         nbytes=blob.numel(), checksum=checksum, base_checksum=base)
     return entry, idx, old_vals, new_vals

@@ -104,7 +104,7 @@ def test_wrong_target_checksum_rolls_back_pieces_already_written() -> None:
 
     blob = bucket_tensor(update.buckets[last.bucket])[last.offset : last.offset + last.nbytes]
     flat = engine[last.name].view(-1)
-    idx, _ = decode_sparse(blob, last.parts, last.index_codec, last.value_codec, last.count, last.num_changed,
+    idx, _, _ = decode_sparse(blob, last.parts, last.index_codec, last.value_codec, last.count, last.num_changed,
                            lambda i: flat[i + last.start], dtype_from_name(last.dtype))
     flat[last.start + int(idx[0])] += 1.0
     before = _snapshot(engine)

@@ -139,9 +139,10 @@ def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) ->
 
     old = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
     new = _perturb(old, frac, 3, seed)
-    a_idx, a_vals, a_plan = _encode_sparse_np(old, new)
-    b_idx, b_vals, b_plan = _encode_sparse_torch(old, new)
+    a_idx, a_old, a_vals, a_plan = _encode_sparse_np(old, new)
+    b_idx, b_old, b_vals, b_plan = _encode_sparse_torch(old, new)
     assert torch.equal(a_idx, b_idx) and torch.equal(int_view(a_vals), int_view(b_vals))
+    assert torch.equal(int_view(a_old), int_view(b_old)) and torch.equal(int_view(a_old), int_view(old[a_idx]))
     assert (a_plan is None) == (b_plan is None)
     if a_plan is None:
         return
@@ -152,5 +153,5 @@ def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) ->
     args = (a, b, a_plan[0], a_plan[1], n, a_idx.numel(), lambda i: old[i], dtype)
     got_np = _decode_sparse_np(blob.numpy(), *args)
     got_torch = _decode_sparse_torch(blob, *args)
-    for idx, vals in (got_np, got_torch):
+    for idx, vals, _ in (got_np, got_torch):
         assert torch.equal(idx, a_idx) and torch.equal(int_view(vals), int_view(new[a_idx]))
