@@ -60,6 +60,12 @@ def _weighted_np(a: np.ndarray) -> tuple[int, int]:
     return s0, s1
 
 
+def _dot_torch(x: torch.Tensor, idx: torch.Tensor) -> tuple[int, int]:
+    """(sum x, sum idx * x) with wrapping int64 arithmetic."""
+    x = x.to(torch.int64)
+    return int(x.sum()), int((x * idx.to(device=x.device, dtype=torch.int64)).sum())
+
+
 def _weighted_torch(x: torch.Tensor) -> tuple[int, int]:
     n = x.shape[0]
     x = x.to(torch.int64)
@@ -144,9 +150,7 @@ def sparse_checksum(values: torch.Tensor, local_idx: torch.Tensor, shard: ShardS
         return positions_checksum(values, shard.global_positions(local_idx.to(torch.int64) + start))
     offset = start + (shard.global_start if shard is not None else 0)
     if values.is_cuda:
-        x = int_view(values.contiguous()).to(torch.int64)
-        s0 = int(x.sum())
-        sj = int((x * local_idx.to(device=x.device, dtype=torch.int64)).sum())
+        s0, sj = _dot_torch(int_view(values.contiguous()), local_idx)
     else:
         x = int_view(values.contiguous()).numpy().astype(np.int64)
         s0 = int(x.sum(dtype=np.int64))

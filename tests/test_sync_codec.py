@@ -155,3 +155,18 @@ def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) ->
     got_torch = _decode_sparse_torch(blob, *args)
     for idx, vals, _ in (got_np, got_torch):
         assert torch.equal(idx, a_idx) and torch.equal(int_view(vals), int_view(new[a_idx]))
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 70_001])
+def test_torch_and_numpy_checksums_agree(n: int) -> None:
+    """The CUDA path's integer sums (run here on CPU) equal the numpy path's."""
+    from sync.checksum import _dot_torch, _weighted_np, _weighted_torch
+
+    for dtype in (torch.int16, torch.int32):
+        x = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int64).to(dtype)
+        if dtype == torch.int32:
+            x = x * 65_537  # large values: products wrap past 2**63
+        s0, sj = _weighted_torch(x)
+        assert (s0 % 2**64, sj % 2**64) == tuple(v % 2**64 for v in _weighted_np(x.numpy()))
+        idx = torch.arange(n)
+        assert _dot_torch(x, idx) == (s0, sj)
