@@ -110,3 +110,42 @@ def test_unsupported_model_type_is_a_clear_error(tmp_path):
         await engine.close()
 
     loop.run(body())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestTorchEngineContractCUDA(EngineContract):
+    """The same contract on CUDA (fp32, decode as CUDA graphs)."""
+
+    @pytest.fixture
+    def engine_factory(self):
+        return lambda model_dir, **options: TorchEngine(model_dir, device="cuda", dtype="float32", **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sleep_frees_cuda_memory_by_the_kv_cache_and_weights(tiny_models):
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        engine = TorchEngine(path, device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=1024)
+        await engine.setup()
+        try:
+            await engine.generate(req("warm", PROMPTS[0], 4))
+            base = torch.cuda.memory_allocated()
+            await engine.sleep(1)
+            level1 = base - torch.cuda.memory_allocated()
+            await engine.wake_up()
+            await engine.sleep(2)
+            level2 = base - torch.cuda.memory_allocated()
+            await engine.wake_up()
+            stats = engine.statistics()
+            out = await engine.generate(req("after", PROMPTS[0], 4))
+            return level1, level2, stats, out
+        finally:
+            await engine.close()
+
+    level1, level2, stats, out = loop.run(body())
+    assert level1 >= stats["kv_cache_bytes"]
+    assert level2 >= stats["kv_cache_bytes"] + stats["weights_bytes"]
+    assert len(out.token_ids) == 4

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,9 @@ class EngineCore:
         self._rng = random.Random(opts.seed)
         self._params_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self.num_preemptions = 0
+        # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU)
+        self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
+                       "decode_post_s": 0.0, "prefill_s": 0.0}
 
     # ---- called from the event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +147,8 @@ class EngineCore:
         self.model = Model(self.cfg, o.max_model_len, o.device, o.dtype)
         self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, o.max_model_len,
                           self.cfg.head_dim, o.device, o.dtype)
+        self._noise = torch.Generator(device=o.device)
+        self._noise.manual_seed(o.seed)
         self.graphs = None
         if o.cuda_graphs and o.device.type == "cuda":
             from actors.engines.cuda_graphs import DecodeGraphs
@@ -208,10 +214,23 @@ class EngineCore:
                     f"update of type {type(update).__name__} needs sync.apply, which is not "
                     "available; pass actors.engines.FullWeights"
                 ) from exc
-            new_version = apply_update(self.weights.params, update, self.version)
+            new_version = apply_update(self._update_targets(update), update, self.version)
         self.version = new_version
         self._preempt_all()  # their KV was computed with the old weights
         return self.version
+
+    def _update_targets(self, update: Any) -> dict[str, torch.Tensor]:
+        """The HF-named tensors ``sync.apply`` writes into. A tied model holds no
+        ``lm_head.weight``; if an update names it anyway, it goes to the embedding,
+        or, when the embedding comes in the same update, to a throw-away copy
+        (writing one storage twice would fail a delta's base checksum)."""
+        targets = dict(self.weights.params)
+        if self.cfg.tie_word_embeddings:
+            names = {e.name for e in update.manifest.entries}
+            if "lm_head.weight" in names:
+                embed = self.weights.embed
+                targets["lm_head.weight"] = embed.clone() if "model.embed_tokens.weight" in names else embed
+        return targets
 
     def _cmd_reset_prefix_cache(self) -> None:
         # No prefix cache is kept across requests; running requests' KV is their own.
@@ -252,8 +271,10 @@ class EngineCore:
         while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
             admit.append(self.waiting.popleft())
         if admit:
+            t0 = time.perf_counter()
             self._prefill(admit, events)
             self._compact()
+            self.timing["prefill_s"] += time.perf_counter() - t0
         if self.running:
             self._decode(events)
             self._compact()
@@ -284,6 +305,8 @@ class EngineCore:
         self._sample(seqs, logits, meta[1] + 1, events)
 
     def _decode(self, events: list[Event]) -> None:
+        t0 = time.perf_counter()
+        self.timing["num_decode_steps"] += 1
         seqs = self.running
         meta = torch.tensor([[s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
         meta = meta.to(self.opts.device, non_blocking=True)
@@ -291,7 +314,7 @@ class EngineCore:
             logits = self.graphs.decode(self.weights, self.kv, meta[0], meta[1])
         else:
             logits = self.model.decode(self.weights, self.kv, meta[0], meta[1])
-        self._sample(seqs, logits, meta[1] + 1, events)
+        self._sample(seqs, logits, meta[1] + 1, events, t0)
 
     def _sampling_batch(self, seqs: list[Seq]) -> SamplingBatch:
         key = tuple(id(s) for s in seqs)
@@ -305,14 +328,21 @@ class EngineCore:
             top_p=torch.tensor([p.top_p for p in sp], dtype=torch.float32).to(device),
             seed=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(device),
             needs_filter=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in sp),
+            any_greedy=any(p.temperature <= 0 for p in sp),
+            unit_temperature=all(p.temperature == 1.0 for p in sp),
+            generator=None if any(p.seed is not None for p in sp) else self._noise,
         )
         self._params_cache = (key, batch)
         return batch
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor, positions: torch.Tensor, events: list[Event]) -> None:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor, positions: torch.Tensor, events: list[Event],
+                t_decode: float | None = None) -> None:
         token, lp, raw = sample(logits, self._sampling_batch(seqs), positions)
+        stacked = torch.stack([token.double(), lp.double(), raw.double()])
+        t1 = time.perf_counter()
         # one device->host copy per step (float64 holds token ids exactly)
-        token_l, lp_l, raw_l = torch.stack([token.double(), lp.double(), raw.double()]).cpu().tolist()
+        token_l, lp_l, raw_l = stacked.cpu().tolist()
+        t2 = time.perf_counter()
         max_len = self.opts.max_model_len
         for s, t, a, b in zip(seqs, token_l, lp_l, raw_l):
             t = int(t)
@@ -323,6 +353,11 @@ class EngineCore:
             elif s.num_generated >= s.max_tokens or len(s.tokens) >= max_len:
                 s.finish = "length"
             events.append((s.stream, t, a, b, self.version, s.finish, None))
+        if t_decode is not None:
+            tm = self.timing
+            tm["decode_launch_s"] += t1 - t_decode
+            tm["decode_wait_s"] += t2 - t1
+            tm["decode_post_s"] += time.perf_counter() - t2
 
     def _fail_all(self, exc: BaseException) -> None:
         events = [(s.stream, None, 0.0, 0.0, self.version, None, exc) for s in (*self.running, *self.waiting)]

@@ -5,6 +5,9 @@ vocabulary entry ``j`` for a request is a hash of (seed, position, j). So a
 seeded request samples the same tokens whatever batch it shares, whichever
 step it lands in, and after an abort-and-resume (the position continues).
 No generator objects, no host round trips, one fixed set of kernels.
+When no request of a batch is seeded the noise comes from one ``torch.rand``
+(an engine-wide generator seeded once) instead: the hash costs ~10 int64
+passes over [B, V], which is most of a decode step's sampling on a GPU.
 
 Log-probs returned per sampled token:
   * ``raw``: log-softmax of the unmodified logits (T=1).
@@ -29,8 +32,11 @@ class SamplingBatch:
     temperature: torch.Tensor  # float32; 0 = greedy
     top_k: torch.Tensor  # int64; 0 = off
     top_p: torch.Tensor  # float32; 1.0 = off
-    seed: torch.Tensor  # int64 in [0, 2**32)
+    seed: torch.Tensor  # int64 in [0, 2**32); ignored when ``generator`` is set
     needs_filter: bool  # some row uses top-k or top-p (costs a sort over the vocabulary)
+    any_greedy: bool = True  # some row has temperature 0
+    unit_temperature: bool = False  # every row samples at T=1 unfiltered: logprob == raw
+    generator: torch.Generator | None = None  # no row is seeded: draw noise from this (one fast kernel)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +82,27 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
     ``positions[b]`` is the position the sampled token will occupy (its
     index in prompt + response), the counter of the noise."""
     raw = torch.log_softmax(logits, dim=-1)
-    greedy = params.temperature <= 0
-    t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    scaled = logits / t[:, None]
-    if params.needs_filter:
-        scaled = filter_logits(scaled, params.top_k, params.top_p)
-    lp = torch.log_softmax(scaled, dim=-1)
-    drawn = torch.argmax(lp + gumbel_noise(params.seed, positions, logits.shape[-1]), dim=-1)
-    token = torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+    if params.unit_temperature and not params.any_greedy and not params.needs_filter:
+        lp = raw
+    else:
+        greedy = params.temperature <= 0
+        t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+        scaled = logits / t[:, None]
+        if params.needs_filter:
+            scaled = filter_logits(scaled, params.top_k, params.top_p)
+        lp = torch.log_softmax(scaled, dim=-1)
+    if params.generator is not None:
+        noise = torch.rand(logits.shape, device=logits.device, generator=params.generator)
+        noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # Gumbel(0, 1), in place
+    else:
+        noise = gumbel_noise(params.seed, positions, logits.shape[-1])
+    token = torch.argmax(noise.add_(lp), dim=-1)
+    if params.any_greedy:
+        token = torch.where(params.temperature <= 0, torch.argmax(logits, dim=-1), token)
     raw_tok = raw.gather(-1, token[:, None]).squeeze(-1)
-    lp_tok = torch.where(greedy, raw_tok, lp.gather(-1, token[:, None]).squeeze(-1))
+    if lp is raw:
+        return token, raw_tok, raw_tok
+    lp_tok = lp.gather(-1, token[:, None]).squeeze(-1)
+    if params.any_greedy:
+        lp_tok = torch.where(params.temperature <= 0, raw_tok, lp_tok)
     return token, lp_tok, raw_tok

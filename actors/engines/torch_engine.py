@@ -232,7 +232,7 @@ class TorchEngine(RolloutEngine):
     def version(self) -> int:
         return self._version
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, float]:
         """Counts for monitoring (read without locking; approximate while running)."""
         core = self._core
         return {
@@ -241,4 +241,5 @@ class TorchEngine(RolloutEngine):
             "num_preemptions": core.num_preemptions if core else 0,
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
+            **(core.timing if core else {}),
         }

@@ -1,0 +1,200 @@
+"""Rollout throughput: the built-in TorchEngine against Hugging Face
+``generate`` on the same random-weight model, batch and lengths, in one run.
+
+    python -m bench.engine                                   # CPU, small model, batch 16
+    python -m bench.engine --device cuda --batch 64 256 --check   # H200, Qwen2.5-0.5B shape
+
+Prints one JSON object (and writes it to ``--out`` when given). Every
+request is a fixed-length rollout: random prompt of ``--prompt-len`` tokens,
+exactly ``--new-tokens`` new tokens (no stop token), sampled at T=1.
+Tokens/s counts new tokens over wall time from submitting the batch to the
+last token, prefill included. ``--check`` first verifies the engine against
+HF on the device (greedy tokens, log-probs, sleep freeing memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+import transformers
+
+import loop
+from actors.engines import GenerateRequest, SamplingParams
+from actors.engines.torch_engine import TorchEngine
+
+SHAPES = {
+    # a small model that still has real matmuls on a laptop CPU
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+}
+
+
+def build_model(shape: str, path: str, device: str, dtype: torch.dtype, seed: int = 0):
+    cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True,
+                                   rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str) -> float:
+    """Tokens/s of ``generate`` (sampling at T=1, fixed length)."""
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(prompts[:, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(prompts, **kwargs)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+    assert out.shape[1] == prompts.shape[1] + new_tokens
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+async def _run_batch(engine: TorchEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
+    sampling = SamplingParams(temperature=1.0)
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(engine.generate(GenerateRequest(
+        request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=new_tokens, sampling=sampling))
+        for i, p in enumerate(prompts)))
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
+
+
+async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
+                       cuda_graphs: bool) -> dict:
+    engine = TorchEngine(path, device=device, dtype=dtype, max_num_seqs=len(prompts),
+                         max_model_len=len(prompts[0]) + new_tokens, cuda_graphs=cuda_graphs)
+    await engine.setup()
+    try:
+        await _run_batch(engine, prompts, min(new_tokens, 16), "warm")  # captures the decode graph
+        tps = await _run_batch(engine, prompts, new_tokens, "timed")
+        stats = engine.statistics()
+    finally:
+        await engine.close()
+    return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"],
+            "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
+                       if k.startswith(("decode", "prefill", "num_decode"))}}
+
+
+async def check_on_device(device: str, root: str) -> dict:
+    """Engine vs HF on ``device``: fp32 tiny model (greedy tokens, log-probs)
+    and what sleep frees on CUDA."""
+    path = os.path.join(root, "check")
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    hf.save_pretrained(path)
+    hf = hf.to(device)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40)), [42]]
+    engine = TorchEngine(path, device=device, dtype="float32", max_num_seqs=4, max_model_len=96)
+    await engine.setup()
+    result: dict = {}
+    try:
+        outs = await asyncio.gather(*(engine.generate(GenerateRequest(
+            request_id=str(i), prompt_ids=p, max_tokens=40, sampling=SamplingParams(temperature=0.0)))
+            for i, p in enumerate(prompts)))
+        match, max_err = True, 0.0
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=40, min_new_tokens=40,
+                                  do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                lp = hf(torch.tensor([p + o.token_ids], device=device)).logits[0].float().log_softmax(-1)
+            want = lp[len(p) - 1 : len(p) - 1 + len(o.token_ids)].gather(-1, torch.tensor(o.token_ids, device=device)[:, None])
+            max_err = max(max_err, (want.squeeze(-1).cpu() - torch.tensor(o.raw_logprobs)).abs().max().item())
+            match &= ref == o.token_ids
+        result.update(greedy_matches_hf=match, max_logprob_abs_err=max_err)
+        if device.startswith("cuda"):
+            core = engine._core
+            base = torch.cuda.memory_allocated()
+            await engine.sleep(1)
+            after1 = torch.cuda.memory_allocated()
+            await engine.wake_up()
+            await engine.sleep(2)
+            after2 = torch.cuda.memory_allocated()
+            await engine.wake_up()
+            again = await engine.generate(GenerateRequest(request_id="again", prompt_ids=prompts[0], max_tokens=40,
+                                                          sampling=SamplingParams(temperature=0.0)))
+            result.update(sleep1_freed_bytes=base - after1, kv_cache_bytes=core.kv.nbytes,
+                          sleep2_freed_bytes=base - after2, weights_bytes=core.weights.nbytes,
+                          same_after_wake=again.token_ids == outs[0].token_ids)
+    finally:
+        await engine.close()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on CPU, qwen2.5-0.5b on CUDA")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default: 16 on CPU, 64 256 on CUDA")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--check", action="store_true", help="verify against HF on the device first")
+    ap.add_argument("--machine", default=None, help="free text saved with the result")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    shape = args.shape or ("qwen2.5-0.5b" if cuda else "small")
+    batches = args.batch or ([64, 256] if cuda else [16])
+    prompt_len = args.prompt_len or (128 if cuda else 64)
+    new_tokens = args.new_tokens or (256 if cuda else 64)
+    dtype = "bfloat16" if cuda else "float32"
+    torch_dtype = torch.bfloat16 if cuda else torch.float32
+
+    machine = args.machine or (torch.cuda.get_device_name() if cuda else f"{platform.processor() or platform.machine()}, "
+                               f"{os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
+    result: dict = {"bench": "engine", "machine": machine, "device": args.device, "dtype": dtype, "model_shape": shape,
+                    **{k: v for k, v in SHAPES[shape].items()}, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                    "sampling": "T=1, fixed length", "torch": torch.__version__, "transformers": transformers.__version__,
+                    "cuda_graphs": cuda and not args.no_cuda_graphs, "runs": []}
+    with tempfile.TemporaryDirectory() as root:
+        if args.check:
+            result["check"] = loop.run(check_on_device(args.device, root))
+        path = os.path.join(root, shape)
+        hf = build_model(shape, path, args.device, torch_dtype)
+        for batch in batches:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, prompt_len), generator=g)
+            eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs))
+            hf_tps = bench_hf(hf, prompts.to(args.device), new_tokens, args.device)
+            result["runs"].append({"batch": batch, "engine_tokens_per_s": round(eng["tokens_per_s"], 1),
+                                   "hf_generate_tokens_per_s": round(hf_tps, 1),
+                                   "ratio": round(eng["tokens_per_s"] / hf_tps, 2),
+                                   "kv_cache_bytes": eng["kv_cache_bytes"],
+                                   "engine_timing_incl_warmup": eng["timing"]})
+            if cuda:
+                torch.cuda.empty_cache()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
