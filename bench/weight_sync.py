@@ -247,7 +247,9 @@ def _codec_mix(update: WeightUpdate) -> dict[str, float]:
 
 def machine(device: str) -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "device": device}
+            "cpu_count": os.cpu_count(), "device": device,
+            # other processes share this host: the load says how much CPU this run really had
+            "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
     try:
         info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
         info["ram_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -324,6 +326,7 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int) -> d
                   "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW"},
         "bucket_bytes": bucket_bytes,
         "runs": runs,
+        "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
