@@ -276,6 +276,15 @@ def _check_consistency(cfg: Config) -> None:
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
             f"the prompt in rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}"
         )
+    from policies.admission import window_budget
+
+    p = cfg.policy
+    budget = window_budget(cfg.batch_size, p.require_batches, p.trigger_parameter_sync_step,
+                           p.staleness_threshold)
+    if cfg.transfer_queue.capacity < budget:
+        raise ConfigError(
+            f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
+            f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
     if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":

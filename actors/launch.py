@@ -174,7 +174,7 @@ class Run:
             if self.policy is not None:
                 await self.policy.close()
             if self.queue is not None:
-                await self.queue.close()
+                await self.queue.shutdown()
             if self.runtime is not None:
                 await self.runtime.shutdown()
 

@@ -48,6 +48,7 @@ class PolicyBase(abc.ABC):
         self._t_start = time.perf_counter()
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}
+        self._books = asyncio.Lock()
 
     # -- prompts and groups -------------------------------------------------
 
@@ -58,11 +59,18 @@ class PolicyBase(abc.ABC):
 
     async def put_group(self, samples: list[Sample]) -> int:
         """Queue a finished group, or drop it whole (counted) when any member
-        failed: the trainer only takes complete groups. Returns samples kept."""
-        self.produced += len(samples)
+        failed: the trainer only takes complete groups. Returns samples kept.
+
+        The put and the counter move together under ``_books`` so that an
+        accounting check never sees one without the other (the queue's
+        capacity is at least the admission budget, so the put never waits
+        for space while holding it)."""
         if all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples):
-            await self.queue.put(samples)
+            async with self._books:
+                await self.queue.put(samples)
+                self.produced += len(samples)
             return len(samples)
+        self.produced += len(samples)
         for s in samples:
             self.dropped[{"error": "reward_error", "abort": "aborted"}.get(
                 s.finish_reason or "", "group_incomplete")] += 1
@@ -101,20 +109,27 @@ class PolicyBase(abc.ABC):
             busy += time.perf_counter() - self._t_busy_since
         return busy
 
-    def outstanding(self) -> int:
-        """Samples admitted and not yet trained or dropped."""
-        return self.in_flight + self.pending()
+    async def outstanding(self) -> int:
+        """Samples admitted and not yet trained or dropped (a group being put
+        counts twice for a moment: admission errs on the safe side)."""
+        async with self._books:
+            return self.in_flight + await self.pending()
 
-    def pending(self) -> int:
-        stats = self.queue.statistics()
+    async def pending(self) -> int:
+        """Samples in the queue: waiting, or handed out and not yet acknowledged."""
+        stats = await self.queue.statistics_async()
         return stats.pending + stats.in_flight
 
-    def check_accounting(self) -> None:
-        pending = self.pending()
-        total_dropped = sum(self.dropped.values())
-        if self.produced != self.trained + total_dropped + pending:
-            raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
-                                  f"dropped={total_dropped} + pending={pending}")
+    async def check_accounting(self) -> int:
+        """Raise :class:`AccountingError` unless produced == trained + dropped + pending;
+        returns pending."""
+        async with self._books:
+            pending = await self.pending()
+            total_dropped = sum(self.dropped.values())
+            if self.produced != self.trained + total_dropped + pending:
+                raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
+                                      f"dropped={total_dropped} + pending={pending}")
+        return pending
 
     # -- the trainer side ---------------------------------------------------
 
@@ -153,13 +168,13 @@ class PolicyBase(abc.ABC):
             await self._after_step()
             t3 = time.perf_counter()
             self._t_trainer_busy_s += t2 - t1
-            self.check_accounting()
-            out.append(self._step_metrics(samples, lags, train_metrics, wait_s=t1 - t0,
+            pending = await self.check_accounting()
+            out.append(self._step_metrics(samples, lags, train_metrics, pending, wait_s=t1 - t0,
                                           train_s=t2 - t1, after_s=t3 - t2))
         return out
 
     def _step_metrics(self, samples: list[Sample], lags: list[int], train: dict[str, float],
-                      *, wait_s: float, train_s: float, after_s: float) -> dict[str, Any]:
+                      pending: int, *, wait_s: float, train_s: float, after_s: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._t_start
         num_tokens = sum(len(s.response_ids) for s in samples)
         partial = [s for s in samples if s.num_resumes > 0]
@@ -182,7 +197,7 @@ class PolicyBase(abc.ABC):
             "train_s": train_s,
             "produced": self.produced,
             "trained": self.trained,
-            "pending": self.pending(),
+            "pending": pending,
             "dropped": dict(self.dropped),
             "elapsed_s": elapsed,
             **{f"train/{k}": v for k, v in train.items()},

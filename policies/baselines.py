@@ -38,9 +38,9 @@ class _BatchPolicy(PolicyBase):
             self.in_flight += need
             results = await asyncio.gather(*(
                 self.rollouts[i % len(self.rollouts)].generate_group(g) for i, g in enumerate(groups)))
-            self.in_flight -= need
             for samples in results:
                 need -= await self.put_group(samples)
+            self.in_flight = 0
 
 
 class SyncPolicy(_BatchPolicy):

@@ -78,8 +78,8 @@ class FullyAsyncPolicy(PolicyBase):
         try:
             self.in_flight += group.n
             samples = await self.rollouts[actor].generate_group(group)
-            self.in_flight -= group.n
             kept = await self.put_group(samples)
+            self.in_flight -= group.n
             if kept < group.n:
                 await self.admission.release(group.n - kept)
         except asyncio.CancelledError:
@@ -102,7 +102,7 @@ class FullyAsyncPolicy(PolicyBase):
     async def _after_step(self) -> None:
         if self.step % self.cfg.policy.trigger_parameter_sync_step == 0:
             await self.sync_weights()
-            await self.admission.open_window(self.outstanding())
+            await self.admission.open_window(await self.outstanding())
 
     async def _on_drop_after_queue(self, n: int) -> None:
         await self.admission.release(n)
