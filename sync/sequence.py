@@ -16,8 +16,9 @@ engine itself or a rollout actor's handle.
 
 A source is a :class:`WeightUpdate` (fixed; no retry possible), a
 :class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or an
-object with ``async weight_update()`` and optionally ``async weights_refused()``
-(the trainer actor).
+object with ``weight_update()`` and optionally ``weights_refused()``,
+``observe(kind, encode_ms=, transfer_ms=, apply_ms=)`` (feeds ``auto``) and
+``revert_update()`` (undo on a failed push), sync or async (the trainer actor).
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ class _Source:
         self.encode_ms += (time.perf_counter() - t0) * 1e3
         return update
 
-    def observe(self, kind: str, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+    async def observe(self, kind: str, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+        # sources that keep a cost model (WeightSender, or an actor forwarding to one) learn from it
         if hasattr(self.source, "observe"):
-            self.source.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
+            await _maybe_await(self.source.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms,
+                                                   apply_ms=apply_ms))
 
-    def revert(self) -> WeightUpdate | None:
-        fn: Callable[[], WeightUpdate | None] | None = getattr(self.source, "revert_update", None)
-        return fn() if fn is not None else None
+    async def revert(self) -> WeightUpdate | None:
+        fn: Callable[[], Any] | None = getattr(self.source, "revert_update", None)
+        return await _maybe_await(fn()) if fn is not None else None
 
 
 async def sync_weights(
@@ -137,7 +140,7 @@ async def sync_weights(
         if bad:
             raise SyncFailed(f"engines report versions {after} after a push to {target}", bad[0], after)
         metrics.encode_ms = src.encode_ms
-        src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
+        await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     finally:
         # whatever happened, engines must run again, and never on caches of other weights
         if colocated:
@@ -178,7 +181,7 @@ async def _revert(engines: list[Any], before: list[int], src: _Source, transport
     moved = [i for i, e in enumerate(engines) if await engine_version(e) != before[i]]
     if not moved:
         return
-    undo = src.revert()
+    undo = await src.revert()
     if undo is None:
         return  # cannot: SyncFailed.versions will show the split
     await _push(engines, moved, undo, transport, SyncMetrics(version=undo.manifest.version, kind=undo.manifest.kind,

@@ -152,3 +152,58 @@ async def test_failed_push_leaves_every_engine_on_its_previous_version() -> None
     engines[1].corrupt = False
     result = await sync_weights(engines, sender, weights=w, version=2, colocated=True)
     assert result.metrics.kind == "delta" and all(e.version == 2 and _holds(e, w) for e in engines)
+
+
+class TrainerLike:
+    """What the trainer actor's handle looks like to the sequence: async endpoints."""
+
+    def __init__(self, w: dict[str, torch.Tensor], mode: str) -> None:
+        self.w, self.version, self.sender = w, 0, WeightSender(mode=mode)
+        self.observed: list[str] = []
+
+    async def weight_update(self) -> WeightUpdate:
+        return self.sender.encode(self.w, self.version)
+
+    async def weights_refused(self) -> None:
+        self.sender.force_full()
+
+    async def observe(self, kind: str, **ms: float) -> None:
+        self.observed.append(kind)
+        self.sender.observe(kind, **ms)
+
+    async def revert_update(self) -> WeightUpdate | None:
+        return self.sender.revert_update()
+
+
+async def test_actor_like_source_with_async_endpoints() -> None:
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    trainer = TrainerLike(w, mode="delta")
+    for v in (1, 2):
+        trainer.version = v
+        _step(w, v)
+        result = await sync_weights(engines, trainer, colocated=True)
+        assert result.version == v and all(e.version == v and _holds(e, w) for e in engines)
+    assert trainer.observed == ["full", "delta"]
+    engines[0].corrupt = True
+    trainer.version = 3
+    _step(w, 3)
+    with pytest.raises(SyncFailed):
+        await sync_weights(engines, trainer, colocated=False)
+    assert [e.version for e in engines] == [2, 2]
+
+
+async def test_failed_full_push_reports_the_split_it_cannot_undo() -> None:
+    """A full update cannot be taken back without a second model copy: the
+    error says exactly which engine holds which version."""
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    trainer = TrainerLike(w, mode="full")
+    trainer.version = 1
+    await sync_weights(engines, trainer, colocated=False)
+    engines[0].corrupt = True
+    trainer.version = 2
+    with pytest.raises(SyncFailed) as info:
+        await sync_weights(engines, trainer, colocated=False)
+    assert info.value.engine_index == 0 and info.value.versions == [1, 2]
+    assert not any(e.paused for e in engines)
