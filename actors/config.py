@@ -158,6 +158,12 @@ class SyncConfig(_Section):
     """Payload bucket size: bounds the extra memory of a push."""
     colocated: bool = True
     """Trainer and engine share a device: free the KV cache during a push."""
+    transport: Literal["inproc", "broadcast"] = "inproc"
+    """How the payload moves: ``inproc`` through the driver (any runtime);
+    ``broadcast``: torch.distributed from the trainer's process to every
+    rollout actor's (gloo on CPU, NCCL on GPU; needs ``runtime.type=ray``)."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """torch.distributed backend of ``transport=broadcast``."""
 
 
 class Config(_Section):
@@ -285,6 +291,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
             f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
+    if cfg.sync.transport == "broadcast" and cfg.runtime.type != "ray":
+        raise ConfigError("sync.transport: 'broadcast' needs runtime.type=ray (one process per actor)")
     if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":

@@ -14,6 +14,7 @@ Inside an existing Ray cluster: ``runtime.type=ray runtime.address=auto``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import pathlib
@@ -28,11 +29,18 @@ __all__ = ["Run", "launch", "main"]
 
 
 def _weight_sync_fn(cfg: Config) -> Any:
+    from actors.weight_group import ActorBroadcast
     from sync.sequence import sync_weights
 
-    async def weight_sync(rollouts: list[Any], trainer: Any) -> dict[str, Any]:
-        result = await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated)
-        return result
+    async def weight_sync(rollouts: list[Any], trainer: Any) -> Any:
+        if cfg.sync.transport == "broadcast":
+            transport = ActorBroadcast(trainer)
+            try:
+                return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated,
+                                          transport=transport)
+            finally:
+                await transport.wait()
+        return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated)
 
     return weight_sync
 
@@ -104,6 +112,14 @@ class Run:
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
             for i in range(r.num_actors)
         ]
+        if cfg.sync.transport == "broadcast":
+            from actors.weight_group import free_port
+
+            init = f"tcp://127.0.0.1:{free_port()}"
+            world = 1 + len(rollouts)
+            await asyncio.gather(
+                trainer.join_weight_group(init, world, cfg.sync.backend),
+                *(h.join_weight_group(init, 1 + i, world, cfg.sync.backend) for i, h in enumerate(rollouts)))
         # after the actors: a Ray deployment joins the cluster the runtime started
         q = cfg.transfer_queue
         self.queue = await TransferQueue.create(TransferQueueConfig(

@@ -52,6 +52,7 @@ class RolloutActor(Actor):
         self.engine: Any = None
         self.task: Any = None
         self._running: asyncio.Event | None = None
+        self._group: Any = None  # broadcast transport when weights come over torch.distributed
         self.num_reward_errors = 0
 
     async def setup(self) -> None:
@@ -135,7 +136,25 @@ class RolloutActor(Actor):
         await self.engine.wake_up(tags)
 
     async def update_weights(self, update: Any) -> int:
+        from actors.weight_group import DistPush
+
+        if isinstance(update, DistPush):  # the payload arrives by broadcast from the trainer
+            if self._group is None:
+                raise RuntimeError("a broadcast push reached an actor outside the weight group")
+            update = await self.blocking(self._group.receive)
         return await self.engine.update_weights(update)
+
+    async def weights_digest(self) -> dict[str, str]:
+        """sha256 of every weight the engine holds, by HF name (for bit-exactness checks)."""
+        from actors.weight_group import digest_named
+
+        return await self.blocking(digest_named, self.engine.named_weights())
+
+    async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
+        """Join the weight-sync process group (with the trainer and every other rollout actor)."""
+        from actors.weight_group import join_group
+
+        self._group = await self.blocking(join_group, init_method, rank, world_size, backend)
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()

@@ -28,6 +28,8 @@ class TrainerActor(Actor):
         self.torch_threads = torch_threads
         self.backend: Any = None
         self.sender: Any = None
+        self._group: Any = None  # broadcast transport when weights go over torch.distributed
+        self._pending: Any = None  # the payload of the last update, until broadcast
 
     async def setup(self) -> None:
         await self.blocking(self._setup)
@@ -75,10 +77,38 @@ class TrainerActor(Actor):
         return await self.blocking(self._weight_update)
 
     def _weight_update(self) -> Any:
-        return self.sender.encode(self.backend.named_weights(), self.backend.version)
+        update = self.sender.encode(self.backend.named_weights(), self.backend.version)
+        if self._group is None:
+            return update
+        # Broadcast mode: the payload stays here until broadcast_pending(); only
+        # the manifest goes back to the driver.
+        from sync.manifest import WeightUpdate
+
+        self._pending = update
+        return WeightUpdate(manifest=update.manifest, buckets=[])
+
+    async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
+        """Join the weight-sync process group as rank 0 (with every rollout actor at once)."""
+        from actors.weight_group import join_group
+
+        self._group = await self.blocking(join_group, init_method, 0, world_size, backend)
+
+    async def broadcast_pending(self) -> int:
+        """Broadcast the last encoded update to the group; returns its bytes."""
+        if self._pending is None:
+            raise RuntimeError("broadcast_pending() without a weight_update() before it")
+        update, self._pending = self._pending, None
+        await self.blocking(self._group.send, update)
+        return update.nbytes
 
     async def weights_refused(self) -> None:
         self.sender.force_full()
+
+    async def weights_digest(self, dtype: str) -> dict[str, str]:
+        """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
+        from actors.weight_group import digest_named
+
+        return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 
     async def save(self, path: str) -> None:
         await self.blocking(self.backend.save, path)
