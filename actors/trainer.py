@@ -5,6 +5,7 @@ Endpoints (all async; the work runs on the actor's worker thread):
     train_step(samples)       GRPO advantages, loss, one optimizer step -> metrics
     weight_update()           encode the current weights (full or delta) for the engines
     weights_refused()         a receiver refused a delta: next update is full
+    observe(...)/revert_update()  cost feedback for sync.mode=auto; undo of a failed push
     save(dir) / load(dir)     checkpoint (safetensors + optimizer state)
 """
 
@@ -77,8 +78,10 @@ class TrainerActor(Actor):
         return await self.blocking(self._weight_update)
 
     def _weight_update(self) -> Any:
-        update = self.sender.encode(self.backend.named_weights(), self.backend.version)
-        if self._group is None:
+        return self._outgoing(self.sender.encode(self.backend.named_weights(), self.backend.version))
+
+    def _outgoing(self, update: Any) -> Any:
+        if self._group is None or update is None:
             return update
         # Broadcast mode: the payload stays here until broadcast_pending(); only
         # the manifest goes back to the driver.
@@ -103,6 +106,14 @@ class TrainerActor(Actor):
 
     async def weights_refused(self) -> None:
         self.sender.force_full()
+
+    async def observe(self, kind: str, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+        """Measured cost of the last sync (``sync.mode=auto`` picks full or delta from it)."""
+        self.sender.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
+
+    async def revert_update(self) -> Any:
+        """The update that takes engines back to the previous version after a failed push."""
+        return self._outgoing(await self.blocking(self.sender.revert_update))
 
     async def weights_digest(self, dtype: str) -> dict[str, str]:
         """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
