@@ -24,6 +24,17 @@ from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, We
 from sync.manifest import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
 
 
+_WIDER = {
+    torch.bfloat16: {torch.float32, torch.float64},
+    torch.float16: {torch.float32, torch.float64},
+    torch.float32: {torch.float64},
+}
+
+
+def _holds_exactly(receiver: torch.dtype, sent: torch.dtype) -> bool:
+    return receiver == sent or receiver in _WIDER.get(sent, set())
+
+
 class _Piece:
     """Read/write access to one entry's elements of a receiver tensor, in the
     entry's dtype, addressed by piece-local flat index."""
@@ -35,6 +46,8 @@ class _Piece:
         if tuple(w.shape) != tuple(e.shape):
             raise ManifestMismatch(f"{e.name}: receiver shape {tuple(w.shape)} != manifest shape {tuple(e.shape)}")
         self.dtype = dtype_from_name(e.dtype)
+        if not _holds_exactly(w.dtype, self.dtype):
+            raise ManifestMismatch(f"{e.name}: receiver dtype {w.dtype} cannot hold {self.dtype} values exactly")
         self.entry = e
         self.device = w.device
         region = w if e.shard is None else w.narrow(e.shard.dim, e.shard.offset, e.shard.length)

@@ -133,6 +133,15 @@ def test_fp32_receiver_holds_the_bf16_weights_exactly() -> None:
     assert all(torch.equal(engine[k], w[k].bfloat16().float()) for k in w)
 
 
+def test_receiver_that_would_round_the_update_refuses_it() -> None:
+    w = _model()
+    engine = _engine(w, dtype=torch.bfloat16)
+    before = _snapshot(engine)
+    with pytest.raises(ManifestMismatch, match="exactly"):
+        apply_update(engine, WeightSender(mode="full", dtype=torch.float32).encode(w, 1), 0)
+    assert _same(engine, before)
+
+
 def test_tied_weights_are_sent_once() -> None:
     w = _model()
     w["lm_head.weight"] = w["model.embed_tokens.weight"]
