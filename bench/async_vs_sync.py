@@ -37,7 +37,8 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"run.seed={seed}", f"run.total_steps={args.steps}", "run.progress=false",
         f"run.output_dir={args.output_dir}", f"task.type={args.task}",
         f"rollout.max_response_tokens={args.max_response_tokens}",
-        f"rollout.engine.max_model_len={args.max_response_tokens + 64}",
+        f"rollout.engine.max_model_len={args.task_max_len + args.max_response_tokens + 16}",
+        f"task.kwargs.max_len={args.task_max_len}", f"task.kwargs.tail_alpha={args.tail_alpha}",
         f"trainer.batch_prompts={args.batch_prompts}", f"rollout.n={args.n}",
         f"policy.staleness_threshold={args.staleness_threshold}",
         f"policy.max_staleness={args.max_staleness}",
@@ -62,6 +63,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "final_reward": sum(m["reward"] for m in hist[-k:]) / k,
         "first_reward": sum(m["reward"] for m in hist[:k]) / k,
         "staleness_max": max(m["staleness_max"] for m in hist),
+        "response_len_mean": statistics.fmean(m["response_len_mean"] for m in hist),
         "partial_ratio": sum(m["partial_ratio"] for m in hist) / len(hist),
         "dropped": last["dropped"],
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
@@ -88,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="long_tail_copy")
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-response-tokens", type=int, default=48)
-    p.add_argument("--staleness-threshold", type=float, default=1.0)
+    p.add_argument("--max-response-tokens", type=int, default=100)
+    p.add_argument("--task-max-len", type=int, default=96, help="longest answer of the long-tail task")
+    p.add_argument("--tail-alpha", type=float, default=0.8, help="Pareto shape of answer lengths")
+    p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
@@ -101,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
         "task": args.task, "steps": args.steps, "seeds": args.seeds,
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
+        "task_max_len": args.task_max_len, "tail_alpha": args.tail_alpha,
+        "staleness_threshold": args.staleness_threshold, "max_staleness": args.max_staleness,
+        "overrides": args.overrides,
         "policies": {},
     }
     for policy in args.policies.split(","):
