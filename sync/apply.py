@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 
 from sync import checksum as cks
@@ -78,26 +79,29 @@ class _Piece:
             self.write(torch.arange(self.entry.count, device=self.device), values)
 
     def _pos(self, idx: torch.Tensor) -> torch.Tensor:
-        if self._positions is not None:
-            return self._index(idx)
-        if self.device.type == "cpu":
-            return torch.from_numpy(idx.numpy() + self._base)
-        return idx.to(self.device) + self._base
+        return self._index(idx) if self._positions is not None else idx.to(self.device) + self._base
+
+    def _np_piece(self, idx: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(integer numpy view to index, indices into it) on CPU: slicing the
+        piece out is free, adding its offset to every index is not."""
+        if self._positions is None:
+            flat = cks.int_view(self._flat).numpy()[self._base : self._base + self.entry.count]
+            return flat, idx.numpy()
+        return cks.int_view(self._flat).numpy(), self._index(idx).numpy()
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = self._pos(idx)
         if self.device.type == "cpu":  # numpy's gather is several times faster than torch's on CPU
-            got = torch.from_numpy(cks.int_view(self._flat).numpy()[pos.numpy()]).view(self._flat.dtype)
-            return got.to(self.dtype)
-        return self._flat[pos].to(self.dtype)
+            flat, at = self._np_piece(idx)
+            return torch.from_numpy(flat[at]).view(self._flat.dtype).to(self.dtype)
+        return self._flat[self._pos(idx)].to(self.dtype)
 
     def write(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        pos = self._pos(idx)
         values = values.to(device=self.device, dtype=self._flat.dtype)
         if self.device.type == "cpu":
-            cks.int_view(self._flat).numpy()[pos.numpy()] = cks.int_view(values).numpy()
+            flat, at = self._np_piece(idx)
+            flat[at] = cks.int_view(values).numpy()
         else:
-            self._flat[pos] = values
+            self._flat[self._pos(idx)] = values
 
 
 def _blob(update: WeightUpdate, e: TensorEntry, buckets: dict[int, torch.Tensor]) -> torch.Tensor:

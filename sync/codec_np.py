@@ -88,7 +88,8 @@ def bitmask_encode(idx: np.ndarray, n: int) -> np.ndarray:
 def bitmask_decode(buf: np.ndarray, n: int) -> np.ndarray:
     if buf.size != (n + 7) // 8:
         raise ValueError(f"bitmask of {buf.size} bytes for {n} elements")
-    return np.flatnonzero(np.unpackbits(buf, count=n, bitorder="little"))
+    # 0/1 bytes viewed as bool: numpy's nonzero is ~4x faster on bool than on uint8
+    return np.flatnonzero(np.unpackbits(buf, count=n, bitorder="little").view(bool))
 
 
 def diff8(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
