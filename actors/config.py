@@ -118,8 +118,13 @@ class TrainerConfig(_Section):
     """PPO clip range (both sides)."""
     is_cap: PosFloat = 2.0
     """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
+    micro_batch_tokens: NonNegInt = 2048
+    """Padded tokens per forward pass (rows sorted by length, gradients
+    accumulated): long-tailed batches stop padding every row to the longest.
+    0 = the whole batch in one pass."""
     checkpoint_every: NonNegInt = 0
-    """Save a checkpoint every this many steps (0 = only at the end)."""
+    """Save a checkpoint (safetensors + optimizer) into the run directory every
+    this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""
 
 
 class PolicyConfig(_Section):

@@ -93,7 +93,8 @@ class Run:
             backend=t.backend, model_path=model_path,
             backend_kwargs=dict(device=t.device, dtype=t.dtype, lr=t.lr, weight_decay=t.weight_decay,
                                 grad_clip=t.grad_clip, loss=t.loss,
-                                loss_kwargs=_loss_kwargs(cfg), seed=cfg.run.seed),
+                                loss_kwargs=_loss_kwargs(cfg), seed=cfg.run.seed,
+                                micro_batch_tokens=t.micro_batch_tokens),
             sync_kwargs=dict(mode=cfg.sync.mode, bucket_bytes=cfg.sync.bucket_bytes,
                              full_every_k=cfg.sync.full_every_k or None,
                              dtype=cfg.rollout.engine.dtype),
@@ -150,6 +151,9 @@ class Run:
                 self._metrics_file.write(json.dumps(m) + "\n")
                 self.history.append(m)
                 out.append(m)
+                every = self.cfg.trainer.checkpoint_every
+                if every and len(self.history) % every == 0:
+                    await self.policy.trainer.save(str(self.dir / f"checkpoint-{len(self.history)}"))
                 if bar is not None:
                     bar.set_postfix(reward=f"{m['reward']:.3f}", stale=f"{m['staleness_mean']:.2f}",
                                     sps=f"{m['samples_per_s']:.1f}", refresh=False)

@@ -45,6 +45,7 @@ class TorchBackend:
         loss: str = "ppo_clip",
         loss_kwargs: dict | None = None,
         seed: int = 0,
+        micro_batch_tokens: int = 0,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -60,6 +61,10 @@ class TorchBackend:
         accepted = set(inspect.signature(self.loss_fn).parameters) - {"logprobs", "rollout_logprobs", "advantages", "mask", "proximal_logprobs"}
         if unknown := sorted(set(self.loss_kwargs) - accepted):
             raise ValueError(f"loss {loss!r} has no option(s) {unknown}; it accepts {sorted(accepted)}")
+        if micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}")
+        # Padded tokens (rows x longest row) per forward; 0 = the whole batch at once.
+        self.micro_batch_tokens = micro_batch_tokens
         self.seed = seed
         self.version = 0
         self.model = None
@@ -149,6 +154,43 @@ class TorchBackend:
         self._require_setup()
         if len(advantages) != len(samples):
             raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples")
+        if proximal_logprobs is not None and len(proximal_logprobs) != len(samples):
+            raise ValueError(f"got proximal_logprobs for {len(proximal_logprobs)} samples, expected {len(samples)}")
+        total_tokens = sum(len(s.response_ids) for s in samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for idx in self._micro_batches(samples):
+            part = [samples[i] for i in idx]
+            prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
+            weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1)
+            for k, v in self._accumulate(part, [advantages[i] for i in idx], prox, weight).items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.version += 1
+        return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens),
+                "version": float(self.version)}
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """Indices split so rows x longest row <= ``micro_batch_tokens``, rows
+        sorted by length: a long-tailed batch stops padding every row to its longest."""
+        if not self.micro_batch_tokens:
+            return [list(range(len(samples)))]
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
+        out: list[list[int]] = [[]]
+        for i in order:
+            width = len(samples[i].prompt_ids) + len(samples[i].response_ids)
+            if out[-1] and (len(out[-1]) + 1) * width > self.micro_batch_tokens:
+                out.append([])
+            out[-1].append(i)
+        return out
+
+    def _accumulate(self, samples: list[Sample], advantages: list[float],
+                    proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, float]:
+        """Forward + backward of one micro-batch; its loss (a token mean over the
+        micro-batch) is scaled by its share of the batch's tokens, so the summed
+        gradient is that of the token mean over the whole batch."""
         extra = {}
         if self.loss_name in NEEDS_PROXIMAL and proximal_logprobs is None:
             # The weights before this step are the proximal policy.
@@ -160,19 +202,11 @@ class TorchBackend:
         rollout = self._pad(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
         adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
         loss, metrics = self.loss_fn(logprobs, rollout, adv, mask, **extra, **self.loss_kwargs)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.version += 1
+        (loss * weight).backward()
         num_tokens = float(mask.sum())
         return {
             "loss": float(loss.detach()),
-            "grad_norm": float(grad_norm),
             "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
-            "tokens": num_tokens,
-            "version": float(self.version),
             **{k: float(v) for k, v in metrics.items()},
         }
 
