@@ -42,7 +42,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"trainer.batch_prompts={args.batch_prompts}", f"rollout.n={args.n}",
         f"policy.staleness_threshold={args.staleness_threshold}",
         f"policy.max_staleness={args.max_staleness}",
-        *POLICIES[policy], *args.overrides,
+        f"runtime.type={args.runtime}", *POLICIES[policy], *args.overrides,
     ]
     if args.device != "cpu":
         overrides += [f"rollout.engine.device={args.device}", f"trainer.device={args.device}",
@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
                    help="disaggregated: trainer and engine on different devices (see README)")
+    p.add_argument("--runtime", default=None,
+                   help="local | ray (default: ray on CPU, so rollout and trainer get a core each; "
+                        "local on GPU)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--task", default="long_tail_copy")
@@ -100,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
+    args.runtime = args.runtime or ("ray" if args.device == "cpu" else "local")
     result: dict[str, Any] = {
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
+        "runtime": args.runtime,
         "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
         "task": args.task, "steps": args.steps, "seeds": args.seeds,
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
