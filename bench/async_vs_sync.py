@@ -45,8 +45,13 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"runtime.type={args.runtime}", *POLICIES[policy], *args.overrides,
     ]
     if args.device != "cpu":
-        overrides += [f"rollout.engine.device={args.device}", f"trainer.device={args.device}",
+        engine_device = "cuda:1" if args.placement == "disaggregated" else args.device
+        trainer_device = "cuda:0" if args.placement == "disaggregated" else args.device
+        overrides += [f"rollout.engine.device={engine_device}", f"trainer.device={trainer_device}",
                       "rollout.engine.dtype=bfloat16", "sync.mode=auto"]
+    if args.placement == "disaggregated":  # separate processes, weights by broadcast
+        overrides += ["sync.colocated=false", "sync.transport=broadcast",
+                      f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
     run = launch(ROOT / "fully_async.yaml", *overrides)
     with run:
         t0 = time.perf_counter()
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
-                   help="disaggregated: trainer and engine on different devices (see README)")
+                   help="disaggregated: trainer and engine in separate processes (on GPU: cuda:0 "
+                        "and cuda:1), weights by torch.distributed broadcast (needs Ray)")
     p.add_argument("--runtime", default=None,
                    help="local | ray (default: ray on CPU, so rollout and trainer get a core each; "
                         "local on GPU)")
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
-    args.runtime = args.runtime or ("ray" if args.device == "cpu" else "local")
+    args.runtime = args.runtime or ("ray" if args.device == "cpu" or args.placement == "disaggregated"
+                                    else "local")
     result: dict[str, Any] = {
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
         "runtime": args.runtime,
