@@ -88,10 +88,11 @@ class Run:
 
             torch.set_num_threads(threads)
         t = cfg.trainer
+        trainer_gpus, trainer_device = self._placement(t.device)
         trainer = await self.runtime.spawn(
-            TrainerActor, name="trainer", num_cpus=1,
+            TrainerActor, name="trainer", num_cpus=1, num_gpus=trainer_gpus,
             backend=t.backend, model_path=model_path,
-            backend_kwargs=dict(device=t.device, dtype=t.dtype, lr=t.lr, weight_decay=t.weight_decay,
+            backend_kwargs=dict(device=trainer_device, dtype=t.dtype, lr=t.lr, weight_decay=t.weight_decay,
                                 grad_clip=t.grad_clip, loss=t.loss,
                                 loss_kwargs=_loss_kwargs(cfg), seed=cfg.run.seed,
                                 micro_batch_tokens=t.micro_batch_tokens),
@@ -100,13 +101,14 @@ class Run:
                              dtype=cfg.rollout.engine.dtype),
             torch_threads=1)
         r, e = cfg.rollout, cfg.rollout.engine
+        engine_gpus, engine_device = self._placement(e.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=tuple(task.stop_token_ids))
         rollouts = [
             await self.runtime.spawn(
-                RolloutActor, name=f"rollout-{i}", num_cpus=1,
+                RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
                 engine_type=e.type, model_path=model_path,
-                engine_kwargs=dict(device=e.device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
+                engine_kwargs=dict(device=engine_device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
                                    max_model_len=e.max_model_len, seed=cfg.run.seed + i),
                 task_type=cfg.task.type, task_kwargs=dict(cfg.task.kwargs), sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
@@ -128,6 +130,13 @@ class Run:
             deployment=q.deployment))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=_weight_sync_fn(cfg))
+
+    def _placement(self, device: str) -> tuple[float, str]:
+        """Ray GPUs to reserve for an actor on ``device``, and the device name
+        inside it (Ray shows an actor only its own GPUs, as cuda:0)."""
+        if self.cfg.runtime.type != "ray" or not device.startswith("cuda"):
+            return 0, device
+        return (0.5 if self.cfg.sync.colocated else 1), "cuda"
 
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``)."""
