@@ -48,7 +48,8 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         engine_device = "cuda:1" if args.placement == "disaggregated" else args.device
         trainer_device = "cuda:0" if args.placement == "disaggregated" else args.device
         overrides += [f"rollout.engine.device={engine_device}", f"trainer.device={trainer_device}",
-                      "rollout.engine.dtype=bfloat16", "sync.mode=auto"]
+                      "rollout.engine.dtype=bfloat16", "sync.mode=auto",
+                      f"sync.colocated={args.placement == 'colocated'}"]
     if args.placement == "disaggregated":  # separate processes, weights by broadcast
         overrides += ["sync.colocated=false", "sync.transport=broadcast",
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
