@@ -49,3 +49,17 @@ def test_greedy_rows_take_the_argmax_and_report_raw_logprobs():
     assert torch.equal(token, logits.argmax(-1))
     torch.testing.assert_close(lp, raw)
     torch.testing.assert_close(raw, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+
+
+def test_unseeded_unit_temperature_draws_follow_the_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8) * 2
+    n = 20000
+    params = _batch(n)
+    params.any_greedy, params.unit_temperature = False, True
+    params.generator = torch.Generator().manual_seed(3)
+    token, lp, raw = sample(logits.expand(n, 8).contiguous(), params, torch.zeros(n, dtype=torch.int64))
+    freq = torch.bincount(token, minlength=8).float() / n
+    torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.015, rtol=0)
+    torch.testing.assert_close(raw, logits.log_softmax(-1)[0][token])
+    assert torch.equal(lp, raw)

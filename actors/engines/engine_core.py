@@ -64,6 +64,7 @@ class EngineOptions:
     seed: int
     cuda_graphs: bool
     max_prefill_tokens: int
+    compile_decode: bool = True
 
 
 class EngineCore:
@@ -144,8 +145,10 @@ class EngineCore:
         self.cfg = ModelConfig.from_dir(o.model_path)
         self.weights = WeightStore(self.cfg, o.device, o.dtype)
         self.weights.load_dir(o.model_path)
-        self.model = Model(self.cfg, o.max_model_len, o.device, o.dtype)
-        self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, o.max_model_len,
+        self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
+                           compile_decode=o.compile_decode and o.device.type == "cuda")
+        # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
+        self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, -(-o.max_model_len // 16) * 16,
                           self.cfg.head_dim, o.device, o.dtype)
         self._noise = torch.Generator(device=o.device)
         self._noise.manual_seed(o.seed)

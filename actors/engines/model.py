@@ -139,10 +139,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    # one fused kernel on CUDA; computes in fp32 like HF (which rounds once more, before the weight)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -150,12 +148,47 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
+                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """Pre-attention half of a layer (pure: compiled as one unit for decode)."""
+    x = _rms_norm(h, norm_w, eps)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
+    v = qkv[..., nq + nkv :].unflatten(-1, (num_kv_heads, head_dim))
+    if q_norm is not None:
+        q = _rms_norm(qkv[..., :nq].unflatten(-1, (num_heads, head_dim)), q_norm, eps)
+        k = _rms_norm(qkv[..., nq : nq + nkv].unflatten(-1, (num_kv_heads, head_dim)), k_norm, eps)
+        qk = torch.cat([q, k], dim=-2)
+    else:  # q and k are adjacent: rotate them together (fewer kernels per step)
+        qk = qkv[..., : nq + nkv].unflatten(-1, (num_heads + num_kv_heads, head_dim))
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    qk = qk * cos + _rotate_half(qk) * sin
+    return qk[..., :num_heads, :].contiguous(), qk[..., num_heads:, :].contiguous(), v
+
+
+def attention_output_and_mlp(h, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
+    """Post-attention half of a layer: o_proj, residual, norm, SwiGLU MLP, residual."""
+    h = h + F.linear(attn, o_w)
+    x = _rms_norm(h, norm_w, eps)
+    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
+
+
 class Model:
     """Stateless forward over a :class:`~actors.engines.weights.WeightStore`
     and a :class:`~actors.engines.kv_cache.KVCache`."""
 
-    def __init__(self, cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                 compile_decode: bool = False):
         self.cfg = cfg
+        # Decode is ~40 small kernels a layer, each a few microseconds even inside a CUDA
+        # graph; compiled, the elementwise work (norms, RoPE, SwiGLU, residuals) fuses.
+        # The KV-cache writes and attention stay outside: compiled, a write into the
+        # cache became a copy of the whole layer cache (measured on an H200).
+        self._decode_fns = (None, None)
+        if compile_decode:
+            self._decode_fns = (torch.compile(attention_inputs, fullgraph=True),
+                                torch.compile(attention_output_and_mlp, fullgraph=True))
         self.dtype = dtype
         self.device = device
         pos = torch.arange(max_model_len, dtype=torch.float32)
@@ -166,29 +199,16 @@ class Model:
         self.key_positions = torch.arange(max_model_len, device=device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None):
         """h [..., hidden] -> q [..., Hq, D], k/v [..., Hkv, D] with RoPE applied."""
         cfg = self.cfg
-        x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
-        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
-        if cfg.qk_norm:
-            q = _rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = _rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        return (fn or attention_inputs)(
+            h, layer.input_norm, layer.qkv_w, layer.qkv_b, layer.q_norm, layer.k_norm, cos, sin,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
-    def _mlp_residual(self, layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + F.linear(attn, layer.o_w)
-        x = _rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down_w)
+    def _mlp_residual(self, layer, h: torch.Tensor, attn: torch.Tensor, fn=None) -> torch.Tensor:
+        return (fn or attention_output_and_mlp)(
+            h, attn, layer.o_w, layer.post_norm, layer.gate_up_w, layer.down_w, self.cfg.rms_norm_eps)
 
     def _logits(self, weights, h: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(h, weights.final_norm, self.cfg.rms_norm_eps)
@@ -225,18 +245,17 @@ class Model:
         rows = torch.arange(B, device=tokens.device)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
-        bias = torch.zeros(B, 1, 1, kv.max_len, device=tokens.device, dtype=torch.float32)
-        bias.masked_fill_(self.key_positions[None, :] > positions[:, None].view(B, 1, 1, 1), float("-inf"))
+        mask = (self.key_positions[: kv.max_len][None, :] <= positions[:, None]).view(B, 1, 1, kv.max_len)
         group = cfg.num_heads // cfg.num_kv_heads
         h = F.embedding(tokens, weights.embed)
+        pre, post = self._decode_fns
         for n, layer in enumerate(weights.layers):
-            q, k, v = self._qkv(layer, h, cos, sin)  # [B, H, D]
+            q, k, v = self._qkv(layer, h, cos, sin, pre)  # [B, H, D]
             kv.k[n][rows, :, positions] = k
             kv.v[n][rows, :, positions] = v
-            keys, values = kv.k[n][:B], kv.v[n][:B]  # [B, Hkv, L, D]
-            q = q.view(B, cfg.num_kv_heads, group, cfg.head_dim)
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, L]
-            probs = torch.softmax(scores + bias, dim=-1).to(values.dtype)
-            a = torch.matmul(probs, values)  # [B, Hkv, G, D]
-            h = self._mlp_residual(layer, h, a.reshape(B, cfg.num_heads * cfg.head_dim))
+            # the G query heads sharing a KV head act as G queries of one head: no K/V repeat
+            a = F.scaled_dot_product_attention(
+                q.reshape(B, cfg.num_kv_heads, group, cfg.head_dim), kv.k[n][:B], kv.v[n][:B],
+                attn_mask=mask, scale=self.scale)  # [B, Hkv, G, D]
+            h = self._mlp_residual(layer, h, a.reshape(B, cfg.num_heads * cfg.head_dim), post)
         return self._logits(weights, h)

@@ -81,6 +81,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
 
     ``positions[b]`` is the position the sampled token will occupy (its
     index in prompt + response), the counter of the noise."""
+    if params.generator is not None and params.unit_temperature and not (params.any_greedy or params.needs_filter):
+        return _sample_unit_temperature(logits, params.generator)
     raw = torch.log_softmax(logits, dim=-1)
     if params.unit_temperature and not params.any_greedy and not params.needs_filter:
         lp = raw
@@ -106,3 +108,14 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
     if params.any_greedy:
         lp_tok = torch.where(params.temperature <= 0, raw_tok, lp_tok)
     return token, lp_tok, raw_tok
+
+
+def _sample_unit_temperature(logits: torch.Tensor, generator: torch.Generator
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The common RL case (T=1, no filter, unseeded) in few passes over [B, V]:
+    no log-softmax matrix, one logsumexp; Gumbel-max with -log(Exp(1)) noise."""
+    noise = torch.empty_like(logits).exponential_(generator=generator)
+    noise.clamp_(min=1e-20).log_().neg_().add_(logits)  # logits + Gumbel(0, 1)
+    token = torch.argmax(noise, dim=-1)
+    raw = logits.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return token, raw, raw

@@ -44,11 +44,13 @@ class TorchEngine(RolloutEngine):
     tokens (prompt + response) per request. ``seed``: seeds the per-request
     seeds of unseeded requests. ``cuda_graphs``: replay decode steps as CUDA
     graphs (CUDA only). ``max_prefill_tokens``: padded tokens per prefill batch.
+    ``compile_decode``: fuse the decode step's elementwise work with
+    ``torch.compile`` (CUDA only; the first step of each batch size compiles).
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 2048, seed: int = 0,
-                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384):
+                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool = True):
         if dtype is None:
             dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
         if dtype not in _DTYPES:
@@ -64,6 +66,7 @@ class TorchEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self._seed = seed
         self._cuda_graphs = cuda_graphs
+        self._compile_decode = compile_decode
         self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
         self._core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,7 +86,7 @@ class TorchEngine(RolloutEngine):
                 device = torch.device("cuda", torch.cuda.current_device())
         self._loop = asyncio.get_running_loop()
         opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
-                             self._seed, self._cuda_graphs, self._max_prefill_tokens)
+                             self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode)
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")
