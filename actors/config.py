@@ -83,6 +83,11 @@ class EngineConfig(_Section):
     """Concurrent sequences the engine batches."""
     max_model_len: PosInt = 128
     """Prompt + response tokens per sequence (KV cache slot length)."""
+    cuda_graphs: bool = True
+    """Built-in engine on CUDA: replay decode steps as CUDA graphs."""
+    compile_decode: bool = False
+    """Built-in engine on CUDA: fuse decode elementwise work with torch.compile
+    (compiles once per batch-size bucket: pays off in long runs)."""
 
 
 class RolloutConfig(_Section):

@@ -109,7 +109,8 @@ class Run:
                 RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
                 engine_type=e.type, model_path=model_path,
                 engine_kwargs=dict(device=engine_device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
-                                   max_model_len=e.max_model_len, seed=cfg.run.seed + i),
+                                   max_model_len=e.max_model_len, seed=cfg.run.seed + i,
+                                   cuda_graphs=e.cuda_graphs, compile_decode=e.compile_decode),
                 task_type=cfg.task.type, task_kwargs=dict(cfg.task.kwargs), sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
