@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sync import WeightSender, apply_update
 from sync.checksum import int_view, region_checksum
 from sync.codec import bitmask_decode, bitmask_encode, varint_decode, varint_encode
-from sync.manifest import Manifest, WeightUpdate
+from sync.manifest import Manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,9 +95,10 @@ def test_manifest_round_trips_through_msgpack() -> None:
     wire = msgspec.msgpack.encode(update.manifest)
     manifest = msgspec.msgpack.decode(wire, type=Manifest)
     assert manifest == update.manifest
+    full = WeightSender(mode="full").encode({"a": w["a"].clone()}, 2)
+    assert full.manifest.kind == "full"
     engine = {"a": torch.zeros(10, 10, dtype=torch.bfloat16)}
-    apply_update(engine, sender_full := WeightSender(mode="full").encode({"a": w["a"].clone()}, 2), 0)
-    assert sender_full.manifest.kind == "full"
+    apply_update(engine, full, 0)
     assert torch.equal(engine["a"], w["a"].bfloat16())
 
 
