@@ -203,7 +203,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="verify against HF on the device first")
     ap.add_argument("--machine", default=None, help="free text saved with the result")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both engine and HF (CPU: 1 is far steadier on a shared box)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     shape = args.shape or ("qwen2.5-0.5b" if cuda else "small")
     batches = args.batch or ([64, 256] if cuda else [16])

@@ -149,3 +149,32 @@ def test_sleep_frees_cuda_memory_by_the_kv_cache_and_weights(tiny_models):
     assert level1 >= stats["kv_cache_bytes"]
     assert level2 >= stats["kv_cache_bytes"] + stats["weights_bytes"]
     assert len(out.token_ids) == 4
+
+
+def test_sync_full_then_delta_updates_apply_even_with_a_tied_lm_head_named(engine_factory, tiny_models):
+    """``sync`` updates go through ``sync.apply``; a sender that does not dedup
+    tied weights names ``lm_head.weight`` too, which must not break a delta."""
+    sync = pytest.importorskip("sync")
+    path, _ = tiny_models["qwen2"]
+    _, hf_b = tiny_models["qwen2-b"]
+    state_b = {k: v.detach().clone() for k, v in hf_b.state_dict().items()}
+    state_b["lm_head.weight"] = state_b["model.embed_tokens.weight"].clone()  # untied copy, same values
+    state_c = {k: v.clone() for k, v in state_b.items()}
+    for name in ("model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        state_c[name] = state_c[name] * 1.5 if name != "lm_head.weight" else state_c["model.embed_tokens.weight"]
+    sender = sync.WeightSender(mode="delta", dtype=torch.float32, dedup_tied=False)
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            await engine.update_weights(sender.encode(state_b, version=1))
+            after_b = (await engine.generate(req("b", PROMPTS[0], 8))).token_ids
+            update_c = sender.encode(state_c, version=2)
+            await engine.update_weights(update_c)
+            return after_b, update_c.manifest.kind, engine.version, engine._core.weights.params
+
+    after_b, kind, version, params = loop.run(body())
+    assert after_b == hf_greedy(hf_b, PROMPTS[0], 8)
+    assert kind == "delta" and version == 2
+    for name, want in state_c.items():
+        if name != "lm_head.weight":
+            assert torch.equal(params[name], want), name
