@@ -178,3 +178,27 @@ def test_sync_full_then_delta_updates_apply_even_with_a_tied_lm_head_named(engin
     for name, want in state_c.items():
         if name != "lm_head.weight":
             assert torch.equal(params[name], want), name
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=96, max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    hf.save_pretrained(tmp_path)
+    prompt = list(range(1, 40))  # positions past original_max_position_embeddings
+
+    async def body():
+        async with running(lambda d, **o: TorchEngine(d, **o), str(tmp_path)) as engine:
+            return await engine.generate(req("a", prompt, 30))
+
+    assert loop.run(body()).token_ids == hf_greedy(hf, prompt, 30)
