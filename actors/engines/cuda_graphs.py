@@ -69,6 +69,7 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a trainer on another thread of this process may use the GPU meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.model.decode(weights, kv, self.tokens[:b], self.positions[:b])
         self._graphs[b] = (graph, logits)
