@@ -202,3 +202,18 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
             return await engine.generate(req("a", prompt, 30))
 
     assert loop.run(body()).token_ids == hf_greedy(hf, prompt, 30)
+
+
+def test_calls_after_close_are_a_clear_error(engine_factory, tiny_models):
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            pass
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.pause()
+        with pytest.raises(RuntimeError, match="closed"):
+            await engine.generate(req("late", PROMPTS[0], 2))
+        await engine.close()  # idempotent
+
+    loop.run(body())

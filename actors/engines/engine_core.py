@@ -115,6 +115,12 @@ class EngineCore:
                     self._step()
                 except Exception as exc:  # a broken step fails its requests, not the engine
                     self._fail_all(exc)
+        with self._cond:  # whatever came in after close gets an answer, not a hang
+            left, self._commands = list(self._commands), deque()
+        for name, *_, done in left:
+            if done is not None:
+                exc = RuntimeError(f"TorchEngine is closed ({name} not run)")
+                self._post([], [lambda exc=exc: done(None, exc)])
 
     def _can_step(self) -> bool:
         return (not self.closed and not self.paused and self.awake

@@ -133,6 +133,8 @@ class TorchEngine(RolloutEngine):
     async def _call(self, name: str, *args: Any) -> Any:
         if self._core is None:
             raise RuntimeError("TorchEngine.setup() was not awaited")
+        if self._core.closed:
+            raise RuntimeError(f"TorchEngine is closed ({name} not run)")
         fut = self._loop.create_future()
 
         def done(result: Any, exc: BaseException | None) -> None:
