@@ -49,7 +49,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         trainer_device = "cuda:0" if args.placement == "disaggregated" else args.device
         overrides += [f"rollout.engine.device={engine_device}", f"trainer.device={trainer_device}",
                       "rollout.engine.dtype=bfloat16", "sync.mode=auto",
-                      f"sync.colocated={args.placement == 'colocated'}"]
+                      f"sync.colocated={args.free_kv}"]
     if args.placement == "disaggregated":  # separate processes, weights by broadcast
         overrides += ["sync.colocated=false", "sync.transport=broadcast",
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime", default=None,
                    help="local | ray (default: ray on CPU, so rollout and trainer get a core each; "
                         "local on GPU)")
+    p.add_argument("--free-kv", action="store_true",
+                   help="sleep(1)/wake_up the engine's KV cache around every push (colocated memory "
+                        "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--task", default="long_tail_copy")
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                                     else "local")
     result: dict[str, Any] = {
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
-        "runtime": args.runtime,
+        "runtime": args.runtime, "free_kv": args.free_kv,
         "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
         "task": args.task, "steps": args.steps, "seeds": args.seeds,
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
