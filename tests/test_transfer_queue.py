@@ -22,6 +22,17 @@ from transfer_queue import (
     TransferQueue,
     TransferQueueConfig,
 )
+from transfer_queue.coalesce import PutCoalescer, ReserveRefused
+from transfer_queue.codec import (
+    ALL_FIELDS,
+    FULL_MASK,
+    decode_identities,
+    decode_samples,
+    encode_rows,
+    fields_mask,
+    sample_to_row,
+)
+from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 
 pytestmark = pytest.mark.timeout(30)
@@ -104,21 +115,47 @@ async def tq() -> TransferQueue:
 
 # ------------------------------------------------------------------------- data
 @pytest.mark.asyncio
-async def test_samples_round_trip_and_are_stored_as_numpy(tq: TransferQueue) -> None:
+async def test_samples_round_trip_as_copies_and_columns_are_numpy(tq: TransferQueue) -> None:
     samples = make_samples(3, 2)
     for group in range(3):  # each put's samples go to one storage unit, round robin
         await tq.put(samples[2 * group : 2 * group + 2])
+    copies = msgspec.msgpack.decode(msgspec.msgpack.encode(samples), type=list[Sample])
+    expected = [msgspec.structs.asdict(s) for s in copies]
+    samples[0].response_ids.append(99)  # the producer keeps its sample: the queue holds a copy
     batch = await tq.get("trainer", 6)
     got = batch.samples
-    for s, g in zip(samples, got):
-        assert msgspec.structs.asdict(g) == msgspec.structs.asdict(s)
-    unit_rows = [row for unit in tq._d.units for row in unit._rows.values()]
-    assert {row["response_ids"].dtype for row in unit_rows} == {np.dtype(np.int32)}
-    assert {row["rollout_logprobs"].dtype for row in unit_rows} == {np.dtype(np.float32)}
+    assert [msgspec.structs.asdict(g) for g in got] == expected
+    assert batch.uids == [s.uid for s in samples] and batch.group_ids == [s.group_id for s in samples]
     assert sorted(len(u) for u in tq._d.units) == [2, 2, 2]  # sharded by global index % 3
-    assert [c.tolist() for c in batch.column("response_ids")] == [s.response_ids for s in samples]
+    responses = batch.column("response_ids")
+    assert {c.dtype for c in responses} == {np.dtype(np.int32)}
+    assert {c.dtype for c in batch.column("rollout_logprobs")} == {np.dtype(np.float32)}
+    assert [c.tolist() for c in responses] == [e["response_ids"] for e in expected]
+    got[1].response_ids.clear()  # the consumer's samples are its own: a redelivery is intact
+    await tq.nack(batch.batch_id)
+    batch = await tq.get("trainer", 6)
+    assert [msgspec.structs.asdict(g) for g in batch.samples] == expected
     await tq.ack(batch.batch_id)
     assert sum(len(u) for u in tq._d.units) == 0  # acked rows are freed
+
+
+def test_storage_unit_keeps_encoded_rows_unparsed_and_merges_field_writes() -> None:
+    unit = StorageUnit(0)
+    samples = make_samples(2, 2)
+    prompts = [sample_to_row(s, ["prompt_ids"]) for s in samples]
+    rest = [sample_to_row(s, [f for f in ALL_FIELDS if f != "prompt_ids"]) for s in samples]
+    unit.put_encoded([0, 2, 4, 6], encode_rows(prompts))
+    unit.put_encoded([0, 2, 4, 6], encode_rows(rest))  # a later write adds the other fields
+    assert {type(v) for row in unit._rows.values() for v in row.values()} == {msgspec.Raw}
+    assert decode_samples(unit.get_encoded([6, 0, 2, 4], None), FULL_MASK) == [samples[3], *samples[:3]]
+    fields = ("response_ids", "reward")
+    partial = decode_samples(unit.get_encoded([2], fields), fields_mask(fields))
+    assert partial == [Sample(uid=samples[1].uid, group_id=samples[1].group_id, prompt_ids=[],
+                              response_ids=samples[1].response_ids, reward=samples[1].reward)]  # fmt: skip
+    assert decode_identities(unit.get_encoded([4, 0], fields)) == [(samples[2].uid, samples[2].group_id),
+                                                                   (samples[0].uid, samples[0].group_id)]  # fmt: skip
+    with pytest.raises(LookupError, match="no row"):
+        unit.get_encoded([8], None)
 
 
 @pytest.mark.asyncio
@@ -382,3 +419,34 @@ def test_sync_twins_run_on_the_process_loop(tmp_path) -> None:
 async def test_four_producers_two_consumers_deliver_every_sample_exactly_once() -> None:
     tq = await TransferQueue.create(TransferQueueConfig(capacity=32, num_storage_units=2))
     await run_producers_consumers(tq)
+
+
+@pytest.mark.asyncio
+async def test_puts_issued_in_one_tick_share_one_write_and_keep_their_own_errors() -> None:
+    writes: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def write(key, rows, tags) -> None:
+        writes.append(list(rows))
+        if "bad" in rows:
+            raise ReserveRefused(ValueError("bad row"))
+        await release.wait()
+
+    coalescer = PutCoalescer(write)
+    first = [asyncio.create_task(coalescer.put("k", [f"a{i}"], [None])) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert writes == [["a0", "a1", "a2"]]  # one write for the three puts of that tick
+    behind = [asyncio.create_task(coalescer.put("k", [r], [None])) for r in ("b", "bad")]
+    release.set()
+    await asyncio.gather(*first)
+    assert await asyncio.gather(*behind, return_exceptions=True) == [None, ANY_VALUE_ERROR]
+    # queued behind the first write, merged, refused together, then retried one by one
+    assert writes[1:] == [["b", "bad"], ["b"], ["bad"]]
+
+
+class _AnyValueError:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ValueError) and str(other) == "bad row"
+
+
+ANY_VALUE_ERROR = _AnyValueError()

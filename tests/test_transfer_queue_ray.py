@@ -91,3 +91,18 @@ async def test_ray_four_producers_two_consumers_deliver_every_sample_exactly_onc
     tq = await TransferQueue.create(_cfg())
     await run_producers_consumers(tq)
     await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_large_puts_and_reads_travel_in_chunks_and_come_back_whole(ray_cluster) -> None:
+    from transfer_queue import ray_deploy
+
+    tq = await TransferQueue.create(_cfg(num_storage_units=1))
+    samples = make_samples(2, 2, num_tokens=20_000)  # ~0.2 MB of msgpack each: several chunks per message
+    assert len(ray_deploy._chunks(b"x" * (3 * ray_deploy._CHUNK_BYTES + 1))) == 4
+    await tq.put(samples)
+    await tq.put_fields(samples[:1], ["reward"])  # a known uid: the reserve-then-write path
+    batch = await tq.get("trainer", 4)
+    assert batch.samples == samples
+    await tq.ack(batch.batch_id)
+    await tq.shutdown()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from transfer_queue.codec import TOKEN_FIELDS, row_to_sample
+from transfer_queue.codec import TOKEN_FIELDS
+from transfer_queue.rows import Rows
 from transfer_queue.sample import Sample
 
 __all__ = ["Batch"]
@@ -15,15 +14,14 @@ __all__ = ["Batch"]
 class Batch:
     """A leased batch: ``batch_id`` to ack/nack, the samples, and what the get dropped.
 
-    ``samples`` are built on first access from the storage rows (numpy -> lists),
-    so a consumer that wants arrays can read ``column(name)`` and never pay for
-    Python lists. ``dropped`` counts, per reason, the samples this get dropped
-    (e.g. ``{"stale": 2}``); they are gone from the queue and in its statistics.
+    ``samples`` are built on first access (``get`` itself only leases and fetches
+    the data), then cached. ``dropped`` counts, per reason, the samples this get
+    dropped (e.g. ``{"stale": 2}``); they are gone from the queue and in its statistics.
     """
 
     __slots__ = ("batch_id", "dropped", "_rows", "_samples")
 
-    def __init__(self, batch_id: str, rows: list[dict[str, Any]], dropped: dict[str, int]) -> None:
+    def __init__(self, batch_id: str, rows: Rows, dropped: dict[str, int]) -> None:
         self.batch_id = batch_id
         self.dropped = dropped
         self._rows = rows
@@ -38,19 +36,23 @@ class Batch:
     @property
     def samples(self) -> list[Sample]:
         if self._samples is None:
-            self._samples = [row_to_sample(r) for r in self._rows]
+            self._samples = self._rows.samples()
         return self._samples
 
     @property
     def uids(self) -> list[str]:
-        return [r["uid"] for r in self._rows]
+        if self._samples is not None:
+            return [s.uid for s in self._samples]
+        return [uid for uid, _ in self._rows.identities()]
 
     @property
     def group_ids(self) -> list[str]:
-        return [r["group_id"] for r in self._rows]
+        if self._samples is not None:
+            return [s.group_id for s in self._samples]
+        return [group_id for _, group_id in self._rows.identities()]
 
     def column(self, name: str) -> list[np.ndarray]:
-        """One token field of every sample, as read-only-by-contract numpy arrays (no copy)."""
+        """One token field of every sample as a numpy array (int32 ids and versions, float32 log-probs)."""
         if name not in TOKEN_FIELDS:
             raise ValueError(f"{name!r} is not a token field; token fields are {tuple(TOKEN_FIELDS)}")
-        return [r[name] for r in self._rows]
+        return self._rows.column(name, self._samples)

@@ -1,6 +1,7 @@
 """TransferQueue: the client every producer and consumer holds.
 
     producers ── put / put_fields ──► controller.reserve ─► storage units (rows) ─► controller.commit
+                 (under Ray a put of new samples is one message: storage unit ─► controller.reserve+commit)
     consumers ── get ──► controller.get_batch (leases) ─► storage units (rows) ─► Batch
               ── ack / nack ──► controller (frees storage rows on ack)
 
@@ -12,6 +13,7 @@ for notebooks and scripts, run on the process's one loop (``loop.run``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -114,6 +116,16 @@ class TransferQueue:
 
     async def _reserve_write_commit(self, key: tuple, rows: list[dict[str, Any]], tags: list[SampleTags]) -> None:
         partition, _, wait, timeout_s, new_only = key
+        if new_only and self.cfg.deployment == "ray":  # one message: the storage unit reserves and commits
+            try:
+                await self._d.put_new(partition, rows, tags, wait, timeout_s)
+            except ReserveRefused:
+                raise
+            except BaseException:  # the unit failed (died?) maybe after the reserve: drop what got in, counted
+                with contextlib.suppress(Exception):
+                    await self._d.call("drop", [t.uid for t in tags], "write_failed")
+                raise
+            return
         try:
             indices = await self._d.call("reserve", partition, tags, new_only, wait, timeout_s)
         except Exception as e:  # nothing was registered

@@ -4,8 +4,9 @@ Across processes each put costs three round trips (reserve at the controller,
 write to the storage units, commit). A rollout actor finishes many samples at
 once, so while one put of a client is in flight, the puts that arrive behind it
 (same partition, fields and options) wait and then go as one. No timer is
-involved: a put on an idle client goes at once, so coalescing adds no latency,
-only saves messages when there is a queue of them.
+involved: a put on an idle client goes on the next loop tick (so puts issued in
+the same tick, e.g. by producers one write woke together, share it), so
+coalescing adds no latency, only saves messages when there is a queue of them.
 
 Errors stay per put: when a merged reserve is refused (a bad uid in one put,
 QueueFull, a timeout), nothing was registered, so each put is retried alone and
@@ -29,6 +30,9 @@ class ReserveRefused(Exception):
         super().__init__(str(cause))
         self.cause = cause
 
+    def __reduce__(self) -> tuple:  # a storage actor raises it to the client (Ray pickles it)
+        return (ReserveRefused, (self.cause,))
+
 
 Write = Callable[[Hashable, list, list], Awaitable[None]]
 
@@ -43,16 +47,19 @@ class PutCoalescer:
         self._tasks: set[asyncio.Task] = set()
 
     async def put(self, key: Hashable, rows: list, tags: list) -> None:
-        if key in self._busy:
-            fut = asyncio.get_running_loop().create_future()
-            self._queued.setdefault(key, []).append((rows, tags, fut))
-            await fut
-            return
-        self._busy.add(key)
-        try:
-            await self._write_one(key, rows, tags)
-        finally:
-            self._next(key)
+        fut = asyncio.get_running_loop().create_future()
+        self._queued.setdefault(key, []).append((rows, tags, fut))
+        if key not in self._busy:
+            self._busy.add(key)
+            # The write starts on the next loop tick, so puts issued in this tick
+            # (producers woken together by the last write) join it.
+            self._start(key)
+        await fut
+
+    def _start(self, key: Hashable) -> None:
+        task = asyncio.get_running_loop().create_task(self._flush(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _write_one(self, key: Hashable, rows: list, tags: list) -> None:
         try:
@@ -60,16 +67,8 @@ class PutCoalescer:
         except ReserveRefused as e:
             raise e.cause from None
 
-    def _next(self, key: Hashable) -> None:
-        group = self._queued.pop(key, None)
-        if not group:
-            self._busy.discard(key)
-            return
-        task = asyncio.get_running_loop().create_task(self._flush(key, group))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _flush(self, key: Hashable, group: list[tuple[list, list, asyncio.Future]]) -> None:
+    async def _flush(self, key: Hashable) -> None:
+        group = self._queued.pop(key)
         try:
             rows = [r for g in group for r in g[0]]
             tags = [t for g in group for t in g[1]]
@@ -88,8 +87,15 @@ class PutCoalescer:
                             _settle([one], err)
             except Exception as err:  # handed to every caller of the group
                 _settle(group, err)
+        except asyncio.CancelledError:  # the loop is going away: so are the callers
+            for _, _, fut in group:
+                fut.cancel()
+            raise
         finally:
-            self._next(key)
+            if key in self._queued:  # puts that arrived during this write go next, as one
+                self._start(key)
+            else:
+                self._busy.discard(key)
 
 
 def _settle(group: list[tuple[list, list, asyncio.Future]], error: BaseException | None) -> None:

@@ -1,12 +1,17 @@
-"""Sample <-> storage rows: token fields as numpy arrays, never Python lists.
+"""Sample <-> storage rows, and rows <-> msgpack for the trip to a storage actor.
 
 A *row* is one sample's data in a storage unit: ``{"uid", "group_id"}`` plus any
-subset of the sample fields below. Token fields are 1-D numpy arrays (int32 ids,
-float32 log-probs, int32 versions); scalar fields stay Python values.
+subset of the sample fields below, as the ``Sample`` holds them (token fields
+are Python lists). In-process a row holds copies of the lists (a producer may
+keep appending to its sample); no numpy on the way in or out, because turning
+1k-token lists into arrays and back costs more than everything else a put/get
+does.
 
-Across processes (Ray) rows travel *packed*: each token field of a chunk of rows
-is one flat array plus offsets, so a batch of 256 x 1,024 tokens is a handful of
-buffers that go through the object store without pickling a Python object per token.
+Across processes (Ray) the rows of one storage unit travel as *one* msgpack
+buffer (msgspec encodes ``list[int]`` at C speed). The storage actor keeps each
+field as ``msgspec.Raw`` (a slice of that buffer, never parsed into Python
+ints) and answers a read with one buffer of the requested rows, which the
+consumer decodes straight into ``Sample`` structs (``decode_samples``).
 """
 
 from __future__ import annotations
@@ -23,18 +28,20 @@ from transfer_queue.wire import SampleTags
 __all__ = [
     "ALL_FIELDS",
     "FULL_MASK",
-    "Packed",
     "SCALAR_FIELDS",
     "TOKEN_FIELDS",
+    "decode_identities",
+    "decode_raw_rows",
+    "decode_samples",
+    "encode_rows",
     "fields_mask",
     "mask_fields",
-    "pack_rows",
     "row_to_sample",
     "sample_to_row",
     "tags_of",
-    "unpack_rows",
 ]
 
+# Token fields and the dtype ``Batch.column`` gives them.
 TOKEN_FIELDS: dict[str, type] = {
     "prompt_ids": np.int32,
     "response_ids": np.int32,
@@ -72,92 +79,97 @@ def mask_fields(mask: int) -> tuple[str, ...]:
     return tuple(name for name in ALL_FIELDS if mask & _BIT[name])
 
 
+def _as_list(value: Any) -> list:
+    # A list is copied (ints and floats are immutable, so a shallow copy is a full
+    # one, ~4 us per 1k tokens); an array an engine handed over as is becomes one.
+    return value.tolist() if isinstance(value, np.ndarray) else list(value)
+
+
 def sample_to_row(sample: Sample, fields: Sequence[str]) -> dict[str, Any]:
-    """The named fields of ``sample`` as a storage row (token lists become numpy arrays)."""
+    """The named fields of ``sample`` as a storage row (token fields as fresh lists)."""
     row: dict[str, Any] = {"uid": sample.uid, "group_id": sample.group_id}
     for name in fields:
         value = getattr(sample, name)
-        dtype = TOKEN_FIELDS.get(name)
-        # asarray: a list is converted once; an array of the right dtype (an engine's
-        # output handed over as is) is kept without a copy.
-        row[name] = np.asarray(value, dtype=dtype) if dtype is not None else value
+        row[name] = _as_list(value) if name in TOKEN_FIELDS else value
     return row
 
 
 def tags_of(row: dict[str, Any], mask: int) -> SampleTags:
-    """The controller's tags for a row (lengths and versions from the arrays, no Python loops)."""
+    """The controller's tags for a row (lengths and versions of the fields it carries)."""
     versions = row.get("token_versions")
-    has_versions = versions is not None and versions.size > 0
     prompt, response = row.get("prompt_ids"), row.get("response_ids")
     return SampleTags(
         uid=row["uid"],
         group_id=row["group_id"],
         mask=mask,
-        min_version=int(versions.min()) if has_versions else -1,
-        max_version=int(versions.max()) if has_versions else -1,
-        num_prompt_tokens=-1 if prompt is None else int(prompt.size),
-        num_response_tokens=-1 if response is None else int(response.size),
+        min_version=_min(versions) if versions else -1,
+        max_version=_max(versions) if versions else -1,
+        num_prompt_tokens=-1 if prompt is None else len(prompt),
+        num_response_tokens=-1 if response is None else len(response),
     )
 
 
+def _min(values: list) -> Any:
+    # One weight version throughout is the common case; count() is a C loop, min() is not.
+    return values[0] if values.count(values[0]) == len(values) else min(values)
+
+
+def _max(values: list) -> Any:
+    return values[0] if values.count(values[0]) == len(values) else max(values)
+
+
 def row_to_sample(row: dict[str, Any]) -> Sample:
-    """A ``Sample`` from a row; fields the row lacks keep the Sample defaults."""
+    """A ``Sample`` from an in-process row (lists copied: the row may be redelivered);
+    fields the row lacks keep the Sample defaults."""
     kwargs: dict[str, Any] = {"uid": row["uid"], "group_id": row["group_id"]}
     for name, value in row.items():
         if name in TOKEN_FIELDS:
-            kwargs[name] = value.tolist()
+            kwargs[name] = list(value)
         elif name in _BIT:
             kwargs[name] = value
     kwargs.setdefault("prompt_ids", [])
     return Sample(**kwargs)
 
 
-class Packed(msgspec.Struct, kw_only=True):
-    """Rows of one storage unit, packed for transport: one flat buffer per token field.
+# ------------------------------------------------------------------ msgpack rows
+class _Identity(msgspec.Struct):
+    """The two keys every row has; decoding into it skips the token fields unparsed."""
 
-    ``tokens[name] = (flat, offsets)`` with ``flat[offsets[i]:offsets[i+1]]`` the
-    field of row i (offsets int64, length n+1). ``scalars`` is the msgpack of a
-    list of per-row dicts of the scalar fields present.
-    """
-
-    indices: list[int]
-    uids: list[str]
-    group_ids: list[str]
-    tokens: dict[str, tuple[Any, Any]]
-    scalars: bytes
+    uid: str
+    group_id: str
 
 
 _encoder = msgspec.msgpack.Encoder()
-_scalars_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
+_raw_rows_decoder = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
+_samples_decoder = msgspec.msgpack.Decoder(list[Sample])
+_rows_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
+_identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
 
 
-def pack_rows(indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> Packed:
-    """Pack rows that carry the same fields (one put, or one get's requested fields)."""
-    assert len(indices) == len(rows)
-    names = [k for k in rows[0] if k in TOKEN_FIELDS] if rows else []
-    tokens: dict[str, tuple[Any, Any]] = {}
-    for name in names:
-        arrays = [r[name] for r in rows]
-        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-        np.cumsum([a.size for a in arrays], out=offsets[1:])
-        tokens[name] = (np.concatenate(arrays) if arrays else np.empty(0, TOKEN_FIELDS[name]), offsets)
-    scalars = [{k: v for k, v in r.items() if k in _BIT and k not in TOKEN_FIELDS} for r in rows]
-    return Packed(
-        indices=list(indices),
-        uids=[r["uid"] for r in rows],
-        group_ids=[r["group_id"] for r in rows],
-        tokens=tokens,
-        scalars=_encoder.encode(scalars),
-    )
+def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
+    """One msgpack buffer for rows whose values are Python objects or ``msgspec.Raw``."""
+    return _encoder.encode(rows)
 
 
-def unpack_rows(packed: Packed) -> list[dict[str, Any]]:
-    """Rows from a Packed chunk; token fields are views into its flat buffers (no copy)."""
-    scalars = _scalars_decoder.decode(packed.scalars)
-    rows = []
-    for i, (uid, group_id) in enumerate(zip(packed.uids, packed.group_ids)):
-        row: dict[str, Any] = {"uid": uid, "group_id": group_id, **scalars[i]}
-        for name, (flat, offsets) in packed.tokens.items():
-            row[name] = flat[offsets[i] : offsets[i + 1]]
-        rows.append(row)
-    return rows
+def decode_raw_rows(buf: bytes) -> list[dict[str, msgspec.Raw]]:
+    """Rows whose field values stay msgpack (zero-copy slices of ``buf``): what a storage actor keeps.
+
+    A slice keeps all of ``buf`` alive, so one write's buffer is freed with its last row.
+    """
+    return _raw_rows_decoder.decode(buf)
+
+
+def decode_samples(buf: bytes, mask: int) -> list[Sample]:
+    """The ``Sample`` of each row of ``buf``, which carries the fields of ``mask``.
+
+    Rows with the prompt decode straight into Sample structs (C speed, validated);
+    rows without it go through dicts, the missing fields keeping their defaults.
+    """
+    if mask & _BIT["prompt_ids"]:
+        return _samples_decoder.decode(buf)
+    return [Sample(**{"prompt_ids": [], **row}) for row in _rows_decoder.decode(buf)]
+
+
+def decode_identities(buf: bytes) -> list[tuple[str, str]]:
+    """``(uid, group_id)`` of each row of ``buf``, without building the token lists."""
+    return [(r.uid, r.group_id) for r in _identities_decoder.decode(buf)]

@@ -74,9 +74,22 @@ class Controller:
 
     # ------------------------------------------------------------------ writes
     async def reserve(
-        self, partition: str, tags: list[SampleTags], new_only: bool, wait: bool = True, timeout_s: float | None = None
+        self,
+        partition: str,
+        tags: list[SampleTags],
+        new_only: bool,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        unit: int | None = None,
+        commit: bool = False,
     ) -> list[int]:
-        """Global index per tag (-1: dropped on arrival, its group is dead); waits for capacity."""
+        """Global index per tag (-1: dropped on arrival, its group is dead); waits for capacity.
+
+        ``unit``: place the new samples on that storage unit (default: round robin
+        over puts). ``commit``: mark the tags' fields ready at once: the caller is
+        the storage unit that holds the rows already (see ``ray_deploy``), and it
+        stores them before it serves a read of these indices.
+        """
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         while True:
             num_new = self._validate_write(partition, tags, new_only)
@@ -90,8 +103,11 @@ class Controller:
                 raise TimeoutError(f"put waited {timeout_s}s for capacity")
         dead = self._dead_groups.get(partition, {})
         pending = self._pending.setdefault(partition, {})
-        unit, num_units = self._next_unit, len(self._next_slot)
-        self._next_unit = (unit + 1) % num_units
+        num_units = len(self._next_slot)
+        if unit is None:
+            unit = self._next_unit
+            self._next_unit = (unit + 1) % num_units
+        assert 0 <= unit < num_units, unit
         indices = []
         for t in tags:
             rec = self._by_uid.get(t.uid)
@@ -106,6 +122,10 @@ class Controller:
                 self._next_seq += 1
                 self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.seq] = rec
             indices.append(rec.index)
+        if commit:
+            orphans = self._mark_written(indices, tags)
+            assert not orphans, "just reserved: nothing can have dropped them"
+            self._notify()
         return indices
 
     def _validate_write(self, partition: str, tags: list[SampleTags], new_only: bool) -> int:
@@ -134,6 +154,13 @@ class Controller:
 
     async def commit(self, indices: list[int], tags: list[SampleTags]) -> None:
         """Mark the fields in ``tags`` ready for the written ``indices``; wake getters."""
+        orphans = self._mark_written(indices, tags)
+        self._notify()
+        if orphans:
+            await self._release(orphans)
+
+    def _mark_written(self, indices: list[int], tags: list[SampleTags]) -> list[int]:
+        """Record the written fields; returns the indices whose sample was dropped meanwhile."""
         orphans = []
         for index, t in zip(indices, tags):
             if index < 0:
@@ -152,9 +179,7 @@ class Controller:
                 rec.num_prompt_tokens = t.num_prompt_tokens
             if t.num_response_tokens >= 0:
                 rec.num_response_tokens = t.num_response_tokens
-        self._notify()
-        if orphans:
-            await self._release(orphans)
+        return orphans
 
     async def drop(self, uids: list[str], reason: str) -> int:
         """Drop pending samples by uid, counted under ``reason``; all or nothing."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
+from transfer_queue.rows import InProcessRows
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats, SampleTags
 
@@ -56,15 +57,15 @@ class LocalDeployment:
         await self.write(indices, rows)
         await self.controller.commit(all_indices, tags)
 
-    async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
+    async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> InProcessRows:
         n = len(self.units)
         if n == 1:
-            return self.units[0].get_rows(indices, fields)
+            return InProcessRows(self.units[0].get_rows(indices, fields))
         rows: list[dict[str, Any] | None] = [None] * len(indices)
         for unit, (positions, idx) in _shard(range(len(indices)), indices, n, key=indices).items():
             for pos, row in zip(positions, self.units[unit].get_rows(idx, fields)):
                 rows[pos] = row
-        return rows  # type: ignore[return-value]
+        return InProcessRows(rows)  # type: ignore[arg-type]
 
     def statistics(self) -> QueueStats:
         return self.controller.statistics()

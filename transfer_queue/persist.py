@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from transfer_queue.codec import mask_fields, row_to_sample
+from transfer_queue.codec import mask_fields
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.sample import Sample
 from transfer_queue.wire import Snapshot
@@ -56,7 +56,7 @@ async def save(tq: TransferQueue, path: str) -> None:
         for mask, group in itertools.groupby(items, key=lambda item: item[1]):
             fields = mask_fields(mask)
             rows = await tq._d.read([index for index, _ in group], fields)
-            runs.append(_SavedRun(partition=partition, fields=list(fields), samples=[row_to_sample(r) for r in rows]))
+            runs.append(_SavedRun(partition=partition, fields=list(fields), samples=rows.samples()))
     num_saved = sum(len(r.samples) for r in runs)
     num_unsettled = snap.put - snap.delivered - sum(snap.dropped_by_reason.values())
     if num_unsettled > num_saved:

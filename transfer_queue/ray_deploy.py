@@ -1,14 +1,20 @@
 """The Ray deployment: the controller and each storage unit are Ray actors.
 
-    client ──reserve/commit/get_batch/ack (metadata, msgspec)──► ControllerActor
-       │                                                          │ free(indices) on ack/drop
-       └──put/get Packed rows (numpy buffers, object store)──► StorageActor × N
+    put         client ─put_new(tags, msgpack rows)─► StorageActor u ─reserve(unit=u, commit)─► ControllerActor
+    put_fields  client ─reserve─► controller;  client ─put_commit(rows)─► StorageActor ─commit─► controller
+    get         client ─get_batch─► controller (lease);  client ─get(indices)─► each StorageActor: one buffer
+    ack         client ─ack─► controller ─delete(indices), fire and forget─► StorageActors
 
-Sample data never passes through the controller: the client packs the rows of
-each storage unit into a few flat numpy buffers, which Ray moves through its
-object store without pickling a Python object per token; the storage unit keeps
-zero-copy views of them. The client (a TransferQueue holding actor handles)
-pickles, so rollout and trainer actors in other processes can share one queue.
+Sample data never passes through the controller: the client encodes the rows of
+each storage unit as one msgpack buffer (msgspec: C speed over ``list[int]``),
+the storage unit keeps each field as an unparsed msgpack slice and answers a
+read with one buffer, which the consumer decodes straight into ``Sample``
+structs when it reads ``batch.samples``. Ray pickles a bytes object with one
+copy, so no Python object per token is pickled. A put of new samples is one
+client message (the unit reserves and commits at the controller), since Ray's
+per-call CPU, not the bytes, is what a put costs. The client (a TransferQueue
+holding actor handles) pickles, so rollout and trainer actors in other
+processes can share one queue.
 
 Ray is imported only when this deployment is chosen, and must already be
 initialized: the queue joins the running Ray, it never starts (or stops) one.
@@ -23,10 +29,12 @@ from typing import Any
 import ray
 
 import loop
-from transfer_queue.codec import pack_rows, unpack_rows
+from transfer_queue.coalesce import ReserveRefused
+from transfer_queue.codec import decode_raw_rows, encode_rows, fields_mask
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
+from transfer_queue.rows import EncodedRows
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 
@@ -36,28 +44,72 @@ __all__ = ["RayDeployment"]
 @ray.remote
 class StorageActor:
     """One storage unit in its own process. An async actor: its methods run one
-    at a time on the actor's loop (none awaits while touching the rows)."""
+    at a time on the actor's loop (none awaits while touching the rows).
+
+    ``put_new`` is a whole put in one client message: the unit asks the controller
+    to reserve (and commit) indices on this unit, then stores the rows it was
+    sent. Between the controller's answer and the store, a read of those indices
+    waits (``_stored``) and a delete of them is remembered (``_early_deletes``).
+    """
 
     def __init__(self, unit_id: int) -> None:
         self._unit = StorageUnit(unit_id)
         self._controller: Any = None
+        self._num_writes_in_flight = 0
+        self._stored = asyncio.Event()
+        self._early_deletes: set[int] = set()
 
     def ready(self, controller: Any) -> int:
         self._controller = controller
         return self._unit.unit_id
 
-    def put(self, packed: Any) -> None:
-        self._unit.put_packed(packed)
+    def put(self, indices: list[int], *chunks: bytes) -> None:
+        self._unit.put_encoded(indices, b"".join(chunks))
 
-    async def put_commit(self, packed: Any, all_indices: list[int], tags: list[Any]) -> None:
+    async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], *chunks: bytes) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
-        self._unit.put_packed(packed)
+        self._unit.put_encoded(indices, b"".join(chunks))
         await self._controller.commit_after.remote(all_indices, tags)
 
-    def get(self, indices: list[int], fields: Sequence[str] | None) -> Any:
-        return self._unit.get_packed(indices, fields)
+    async def put_new(
+        self, partition: str, tags: list[Any], wait: bool, timeout_s: float | None, *chunks: bytes
+    ) -> None:
+        """Register new samples at the controller on this unit, ready at once, and store their rows.
+
+        A refused reserve raises ``ReserveRefused`` (nothing was registered).
+        """
+        self._num_writes_in_flight += 1
+        try:
+            unit_id = self._unit.unit_id
+            reserved = self._controller.call.remote("reserve", partition, tags, True, wait, timeout_s, unit_id, True)
+            rows = decode_raw_rows(b"".join(chunks))  # while the controller works
+            try:
+                indices = await _unwrap(reserved)
+            except Exception as e:
+                raise ReserveRefused(e) from None
+            kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
+            self._unit.put_rows([indices[i] for i in kept], [rows[i] for i in kept])
+            if self._early_deletes:
+                self._unit.delete([indices[i] for i in kept if indices[i] in self._early_deletes])
+        finally:
+            self._num_writes_in_flight -= 1
+            if not self._num_writes_in_flight:
+                self._early_deletes.clear()
+            self._stored.set()
+            self._stored = asyncio.Event()
+
+    async def get(self, indices: list[int], fields: Sequence[str] | None) -> list[bytes]:
+        while True:
+            try:
+                return _chunks(self._unit.get_encoded(indices, fields))
+            except LookupError:
+                if not self._num_writes_in_flight:
+                    raise
+                await self._stored.wait()  # a put_new committed them and is about to store them
 
     def delete(self, indices: list[int]) -> None:
+        if self._num_writes_in_flight:
+            self._early_deletes.update(i for i in indices if not self._unit.has(i))
         self._unit.delete(indices)
 
     def num_rows(self) -> int:
@@ -100,6 +152,7 @@ class RayDeployment:
 
     def __init__(self, controller: Any, units: list[Any], owner: bool) -> None:
         self._controller, self.units, self._owner = controller, units, owner
+        self._next_unit = 0
 
     @classmethod
     async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
@@ -116,27 +169,33 @@ class RayDeployment:
     async def call(self, method: str, *args: Any) -> Any:
         return await _unwrap(self._controller.call.remote(method, *args))
 
+    async def put_new(
+        self, partition: str, rows: Sequence[dict[str, Any]], tags: list[Any], wait: bool, timeout_s: float | None
+    ) -> None:
+        """A put of new samples in one message, to the next storage unit (round robin);
+        ``ReserveRefused`` if the controller refused it (nothing registered)."""
+        unit = self._next_unit
+        self._next_unit = (unit + 1) % len(self.units)
+        await _unwrap(self.units[unit].put_new.remote(partition, tags, wait, timeout_s, *_chunks(encode_rows(rows))))
+
     async def write_commit(
         self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[Any]
     ) -> None:
         shards = _shard(indices, rows, len(self.units))
         if len(shards) == 1:  # the usual case: a put's new samples share one unit
             ((u, (idx, part)),) = shards.items()
-            await _unwrap(self.units[u].put_commit.remote(pack_rows(idx, part), all_indices, tags))
+            await _unwrap(self.units[u].put_commit.remote(idx, all_indices, tags, *_chunks(encode_rows(part))))
             return
-        puts = [self.units[u].put.remote(pack_rows(idx, part)) for u, (idx, part) in shards.items()]
+        puts = [self.units[u].put.remote(idx, *_chunks(encode_rows(part))) for u, (idx, part) in shards.items()]
         await _unwrap(self._controller.commit_after.remote(all_indices, tags, *puts))
 
-    async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
-        n = len(self.units)
-        shards = _shard(range(len(indices)), indices, n, key=indices)
+    async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> EncodedRows:
+        shards = _shard(range(len(indices)), indices, len(self.units), key=indices)
         fields = list(fields) if fields is not None else None
-        packs = await _unwrap(asyncio.gather(*(self.units[u].get.remote(idx, fields) for u, (_, idx) in shards.items())))
-        rows: list[dict[str, Any] | None] = [None] * len(indices)
-        for (positions, _), packed in zip(shards.values(), packs):
-            for pos, row in zip(positions, unpack_rows(packed)):
-                rows[pos] = row
-        return rows  # type: ignore[return-value]
+        reads = (self.units[u].get.remote(idx, fields) for u, (_, idx) in shards.items())
+        replies = await _unwrap(asyncio.gather(*reads))
+        parts = [(positions, b"".join(chunks)) for (positions, _), chunks in zip(shards.values(), replies)]
+        return EncodedRows(len(indices), parts, fields_mask(fields))
 
     def statistics(self) -> QueueStats:
         return ray.get(self._controller.call.remote("statistics"))
@@ -146,6 +205,20 @@ class RayDeployment:
         if self._owner:
             for actor in (self._controller, *self.units):
                 ray.kill(actor)
+
+
+# Ray passes an argument under ~100 KiB inside the call message and a bigger one
+# through the shared-memory object store, which costs a round trip to the raylet
+# per object (~1 ms of CPU on a small busy box, more than the bytes). So buffers
+# travel as chunks under that size: a 0.5 MB put is one message, no store object.
+_CHUNK_BYTES = 90_000
+
+
+def _chunks(buf: bytes) -> list[bytes]:
+    if len(buf) <= _CHUNK_BYTES:
+        return [buf]
+    view = memoryview(buf)
+    return [bytes(view[i : i + _CHUNK_BYTES]) for i in range(0, len(buf), _CHUNK_BYTES)]
 
 
 async def _unwrap(awaitable: Any) -> Any:
