@@ -1,7 +1,7 @@
 """Final reward vs maximum staleness, plain PPO vs decoupled PPO (the shape of
 AReaL's staleness ablation, at small scale).
 
-    python -m bench.staleness [--staleness 0,1,2,4,8] [--steps 150] [--seeds 2]
+    python -m bench.staleness [--staleness 0,1,2,4,8] [--steps 200] [--seeds 2]
 
 For a bound k, the fully-async policy admits up to (1 + k) batches ahead of
 training (``policy.staleness_threshold=k``) and the trainer drops anything
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--staleness", default="0,1,2,4,8")
     p.add_argument("--losses", default="ppo_clip,decoupled_ppo")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default="bench/results/staleness_cpu.json")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
