@@ -217,3 +217,16 @@ def test_calls_after_close_are_a_clear_error(engine_factory, tiny_models):
         await engine.close()  # idempotent
 
     loop.run(body())
+
+
+def test_named_weights_are_the_hf_state_dict_bit_for_bit(engine_factory, tiny_models):
+    path, hf = tiny_models["qwen2"]
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            return {k: v.clone() for k, v in engine.named_weights().items()}
+
+    got = loop.run(body())
+    want = hf.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -235,6 +235,18 @@ class TorchEngine(RolloutEngine):
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, by HF name: live views, not
+        copies (read them between updates; do not write them). A tied
+        ``lm_head.weight`` is listed too, as the embedding, like ``state_dict()``."""
+        if self._core is None or not hasattr(self._core, "weights"):
+            raise RuntimeError("TorchEngine.setup() was not awaited")
+        store = self._core.weights
+        out = dict(store.params)
+        if store.cfg.tie_word_embeddings:
+            out["lm_head.weight"] = store.embed
+        return out
+
     @property
     def version(self) -> int:
         return self._version
