@@ -151,7 +151,9 @@ def test_ray_object_store_round_trip_into_another_process(ray_cluster) -> None:
 def _ipc_worker(handle, shapes, queue) -> None:
     engine = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()}
     apply_update(engine, handle, 0, verify="full")
-    queue.put({k: v.cpu() for k, v in engine.items()})
+    # numpy, not tensors: a torch tensor in a Queue is shared through this process,
+    # which exits right after, before the parent could map it
+    queue.put({k: v.cpu().view(torch.int16).numpy() for k, v in engine.items()})
 
 
 @pytest.mark.gpu
@@ -166,4 +168,4 @@ def test_cuda_ipc_round_trip_between_processes() -> None:
     got = queue.get(timeout=60)
     p.join(timeout=30)
     transport.release(handle)
-    assert all(torch.equal(got[k], w[k].bfloat16().cpu()) for k in w)
+    assert all(torch.equal(torch.from_numpy(got[k]), w[k].bfloat16().cpu().view(torch.int16)) for k in w)
