@@ -56,7 +56,8 @@ class RuntimeConfig(_Section):
     """Ray only. ``auto`` joins a running cluster (never shut down by us);
     ``None`` starts a local cluster for the run and stops it at the end."""
     num_cpus: PosInt | None = None
-    """Ray only, for a cluster we start: CPUs to give it (default: all)."""
+    """Ray only, for a cluster we start: logical CPUs to give it (default: the
+    machine's cores, at least one per actor)."""
 
 
 class ModelConfig(_Section):

@@ -80,8 +80,10 @@ class Run:
         cfg = self.cfg
         model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
         task = make_task(cfg.task.type, **cfg.task.kwargs)
-        self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address,
-                                    num_cpus=cfg.runtime.num_cpus)
+        # A cluster we start gets at least one logical CPU per actor, so a
+        # laptop with fewer cores than actors still places them all (oversubscribed).
+        num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
+        self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus)
         threads = 1 if cfg.runtime.type == "local" else None
         if threads:
             import torch

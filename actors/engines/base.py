@@ -119,5 +119,10 @@ class RolloutEngine(abc.ABC):
     def version(self) -> int:
         """The weight version the engine holds now."""
 
+    def named_weights(self) -> dict[str, object]:
+        """The weights the engine holds, by Hugging Face name (read-only views;
+        for bit-exactness checks against the trainer). Optional for adapters."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
+
     async def close(self) -> None:
         """Stop the generation loop and free memory."""
