@@ -162,6 +162,11 @@ class RolloutActor(Actor):
     async def get_version(self) -> int:
         return self.engine.version
 
+    async def statistics(self) -> dict[str, float]:
+        """The engine's counters and step timings (when it keeps them)."""
+        stats = getattr(self.engine, "statistics", None)
+        return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors}
+
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()

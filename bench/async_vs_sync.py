@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+import loop
 from actors.launch import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,6 +59,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         hist = run.train(args.steps)
         wall_s = time.perf_counter() - t0
+        engine = loop.run(run.policy.rollouts[0].statistics())
     k = max(1, len(hist) // 10)
     last = hist[-1]
     return {
@@ -73,6 +75,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "partial_ratio": sum(m["partial_ratio"] for m in hist) / len(hist),
         "dropped": last["dropped"],
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
+        "engine": engine,
     }
 
 
