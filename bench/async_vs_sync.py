@@ -32,8 +32,9 @@ POLICIES = {
     "one_step_off": ["policy.type=one_step_off"],
     "fully_async": ["policy.type=fully_async", "rollout.partial_rollout=true"],
     # the same, syncing weights every 2 trainer steps (half the interruptions)
+    # (its window already spans two steps, so it runs half as far ahead per step)
     "fully_async_k2": ["policy.type=fully_async", "rollout.partial_rollout=true",
-                       "policy.trigger_parameter_sync_step=2"],
+                       "policy.trigger_parameter_sync_step=2", "policy.staleness_threshold=1"],
 }
 
 
