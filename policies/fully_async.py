@@ -113,5 +113,7 @@ class FullyAsyncPolicy(PolicyBase):
         for t in tasks:
             t.cancel()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+        if self._failure is not None and self._failure.done():
+            self._failure.exception()  # already raised in train(); mark it retrieved
         self._feeder = None
         await super().close()
