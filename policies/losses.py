@@ -49,6 +49,19 @@ def _check(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.T
         )
 
 
+def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
+                       high: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token ``min(ratio * A, clip(ratio) * A)`` ``[B, T]``, with clip_frac and ratio_mean."""
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
+            "ratio_mean": float(_token_mean(ratio, mask)),
+        }
+    return torch.minimum(unclipped, clipped), metrics
+
+
 def ppo_clip(
     logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -75,15 +88,9 @@ def ppo_clip(
     mask = mask.to(logprobs.dtype)
     adv = _per_token(advantages, logprobs).to(logprobs.dtype)
     ratio = torch.exp(logprobs - rollout_logprobs)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
-    loss = _token_mean(-torch.minimum(unclipped, clipped), mask)
-    with torch.no_grad():
-        metrics = {
-            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
-            "ratio_mean": float(_token_mean(ratio, mask)),
-            "kl_behav": float(_token_mean(rollout_logprobs - logprobs, mask)),
-        }
+    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high)
+    loss = _token_mean(-surrogate, mask)
+    metrics["kl_behav"] = float(_token_mean(rollout_logprobs - logprobs, mask).detach())
     return loss, metrics
 
 
@@ -127,19 +134,16 @@ def decoupled_ppo(
     adv = _per_token(advantages, logprobs).to(logprobs.dtype)
     proximal_logprobs = proximal_logprobs.detach()
     ratio = torch.exp(logprobs - proximal_logprobs)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high)
     weight = torch.exp(proximal_logprobs - rollout_logprobs)
     capped = weight > behav_weight_cap
     if cap_mode == "truncate":
         weight = weight.clamp(max=behav_weight_cap)
     else:
         weight = torch.where(capped, torch.zeros_like(weight), weight)
-    loss = _token_mean(-weight * torch.minimum(unclipped, clipped), mask)
+    loss = _token_mean(-weight * surrogate, mask)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
-            "ratio_mean": float(_token_mean(ratio, mask)),
+        metrics |= {
             "behav_weight_mean": float(_token_mean(weight, mask)),
             "behav_capped_frac": float(_token_mean(capped.to(mask.dtype), mask)),
             "kl_behav": float(_token_mean(rollout_logprobs - logprobs, mask)),
