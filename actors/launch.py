@@ -50,7 +50,11 @@ class Run:
     synchronous (they drive the process's one loop) so notebooks can call them."""
 
     def __init__(self, cfg: Config) -> None:
+        from actors.models import resolve_model_path
+
         self.cfg = cfg
+        # a wrong model path fails before anything is created on disk
+        self.model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.dir = pathlib.Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +73,6 @@ class Run:
 
     async def _setup(self) -> None:
         from actors.engines.base import SamplingParams
-        from actors.models import resolve_model_path
         from actors.rollout import RolloutActor
         from actors.runtime import make_runtime
         from actors.trainer import TrainerActor
@@ -78,7 +81,7 @@ class Run:
         from transfer_queue import TransferQueue, TransferQueueConfig
 
         cfg = self.cfg
-        model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
+        model_path = self.model_path
         task = make_task(cfg.task.type, **cfg.task.kwargs)
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).

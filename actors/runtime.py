@@ -183,7 +183,7 @@ class RayRuntime(Runtime):
         remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000)(
             _adopting(cls)
         )
-        actor = remote_cls.options(name=None).remote(*args, **kwargs)
+        actor = remote_cls.remote(*args, **kwargs)
         self._actors.append(actor)
         await actor.setup.remote()
         return _RayHandle(name, actor, cls)
