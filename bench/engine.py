@@ -83,9 +83,10 @@ async def _run_batch(engine: TorchEngine, prompts: list[list[int]], new_tokens: 
 
 
 async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
-                       cuda_graphs: bool) -> dict:
+                       cuda_graphs: bool, overlap_steps: bool | None = None, micro: bool = True) -> dict:
     engine = TorchEngine(path, device=device, dtype=dtype, max_num_seqs=len(prompts),
-                         max_model_len=len(prompts[0]) + new_tokens, cuda_graphs=cuda_graphs)
+                         max_model_len=len(prompts[0]) + new_tokens, cuda_graphs=cuda_graphs,
+                         overlap_steps=overlap_steps)
     await engine.setup()
     try:
         await _run_batch(engine, prompts, min(new_tokens, 16), "warm")  # captures the decode graph
@@ -94,7 +95,7 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
             timing[k] = type(timing[k])(0)
         tps = await _run_batch(engine, prompts, new_tokens, "timed")
         stats = engine.statistics()
-        micro = microbench(engine._core, len(prompts)) if device.startswith("cuda") else None
+        micro = microbench(engine._core, len(prompts)) if micro and device.startswith("cuda") else None
     finally:
         await engine.close()
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
@@ -130,6 +131,10 @@ def microbench(core, batch: int, iters: int = 30) -> dict:
     if core.graphs is not None:
         out["forward_graph_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
     out["forward_eager_ms"] = timeit(lambda: core.model.decode(core.weights, core.kv, tokens, positions))
+    if core.model.fused_attention:  # the same eager step with cache writes + SDPA instead of the kernel
+        core.model.fused_attention = False
+        out["forward_eager_sdpa_ms"] = timeit(lambda: core.model.decode(core.weights, core.kv, tokens, positions))
+        core.model.fused_attention = True
     logits = core.model.decode(core.weights, core.kv, tokens, positions)
     out["sample_ms"] = timeit(lambda: sample(logits, params, positions + 1))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -231,6 +236,9 @@ def main() -> None:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, prompt_len), generator=g)
             eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs))
+            # ablation: the same engine reading each step's tokens back before launching the next
+            serial = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype,
+                                           not args.no_cuda_graphs, overlap_steps=False, micro=False)) if cuda else None
             hf_sample = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=True)
             hf_greedy = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=False)
             hf_best = max(hf_sample, hf_greedy)
@@ -239,6 +247,7 @@ def main() -> None:
                                    "ratio": round(eng["tokens_per_s"] / hf_best, 2),
                                    "hf_generate_sample_tokens_per_s": round(hf_sample, 1),
                                    "hf_generate_greedy_tokens_per_s": round(hf_greedy, 1),
+                                   "engine_no_overlap_tokens_per_s": serial and round(serial["tokens_per_s"], 1),
                                    "kv_cache_bytes": eng["kv_cache_bytes"],
                                    "engine_timing_s": eng["timing"], "engine_micro_ms": eng["micro"]})
             if cuda:

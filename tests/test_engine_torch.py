@@ -230,3 +230,13 @@ def test_named_weights_are_the_hf_state_dict_bit_for_bit(engine_factory, tiny_mo
     want = hf.state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class TestTorchEngineContractOverlappedSteps(EngineContract):
+    """The same contract with decode steps chained on the device (CUDA's default):
+    step k+1 is launched before step k's tokens are read back."""
+
+    @pytest.fixture
+    def engine_factory(self):
+        return lambda model_dir, **options: TorchEngine(model_dir, device="cpu", dtype="float32",
+                                                        overlap_steps=True, **options)

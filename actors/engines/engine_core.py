@@ -54,6 +54,17 @@ class Seq:
     finish: str | None = field(default=None)
 
 
+@dataclass(eq=False)
+class _Step:
+    """A decode step whose tokens are on their way to the host."""
+
+    seqs: list[Seq]
+    tokens: torch.Tensor  # sampled, on the device: the next step's input when chained
+    host: torch.Tensor  # [3, n] float64: token, logprob, raw logprob
+    done: Any  # torch.cuda.Event | None (CPU: already there)
+    positions: torch.Tensor | None = None
+
+
 @dataclass
 class EngineOptions:
     model_path: str
@@ -65,6 +76,11 @@ class EngineOptions:
     cuda_graphs: bool
     max_prefill_tokens: int
     compile_decode: bool = True
+    overlap_steps: bool | None = None  # None: on for CUDA (see EngineCore._decode)
+
+    def __post_init__(self) -> None:
+        if self.overlap_steps is None:
+            self.overlap_steps = self.device.type == "cuda"
 
 
 class EngineCore:
@@ -84,6 +100,8 @@ class EngineCore:
         self._rng = random.Random(opts.seed)
         self._params_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self.num_preemptions = 0
+        self._inflight: _Step | None = None
+        self._pinned_turn = 0
         # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU)
         self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
                        "decode_post_s": 0.0, "prefill_s": 0.0}
@@ -108,6 +126,10 @@ class EngineCore:
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
+            if commands and self._inflight is not None:
+                events: list[Event] = []
+                self._drain(events)
+                self._post(events, [])
             for cmd in commands:
                 self._handle(cmd)
             if self._can_step():
@@ -158,6 +180,8 @@ class EngineCore:
                           self.cfg.head_dim, o.device, o.dtype)
         self._noise = torch.Generator(device=o.device)
         self._noise.manual_seed(o.seed)
+        self._pinned = [torch.empty(3 * o.max_num_seqs, dtype=torch.float64, pin_memory=True)
+                        for _ in range(2)] if o.device.type == "cuda" else []
         self.graphs = None
         if o.cuda_graphs and o.device.type == "cuda":
             from actors.engines.cuda_graphs import DecodeGraphs
@@ -280,13 +304,13 @@ class EngineCore:
         while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
             admit.append(self.waiting.popleft())
         if admit:
+            self._drain(events)  # the batch changes: finish the step in flight first
             t0 = time.perf_counter()
             self._prefill(admit, events)
             self._compact()
             self.timing["prefill_s"] += time.perf_counter() - t0
         if self.running:
             self._decode(events)
-            self._compact()
         self._post(events, [])
 
     def _prefill(self, seqs: list[Seq], events: list[Event]) -> None:
@@ -313,17 +337,86 @@ class EngineCore:
         logits = self.model.prefill(self.weights, self.kv, tokens, meta[0], meta[1])
         self._sample(seqs, logits, meta[1] + 1, events)
 
+    def _drain(self, events: list[Event]) -> None:
+        """Finish the decode step in flight, if any (before anything that
+        reads or moves the running set: commands, admission, compaction)."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._finish_decode(step, events)
+            self._compact()
+
     def _decode(self, events: list[Event]) -> None:
+        """One decode step for every running request.
+
+        With ``overlap_steps`` the step is left in flight: the next turn
+        launches step k+1 from step k's sampled tokens *on the device*, and
+        only then reads step k's tokens back, so the host's bookkeeping and
+        launches run while the GPU computes. A request that stops (stop
+        token) at step k has had step k+1 computed for it; that token is
+        dropped. Whenever the running set would change, the chain ends."""
+        prev, self._inflight = self._inflight, None
+        max_len = self.opts.max_model_len
+        chain = prev is not None and prev.seqs == self.running and all(
+            s.num_generated + 1 < s.max_tokens and len(s.tokens) + 1 < max_len for s in prev.seqs)
+        if prev is not None and not chain:
+            self._finish_decode(prev, events)
+            self._compact()
+            if not self.running:
+                return
+        seqs = list(self.running)
+        if chain:
+            step = self._launch_decode(seqs, prev.tokens, prev.positions + 1)
+            self._finish_decode(prev, events)
+            if any(s.finish is not None for s in seqs):  # stopped: the running set changes
+                self._finish_decode(step, events)
+                self._compact()
+                return
+        else:
+            meta = torch.tensor([[s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
+            meta = meta.to(self.opts.device, non_blocking=True)
+            step = self._launch_decode(seqs, meta[0], meta[1])
+        if self.opts.overlap_steps:
+            self._inflight = step
+        else:
+            self._finish_decode(step, events)
+            self._compact()
+
+    def _launch_decode(self, seqs: list[Seq], tokens: torch.Tensor, positions: torch.Tensor) -> _Step:
         t0 = time.perf_counter()
         self.timing["num_decode_steps"] += 1
-        seqs = self.running
-        meta = torch.tensor([[s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
-        meta = meta.to(self.opts.device, non_blocking=True)
         if self.graphs is not None:
-            logits = self.graphs.decode(self.weights, self.kv, meta[0], meta[1])
+            logits = self.graphs.decode(self.weights, self.kv, tokens, positions)
         else:
-            logits = self.model.decode(self.weights, self.kv, meta[0], meta[1])
-        self._sample(seqs, logits, meta[1] + 1, events, t0)
+            logits = self.model.decode(self.weights, self.kv, tokens, positions)
+        token, lp, raw = sample(logits, self._sampling_batch(seqs), positions + 1)
+        step = self._readback(seqs, token, lp, raw)
+        step.positions = positions
+        self.timing["decode_launch_s"] += time.perf_counter() - t0
+        return step
+
+    def _readback(self, seqs: list[Seq], token: torch.Tensor, lp: torch.Tensor, raw: torch.Tensor) -> _Step:
+        """Start the one device->host copy of a step's tokens and log-probs
+        (float64 holds token ids exactly)."""
+        stacked = torch.stack([token.double(), lp.double(), raw.double()])
+        if stacked.device.type != "cuda":
+            return _Step(seqs, token, stacked, None)
+        self._pinned_turn ^= 1
+        host = self._pinned[self._pinned_turn][: stacked.numel()].view(stacked.shape)
+        host.copy_(stacked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Step(seqs, token, host, done)
+
+    def _finish_decode(self, step: _Step, events: list[Event], timed: bool = True) -> None:
+        t1 = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
+        token_l, lp_l, raw_l = step.host.tolist()
+        t2 = time.perf_counter()
+        self._append(step.seqs, token_l, lp_l, raw_l, events)
+        if timed:
+            self.timing["decode_wait_s"] += t2 - t1
+            self.timing["decode_post_s"] += time.perf_counter() - t2
 
     def _sampling_batch(self, seqs: list[Seq]) -> SamplingBatch:
         key = tuple(id(s) for s in seqs)
@@ -344,16 +437,16 @@ class EngineCore:
         self._params_cache = (key, batch)
         return batch
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor, positions: torch.Tensor, events: list[Event],
-                t_decode: float | None = None) -> None:
-        token, lp, raw = sample(logits, self._sampling_batch(seqs), positions)
-        stacked = torch.stack([token.double(), lp.double(), raw.double()])
-        t1 = time.perf_counter()
-        # one device->host copy per step (float64 holds token ids exactly)
-        token_l, lp_l, raw_l = stacked.cpu().tolist()
-        t2 = time.perf_counter()
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor, positions: torch.Tensor, events: list[Event]) -> None:
+        """Sample the next token of ``seqs`` and append it now (prefill)."""
+        step = self._readback(seqs, *sample(logits, self._sampling_batch(seqs), positions))
+        self._finish_decode(step, events, timed=False)
+
+    def _append(self, seqs: list[Seq], token_l: list, lp_l: list, raw_l: list, events: list[Event]) -> None:
         max_len = self.opts.max_model_len
         for s, t, a, b in zip(seqs, token_l, lp_l, raw_l):
+            if s.finish is not None:  # stopped (or aborted) while this step was in flight
+                continue
             t = int(t)
             s.tokens.append(t)
             s.num_generated += 1
@@ -362,13 +455,9 @@ class EngineCore:
             elif s.num_generated >= s.max_tokens or len(s.tokens) >= max_len:
                 s.finish = "length"
             events.append((s.stream, t, a, b, self.version, s.finish, None))
-        if t_decode is not None:
-            tm = self.timing
-            tm["decode_launch_s"] += t1 - t_decode
-            tm["decode_wait_s"] += t2 - t1
-            tm["decode_post_s"] += time.perf_counter() - t2
 
     def _fail_all(self, exc: BaseException) -> None:
+        self._inflight = None
         events = [(s.stream, None, 0.0, 0.0, self.version, None, exc) for s in (*self.running, *self.waiting)]
         self.running, self.waiting = [], deque()
         self._post(events, [])

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from actors.engines import decode_attention as _decode_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -198,6 +200,8 @@ class Model:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.key_positions = torch.arange(max_model_len, device=device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # decode attention (cache write + attention) as one Triton kernel on CUDA; SDPA elsewhere
+        self.fused_attention = _decode_attention.supported(device, cfg.head_dim)
 
     def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None):
         """h [..., hidden] -> q [..., Hq, D], k/v [..., Hkv, D] with RoPE applied."""
@@ -242,20 +246,25 @@ class Model:
         fp32 logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
         cfg = self.cfg
         B = tokens.shape[0]
-        rows = torch.arange(B, device=tokens.device)
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
-        # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
-        mask = (self.key_positions[: kv.max_len][None, :] <= positions[:, None]).view(B, 1, 1, kv.max_len)
-        group = cfg.num_heads // cfg.num_kv_heads
+        fused = self.fused_attention
+        if not fused:
+            rows = torch.arange(B, device=tokens.device)
+            # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
+            mask = (self.key_positions[: kv.max_len][None, :] <= positions[:, None]).view(B, 1, 1, kv.max_len)
+            group = cfg.num_heads // cfg.num_kv_heads
         h = F.embedding(tokens, weights.embed)
         pre, post = self._decode_fns
         for n, layer in enumerate(weights.layers):
             q, k, v = self._qkv(layer, h, cos, sin, pre)  # [B, H, D]
-            kv.k[n][rows, :, positions] = k
-            kv.v[n][rows, :, positions] = v
-            # the G query heads sharing a KV head act as G queries of one head: no K/V repeat
-            a = F.scaled_dot_product_attention(
-                q.reshape(B, cfg.num_kv_heads, group, cfg.head_dim), kv.k[n][:B], kv.v[n][:B],
-                attn_mask=mask, scale=self.scale)  # [B, Hkv, G, D]
+            if fused:
+                a = _decode_attention.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale)
+            else:
+                kv.k[n][rows, :, positions] = k
+                kv.v[n][rows, :, positions] = v
+                # the G query heads sharing a KV head act as G queries of one head: no K/V repeat
+                a = F.scaled_dot_product_attention(
+                    q.reshape(B, cfg.num_kv_heads, group, cfg.head_dim), kv.k[n][:B], kv.v[n][:B],
+                    attn_mask=mask, scale=self.scale)  # [B, Hkv, G, D]
             h = self._mlp_residual(layer, h, a.reshape(B, cfg.num_heads * cfg.head_dim), post)
         return self._logits(weights, h)

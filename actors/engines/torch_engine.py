@@ -46,11 +46,14 @@ class TorchEngine(RolloutEngine):
     graphs (CUDA only). ``max_prefill_tokens``: padded tokens per prefill batch.
     ``compile_decode``: fuse the decode step's elementwise work with
     ``torch.compile`` (CUDA only; the first step of each batch size compiles).
+    ``overlap_steps``: launch decode step k+1 before reading step k's tokens
+    back (None: on for CUDA, off for CPU, where launching *is* computing).
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 2048, seed: int = 0,
-                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool = True):
+                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool = True,
+                 overlap_steps: bool | None = None):
         if dtype is None:
             dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
         if dtype not in _DTYPES:
@@ -67,6 +70,7 @@ class TorchEngine(RolloutEngine):
         self._seed = seed
         self._cuda_graphs = cuda_graphs
         self._compile_decode = compile_decode
+        self._overlap_steps = overlap_steps
         self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
         self._core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,7 +90,8 @@ class TorchEngine(RolloutEngine):
                 device = torch.device("cuda", torch.cuda.current_device())
         self._loop = asyncio.get_running_loop()
         opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
-                             self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode)
+                             self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode,
+                             self._overlap_steps)
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")
