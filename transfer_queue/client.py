@@ -1,7 +1,8 @@
 """TransferQueue: the client every producer and consumer holds.
 
     producers ── put / put_fields ──► controller.reserve ─► storage units (rows) ─► controller.commit
-                 (under Ray a put of new samples is one message: storage unit ─► controller.reserve+commit)
+                 (under Ray a put of new samples is one round trip: its rows go to a storage
+                  unit while the controller reserves and commits them, in the client's index block)
     consumers ── get ──► controller.get_batch (leases) ─► storage units (rows) ─► Batch
               ── ack / nack ──► controller (frees storage rows on ack)
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import loop
 from transfer_queue.batch import Batch
-from transfer_queue.codec import ALL_FIELDS, FULL_MASK, fields_mask, mask_fields, sample_to_row, tags_of
+from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_samples, fields_mask, mask_fields, sample_to_row, tags_of
 from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.sample import Sample
@@ -102,10 +103,14 @@ class TransferQueue:
     ) -> None:
         if not samples:
             return
+        key = (partition, fields, wait, timeout_s, new_only)
+        if new_only and self._coalescer is not None:  # Ray: encoded now (the copy), one write with its neighbours
+            body, tags = encode_new_samples(samples)
+            await self._coalescer.put(key, [body], tags)
+            return
         mask = fields_mask(fields)
         rows = [sample_to_row(s, fields) for s in samples]
         tags = [tags_of(r, mask) for r in rows]
-        key = (partition, fields, wait, timeout_s, new_only)
         if self._coalescer is None:
             try:
                 await self._reserve_write_commit(key, rows, tags)
@@ -114,17 +119,10 @@ class TransferQueue:
         else:
             await self._coalescer.put(key, rows, tags)
 
-    async def _reserve_write_commit(self, key: tuple, rows: list[dict[str, Any]], tags: list[SampleTags]) -> None:
+    async def _reserve_write_commit(self, key: tuple, rows: list[Any], tags: list[SampleTags]) -> None:
         partition, _, wait, timeout_s, new_only = key
-        if new_only and self.cfg.deployment == "ray":  # one message: the storage unit reserves and commits
-            try:
-                await self._d.put_new(partition, rows, tags, wait, timeout_s)
-            except ReserveRefused:
-                raise
-            except BaseException:  # the unit failed (died?) maybe after the reserve: drop what got in, counted
-                with contextlib.suppress(Exception):
-                    await self._d.call("drop", [t.uid for t in tags], "write_failed")
-                raise
+        if new_only and self.cfg.deployment == "ray":  # rows: msgpack bodies; the write and the reserve go at once
+            await self._d.put_new(partition, rows, tags, wait, timeout_s)
             return
         try:
             indices = await self._d.call("reserve", partition, tags, new_only, wait, timeout_s)

@@ -33,7 +33,9 @@ __all__ = [
     "decode_identities",
     "decode_raw_rows",
     "decode_samples",
+    "encode_new_samples",
     "encode_rows",
+    "frame_rows",
     "fields_mask",
     "mask_fields",
     "row_to_sample",
@@ -149,6 +151,49 @@ _identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
 def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
     """One msgpack buffer for rows whose values are Python objects or ``msgspec.Raw``."""
     return _encoder.encode(rows)
+
+
+def encode_new_samples(samples: Sequence[Sample]) -> tuple[bytes, list[SampleTags]]:
+    """Whole samples as the msgpack *body* of a rows array (``frame_rows`` adds the header), and their tags.
+
+    A ``Sample`` encodes as the same map as its full row, so the common case (token
+    fields are lists) skips ``sample_to_row``'s copies: encoding is the copy. A sample
+    holding numpy arrays goes through ``sample_to_row``. Bodies of several puts
+    concatenate into one write (``frame_rows``).
+    """
+    items: list[Any] = []
+    tags = []
+    for s in samples:
+        if type(s.prompt_ids) is list and type(s.response_ids) is list and type(s.rollout_logprobs) is list \
+                and type(s.token_versions) is list:  # fmt: skip
+            items.append(s)
+            versions = s.token_versions
+            tags.append(SampleTags(
+                uid=s.uid, group_id=s.group_id, mask=FULL_MASK,
+                min_version=_min(versions) if versions else -1, max_version=_max(versions) if versions else -1,
+                num_prompt_tokens=len(s.prompt_ids), num_response_tokens=len(s.response_ids),
+            ))  # fmt: skip
+        else:
+            row = sample_to_row(s, ALL_FIELDS)
+            items.append(row)
+            tags.append(tags_of(row, FULL_MASK))
+    buf = _encoder.encode(items)
+    return buf[_array_header_len(len(items)) :], tags
+
+
+def frame_rows(num_rows: int, bodies: Sequence[bytes]) -> bytes:
+    """One msgpack rows array from the bodies of ``encode_new_samples`` holding ``num_rows`` in all."""
+    if num_rows <= 15:
+        header = bytes([0x90 | num_rows])
+    elif num_rows <= 0xFFFF:
+        header = b"\xdc" + num_rows.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + num_rows.to_bytes(4, "big")
+    return b"".join((header, *bodies))
+
+
+def _array_header_len(n: int) -> int:
+    return 1 if n <= 15 else 3 if n <= 0xFFFF else 5
 
 
 def decode_raw_rows(buf: bytes) -> list[dict[str, msgspec.Raw]]:

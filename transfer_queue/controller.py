@@ -67,6 +67,7 @@ class Controller:
         self._dropped: Counter[str] = Counter()
         # A put's new samples all go to one storage unit (round robin over puts), so a
         # write is one message: global index = slot * num_storage_units + unit.
+        # ``allocate`` hands whole blocks of slots to Ray clients.
         self._next_slot = [0] * cfg.num_storage_units
         self._next_unit = self._next_seq = self._next_batch = 0
         self._closed = False
@@ -80,15 +81,16 @@ class Controller:
         new_only: bool,
         wait: bool = True,
         timeout_s: float | None = None,
-        unit: int | None = None,
+        indices: list[int] | None = None,
         commit: bool = False,
     ) -> list[int]:
         """Global index per tag (-1: dropped on arrival, its group is dead); waits for capacity.
 
-        ``unit``: place the new samples on that storage unit (default: round robin
-        over puts). ``commit``: mark the tags' fields ready at once: the caller is
-        the storage unit that holds the rows already (see ``ray_deploy``), and it
-        stores them before it serves a read of these indices.
+        ``indices``: the global index of each (new) sample, from a block the caller
+        got from ``allocate`` (default: the next slots of one storage unit, round
+        robin over puts). ``commit``: mark the tags' fields ready at once: the
+        caller is writing the rows to the storage unit concurrently, and the unit
+        holds a read of an index back until its row arrives (see ``ray_deploy``).
         """
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         while True:
@@ -104,29 +106,49 @@ class Controller:
         dead = self._dead_groups.get(partition, {})
         pending = self._pending.setdefault(partition, {})
         num_units = len(self._next_slot)
-        if unit is None:
-            unit = self._next_unit
+        unit = self._next_unit
+        if indices is None:
             self._next_unit = (unit + 1) % num_units
-        assert 0 <= unit < num_units, unit
-        indices = []
-        for t in tags:
+        else:
+            assert new_only and len(indices) == len(tags), "placed indices are for whole new samples"
+        placed = []
+        for i, t in enumerate(tags):
             rec = self._by_uid.get(t.uid)
             if rec is None:
                 self._num_put += 1
                 if t.group_id in dead:
                     self._dropped["stale_group"] += 1
-                    indices.append(-1)
+                    placed.append(-1)
                     continue
-                rec = Record(self._next_slot[unit] * num_units + unit, self._next_seq, t.uid, t.group_id, partition)
-                self._next_slot[unit] += 1
+                if indices is None:
+                    index = self._next_slot[unit] * num_units + unit
+                    self._next_slot[unit] += 1
+                else:
+                    index = indices[i]
+                    assert index not in self._by_index, f"index {index} is taken: blocks from allocate are disjoint"
+                rec = Record(index, self._next_seq, t.uid, t.group_id, partition)
                 self._next_seq += 1
                 self._by_uid[t.uid] = self._by_index[rec.index] = pending[rec.seq] = rec
-            indices.append(rec.index)
+            placed.append(rec.index)
         if commit:
-            orphans = self._mark_written(indices, tags)
+            orphans = self._mark_written(placed, tags)
             assert not orphans, "just reserved: nothing can have dropped them"
             self._notify()
-        return indices
+        return placed
+
+    def allocate(self, unit: int, num_slots: int) -> int:
+        """Hand a client the next ``num_slots`` slots of storage unit ``unit``; returns the first.
+
+        Slot ``k`` is global index ``k * num_storage_units + unit``. A client places its
+        new samples in its own block (``reserve(indices=...)``), so it can write their
+        rows to the unit while the controller registers them: a put is one round trip.
+        Indices are never reused, so a block's unused slots are simply skipped.
+        """
+        if not 0 <= unit < len(self._next_slot) or num_slots < 1:
+            raise ValueError(f"allocate needs a unit in [0, {len(self._next_slot)}) and num_slots >= 1")
+        start = self._next_slot[unit]
+        self._next_slot[unit] += num_slots
+        return start
 
     def _validate_write(self, partition: str, tags: list[SampleTags], new_only: bool) -> int:
         if self._closed:

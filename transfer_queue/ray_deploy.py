@@ -23,6 +23,7 @@ initialized: the queue joins the running Ray, it never starts (or stops) one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,10 +31,11 @@ import ray
 
 import loop
 from transfer_queue.coalesce import ReserveRefused
-from transfer_queue.codec import decode_raw_rows, encode_rows, fields_mask
+from transfer_queue.codec import decode_raw_rows, encode_rows, fields_mask, frame_rows
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
+from transfer_queue.records import remember
 from transfer_queue.rows import EncodedRows
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
@@ -46,70 +48,58 @@ class StorageActor:
     """One storage unit in its own process. An async actor: its methods run one
     at a time on the actor's loop (none awaits while touching the rows).
 
-    ``put_new`` is a whole put in one client message: the unit asks the controller
-    to reserve (and commit) indices on this unit, then stores the rows it was
-    sent. Between the controller's answer and the store, a read of those indices
-    waits (``_stored``) and a delete of them is remembered (``_early_deletes``).
+    A put of new samples writes its rows here while the controller registers
+    them (and marks them ready) in parallel, so a read or a delete can reach an
+    index before its row does. A read waits for the missing rows (up to
+    ``_ARRIVAL_WAIT_S``); a delete of a row not here yet leaves a tombstone, and
+    the row is discarded when it arrives (global indices are never reused).
     """
 
     def __init__(self, unit_id: int) -> None:
         self._unit = StorageUnit(unit_id)
         self._controller: Any = None
-        self._num_writes_in_flight = 0
-        self._stored = asyncio.Event()
-        self._early_deletes: set[int] = set()
+        self._arrived = asyncio.Event()
+        self._tombstones: dict[int, None] = {}
 
     def ready(self, controller: Any) -> int:
         self._controller = controller
         return self._unit.unit_id
 
     def put(self, indices: list[int], *chunks: bytes) -> None:
-        self._unit.put_encoded(indices, b"".join(chunks))
+        rows = decode_raw_rows(b"".join(chunks))
+        if self._tombstones:  # deleted before they arrived
+            kept = [k for k, i in enumerate(indices) if i not in self._tombstones]
+            for i in indices:
+                self._tombstones.pop(i, None)
+            indices, rows = [indices[k] for k in kept], [rows[k] for k in kept]
+        self._unit.put_rows(indices, rows)
+        self._arrived.set()
+        self._arrived = asyncio.Event()
 
     async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], *chunks: bytes) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
-        self._unit.put_encoded(indices, b"".join(chunks))
+        self.put(indices, *chunks)
         await self._controller.commit_after.remote(all_indices, tags)
 
-    async def put_new(
-        self, partition: str, tags: list[Any], wait: bool, timeout_s: float | None, *chunks: bytes
-    ) -> None:
-        """Register new samples at the controller on this unit, ready at once, and store their rows.
-
-        A refused reserve raises ``ReserveRefused`` (nothing was registered).
-        """
-        self._num_writes_in_flight += 1
-        try:
-            unit_id = self._unit.unit_id
-            reserved = self._controller.call.remote("reserve", partition, tags, True, wait, timeout_s, unit_id, True)
-            rows = decode_raw_rows(b"".join(chunks))  # while the controller works
-            try:
-                indices = await _unwrap(reserved)
-            except Exception as e:
-                raise ReserveRefused(e) from None
-            kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
-            self._unit.put_rows([indices[i] for i in kept], [rows[i] for i in kept])
-            if self._early_deletes:
-                self._unit.delete([indices[i] for i in kept if indices[i] in self._early_deletes])
-        finally:
-            self._num_writes_in_flight -= 1
-            if not self._num_writes_in_flight:
-                self._early_deletes.clear()
-            self._stored.set()
-            self._stored = asyncio.Event()
-
     async def get(self, indices: list[int], fields: Sequence[str] | None) -> list[bytes]:
+        deadline = None
         while True:
             try:
                 return _chunks(self._unit.get_encoded(indices, fields))
             except LookupError:
-                if not self._num_writes_in_flight:
+                if all(map(self._unit.has, indices)):
+                    raise  # a field is missing, not a row: no write is on its way for that
+                now = asyncio.get_running_loop().time()
+                deadline = now + _ARRIVAL_WAIT_S if deadline is None else deadline
+                if now >= deadline:
                     raise
-                await self._stored.wait()  # a put_new committed them and is about to store them
+                with contextlib.suppress(TimeoutError):  # a put committed them and its rows are on their way
+                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
 
     def delete(self, indices: list[int]) -> None:
-        if self._num_writes_in_flight:
-            self._early_deletes.update(i for i in indices if not self._unit.has(i))
+        for i in indices:
+            if not self._unit.has(i):
+                remember(self._tombstones, i, None)
         self._unit.delete(indices)
 
     def num_rows(self) -> int:
@@ -153,6 +143,7 @@ class RayDeployment:
     def __init__(self, controller: Any, units: list[Any], owner: bool) -> None:
         self._controller, self.units, self._owner = controller, units, owner
         self._next_unit = 0
+        self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
 
     @classmethod
     async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
@@ -169,14 +160,48 @@ class RayDeployment:
     async def call(self, method: str, *args: Any) -> Any:
         return await _unwrap(self._controller.call.remote(method, *args))
 
-    async def put_new(
-        self, partition: str, rows: Sequence[dict[str, Any]], tags: list[Any], wait: bool, timeout_s: float | None
-    ) -> None:
-        """A put of new samples in one message, to the next storage unit (round robin);
-        ``ReserveRefused`` if the controller refused it (nothing registered)."""
+    async def put_new(self, partition: str, bodies: list[bytes], tags: list[Any], wait: bool, timeout_s: float | None) -> None:
+        """A put of new samples: one write to the next storage unit (round robin) and,
+        at the same time, one reserve-and-commit at the controller, in this client's
+        own index block. ``bodies``: rows from ``codec.encode_new_samples``.
+
+        ``ReserveRefused`` if the controller refused it (nothing registered, the rows
+        are deleted). If the write fails after the reserve, the samples are dropped
+        (``"write_failed"``, counted) and the error re-raised.
+        """
         unit = self._next_unit
         self._next_unit = (unit + 1) % len(self.units)
-        await _unwrap(self.units[unit].put_new.remote(partition, tags, wait, timeout_s, *_chunks(encode_rows(rows))))
+        indices = await self._take_indices(unit, len(tags))
+        stored = self.units[unit].put.remote(indices, *_chunks(frame_rows(len(tags), bodies)))
+        reserved = self._controller.call.remote("reserve", partition, tags, True, wait, timeout_s, indices, True)
+        try:
+            placed = await _unwrap(reserved)
+        except Exception as e:  # nothing was registered: the rows must go
+            with contextlib.suppress(Exception):
+                await stored
+            self.units[unit].delete.remote(indices)
+            raise ReserveRefused(e) from None
+        try:
+            await _unwrap(stored)
+        except BaseException:
+            kept = [t.uid for t, index in zip(tags, placed) if index >= 0]
+            with contextlib.suppress(Exception):
+                await self.call("drop", kept, "write_failed")
+            raise
+        dead = [i for i, index in zip(indices, placed) if index < 0]  # dropped on arrival: their group is dead
+        if dead:
+            self.units[unit].delete.remote(dead)
+
+    async def _take_indices(self, unit: int, n: int) -> list[int]:
+        """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
+        start, end = self._blocks.get(unit, (0, 0))
+        if end - start < n:
+            size = max(n, _BLOCK_SLOTS)
+            start = await self.call("allocate", unit, size)
+            end = start + size
+        self._blocks[unit] = (start + n, end)
+        num_units = len(self.units)
+        return [slot * num_units + unit for slot in range(start, start + n)]
 
     async def write_commit(
         self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[Any]
@@ -212,6 +237,11 @@ class RayDeployment:
 # per object (~1 ms of CPU on a small busy box, more than the bytes). So buffers
 # travel as chunks under that size: a 0.5 MB put is one message, no store object.
 _CHUNK_BYTES = 90_000
+# Slots a client takes from the controller at a time (per storage unit), for its puts.
+_BLOCK_SLOTS = 1 << 16
+# How long a storage unit holds a read of an index whose row has not arrived yet
+# (the put that committed it is writing it); past that the read fails (LookupError).
+_ARRIVAL_WAIT_S = 60.0
 
 
 def _chunks(buf: bytes) -> list[bytes]:
