@@ -145,19 +145,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def encode_sparse(
-    old: torch.Tensor, new: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
+    old: torch.Tensor, new: torch.Tensor, *, write_old: bool = False, scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
     """Compare 1-D pieces bit for bit, ``new`` cast to ``old.dtype`` first.
 
     Returns ``(idx, old_values, new_values, plan)`` (values at ``idx``, in
     ``old.dtype``) where ``plan`` is None when a
     raw copy of ``new`` is no larger than the best sparse encoding, else the
     chosen codecs and the byte streams (index, values, escapes).
+    ``write_old``: also make ``old`` equal to ``new`` (only the changed
+    elements are written). ``scratch``: a reusable buffer of ``old.dtype``
+    for the cast, so a sync does not page-fault fresh memory every piece.
     """
-    return _encode_sparse_np(old, new) if not new.is_cuda else _encode_sparse_torch(old, new)
+    if new.is_cuda:
+        return _encode_sparse_torch(old, new, write_old)
+    return _encode_sparse_np(old, new, write_old, scratch)
 
 
-def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor):
+def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor, write_old: bool = False):
     new = new.to(old.dtype)
     oi, ni = int_view(old), int_view(new)
     idx = torch.nonzero(oi != ni).view(-1)
@@ -165,12 +170,14 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor):
     if k == 0:
         return idx, old[:0], new[:0], None
     old_c, new_c = oi[idx], ni[idx]
+    if write_old:
+        oi[idx] = new_c
     idx_sizes = {"varint": varint_size(idx)} if k * 8 < n else {}
     idx_sizes["bitmask"] = (n + 7) // 8
     index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
     val_sizes = {"raw": k * size, "diff8": diff8_size(old_c, new_c) if size > 1 else k * size + 1}
     value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
-    new_vals, old_vals = new[idx], old[idx]
+    new_vals, old_vals = new_c.view(old.dtype), old_c.view(old.dtype)
     if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
         return idx, old_vals, new_vals, None
     index_bytes = varint_encode(idx) if index_codec == "varint" else bitmask_encode(idx, n)
@@ -182,28 +189,23 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor):
     return idx, old_vals, new_vals, (index_codec, value_codec, streams)
 
 
-_CHUNK = 1 << 22  # elements compared at a time on CPU: the temporaries stay in cache
-
-
-def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor):
+def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = False,
+                      scratch: torch.Tensor | None = None):
     """:func:`encode_sparse` for CPU tensors, in numpy. ``new`` may still be
-    in the trainer's dtype: it is cast chunk by chunk while comparing, so the
-    piece is read once instead of cast, written, and read again."""
+    in the trainer's dtype: it is cast in one torch call per piece into
+    ``scratch`` (torch's and numpy's threads then do not take turns per
+    chunk), then compared a word at a time on the compare pool."""
+    if new.dtype != old.dtype:
+        n = new.numel()
+        buf = scratch[:n] if scratch is not None and scratch.dtype == old.dtype and scratch.numel() >= n \
+            else torch.empty(n, dtype=old.dtype)
+        buf.copy_(new)
+        new = buf
     oi = int_view(old).numpy()
-    idx_parts, new_parts = [], []
-    for s in range(0, oi.size, _CHUNK):
-        n_chunk = new[s : s + _CHUNK].to(old.dtype)
-        ni = int_view(n_chunk).numpy()
-        where = np.flatnonzero(oi[s : s + _CHUNK] != ni)
-        if where.size:
-            new_parts.append(ni[where])
-            where += s
-            idx_parts.append(where)
-    k, n, size = sum(p.size for p in idx_parts), oi.size, oi.itemsize
+    idx, old_c, new_c = cnp.find_changes(oi, int_view(new).numpy(), write_old)
+    k, n, size = idx.size, oi.size, oi.itemsize
     if k == 0:
         return torch.empty(0, dtype=torch.int64), old[:0], old[:0], None
-    idx, new_c = np.concatenate(idx_parts), np.concatenate(new_parts)
-    old_c = oi[idx]
     idx_sizes = {}
     if k * 8 < n:  # otherwise varint (>= 1 byte per change) cannot beat the bitmask
         gaps = cnp.gaps_of(idx)

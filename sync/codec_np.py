@@ -7,6 +7,10 @@ CPU for the int64 gap arithmetic these need.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 ESCAPE = -128
@@ -111,3 +115,70 @@ def diff8_decode(old: np.ndarray, d8: np.ndarray, escapes: np.ndarray) -> np.nda
     new = (old.astype(wide) + d8).astype(old.dtype)
     new[esc] = escapes
     return new
+
+
+# ---------------------------------------------------------------- finding changes
+
+COMPARE_CHUNK = 1 << 18  # elements per compare task: both sides and the mask stay in L2
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _compare_pool() -> ThreadPoolExecutor:
+    """One process-wide pool (numpy's compares release the GIL), made on first use."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            workers = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync-compare")
+        return _pool
+
+
+def _changes_in(old: np.ndarray, new: np.ndarray, base: int, write_old: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Changed positions (+ ``base``), old and new values of one chunk. Compared
+    a machine word (4 bf16 / 2 fp32 lanes) at a time: with a few percent of
+    elements changed most words are equal, and the lanes of the rest are
+    split out from the gathered words, which are already in cache."""
+    lanes = 8 // old.itemsize
+    num_words = old.size // lanes if lanes > 1 and old.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0 else 0
+    parts = []
+    if num_words:
+        main = num_words * lanes
+        ow, nw = old[:main].view(np.int64), new[:main].view(np.int64)
+        w = np.flatnonzero(ow != nw)
+        a, b = ow[w].view(old.dtype), nw[w].view(old.dtype)
+        j = np.flatnonzero(a != b)
+        parts.append((w[j // lanes] * lanes + (j % lanes), a[j], b[j]))
+        if write_old:
+            ow[w] = nw[w]  # whole words: their unchanged lanes are equal anyway
+    if num_words * lanes < old.size:
+        o, n = old[num_words * lanes :], new[num_words * lanes :]
+        j = np.flatnonzero(o != n)
+        parts.append((j + num_words * lanes, o[j], n[j]))
+        if write_old:
+            o[j] = n[j]
+    if not parts:  # an empty piece
+        return np.empty(0, np.int64), old[:0].copy(), new[:0].copy()
+    if len(parts) == 1:
+        idx, o_vals, n_vals = parts[0]
+    else:
+        idx, o_vals, n_vals = (np.concatenate(x) for x in zip(*parts))
+    idx += base
+    return idx, o_vals, n_vals
+
+
+def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bit-exact compare of two integer views of one piece: (sorted int64
+    positions, old values there, new values there). ``write_old`` also
+    writes the new values into ``old`` while each chunk is in cache (the
+    sender's last-sent copy), instead of a scatter over the piece later."""
+    assert old.shape == new.shape and old.dtype == new.dtype and old.ndim == 1
+    starts = range(0, old.size, COMPARE_CHUNK)
+    if len(starts) <= 1:
+        return _changes_in(old, new, 0, write_old)
+
+    def one(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _changes_in(old[s : s + COMPARE_CHUNK], new[s : s + COMPARE_CHUNK], s, write_old)
+
+    parts = list(_compare_pool().map(one, starts))
+    return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]

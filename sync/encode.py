@@ -124,6 +124,17 @@ class WeightSender:
         self.dedup_tied = dedup_tied
         self._undo: tuple[int | None, list[tuple]] | None = None
         self._unreported: tuple[Kind, float, int] | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def _cast_scratch(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """A buffer the CPU delta path casts a trainer-dtype piece into, kept
+        across syncs (one piece, <= a bucket): fresh memory every piece costs
+        page faults comparable to the cast itself."""
+        if piece.dtype == dtype or piece.is_cuda:
+            return None
+        if self._scratch is None or self._scratch.dtype != dtype or self._scratch.numel() < piece.numel():
+            self._scratch = torch.empty(piece.numel(), dtype=dtype)
+        return self._scratch
 
     def force_full(self) -> None:
         """Make the next update full (a receiver refused a delta)."""
@@ -201,14 +212,14 @@ class WeightSender:
                     num_changed += count
                 else:
                     old = prev[start : start + count]
-                    found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key])
+                    found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key],
+                                         write_old=True, scratch=self._cast_scratch(piece, dtype))
                     if found is None:
                         continue
                     entry, idx, old_vals, new_vals = found
                     entries.append(entry)
                     # int32 positions: the undo log is O(changed) and should stay small
                     undo.append((key, sum_key, idx.to(torch.int32), old_vals, self._prev_sums[sum_key], common))
-                    _scatter(old, idx, new_vals)
                     num_changed += idx.numel()
                     checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
@@ -269,20 +280,14 @@ class WeightSender:
         return WeightUpdate(manifest=manifest, buckets=writer.buckets)
 
 
-def _scatter(dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """``dst[idx] = values`` (same dtype); numpy's scatter is much faster on CPU."""
-    if dst.is_cuda:
-        dst[idx] = values
-    else:
-        cks.int_view(dst).numpy()[idx.numpy()] = cks.int_view(values).numpy()
-
-
 def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
-                 shard: ShardSpec | None, base: cks.Checksum) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                 shard: ShardSpec | None, base: cks.Checksum, *, write_old: bool = False,
+                 scratch: torch.Tensor | None = None) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Encode how piece ``old`` became ``new`` (any float dtype; compared in
     ``old``'s), sparse or raw, the smaller; return (entry, changed positions,
-    old values there, new values there), None if unchanged."""
-    idx, old_vals, new_vals, plan = encode_sparse(old, new)
+    old values there, new values there), None if unchanged. ``write_old``:
+    ``old`` becomes ``new`` as a side effect (changed elements only)."""
+    idx, old_vals, new_vals, plan = encode_sparse(old, new, write_old=write_old, scratch=scratch)
     if idx.numel() == 0:
         return None
     start = common["start"]
