@@ -33,8 +33,10 @@ __all__ = [
     "decode_identities",
     "decode_raw_rows",
     "decode_samples",
+    "decode_tags",
     "encode_new_samples",
     "encode_rows",
+    "encode_tags",
     "frame_rows",
     "fields_mask",
     "mask_fields",
@@ -213,6 +215,17 @@ def decode_samples(buf: bytes, mask: int) -> list[Sample]:
     if mask & _BIT["prompt_ids"]:
         return _samples_decoder.decode(buf)
     return [Sample(**{"prompt_ids": [], **row}) for row in _rows_decoder.decode(buf)]
+
+
+_tags_decoder = msgspec.msgpack.Decoder(list[SampleTags])
+
+
+def encode_tags(tags: Sequence[SampleTags]) -> bytes:
+    return _encoder.encode(tags)
+
+
+def decode_tags(buf: bytes) -> list[SampleTags]:
+    return _tags_decoder.decode(buf)
 
 
 def decode_identities(buf: bytes) -> list[tuple[str, str]]:

@@ -31,7 +31,7 @@ import ray
 
 import loop
 from transfer_queue.coalesce import ReserveRefused
-from transfer_queue.codec import decode_raw_rows, encode_rows, fields_mask, frame_rows
+from transfer_queue.codec import decode_raw_rows, decode_tags, encode_rows, encode_tags, fields_mask, frame_rows
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
@@ -125,6 +125,13 @@ class ControllerActor:
             result = await result
         return result
 
+    async def reserve_new(
+        self, partition: str, tags_buf: bytes, indices: list[int], wait: bool, timeout_s: float | None
+    ) -> list[int]:
+        """``reserve`` + commit of whole new samples at the client's ``indices``; tags as msgpack
+        (Ray pickles a list of Structs one object at a time: ~10x the bytes' cost)."""
+        return await self._controller.reserve(partition, decode_tags(tags_buf), True, wait, timeout_s, indices, True)
+
     async def commit_after(self, indices: list[int], tags: list[Any], *_written: None) -> None:
         """commit, once the storage writes passed in (as ObjectRefs) are done: Ray
         resolves them before this runs, so the client waits on one reply, not N+1."""
@@ -173,7 +180,7 @@ class RayDeployment:
         self._next_unit = (unit + 1) % len(self.units)
         indices = await self._take_indices(unit, len(tags))
         stored = self.units[unit].put.remote(indices, *_chunks(frame_rows(len(tags), bodies)))
-        reserved = self._controller.call.remote("reserve", partition, tags, True, wait, timeout_s, indices, True)
+        reserved = self._controller.reserve_new.remote(partition, encode_tags(tags), indices, wait, timeout_s)
         try:
             placed = await _unwrap(reserved)
         except Exception as e:  # nothing was registered: the rows must go
