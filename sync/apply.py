@@ -2,9 +2,11 @@
 
     phase 1  check, write nothing: version, names, shapes, offsets, payload
              checksums (raw pieces: the checksum of the values they carry)
-    phase 2  write piece by piece; before writing a delta piece, check that
-             base checksum + (new - old at the changed positions) equals the
-             target checksum, and keep the old values at those positions
+    phase 2  write piece by piece, keeping the old values at the changed
+             positions; check that the old values sum to the base's there and
+             base checksum + (new - old) equals the target checksum (on CPU a
+             sparse piece is decoded, written and summed in one pass over its
+             changed positions, so it is checked just after it is written)
     failure  write the kept old values back in reverse order and raise
 
 Extra memory is one decoded piece (<= a bucket) plus, for a delta, the old
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from sync import checksum as cks
-from sync.codec import decode_sparse
+from sync.codec import apply_sparse_np, decode_sparse
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
 from sync.manifest import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
 
@@ -62,6 +64,17 @@ class _Piece:
                 raise ManifestMismatch(f"{e.name}: receiver tensor must be contiguous for a sharded update")
             self._flat, self._base = w.view(-1), 0
             self._positions = e.shard  # map piece indices through the shard spec
+
+    def np_piece(self) -> np.ndarray | None:
+        """The piece as a writable numpy integer view when it is on the CPU,
+        contiguous in the full tensor and held in the entry's dtype (the
+        fused sparse apply works on it); None otherwise."""
+        e = self.entry
+        if self.device.type != "cpu" or self._positions is not None or self._flat.dtype != self.dtype:
+            return None
+        if e.shard is not None and not e.shard.is_contiguous:
+            return None
+        return cks.int_view(self._flat).numpy()[self._base : self._base + e.count]
 
     def _index(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx.to(self.device) + self.entry.start
@@ -139,6 +152,15 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
             raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
 
 
+def _check_delta_sums(e: TensorEntry, old_sum: cks.Checksum, new_sum: cks.Checksum) -> None:
+    """The receiver held the base values where the delta writes, and the
+    delta takes the piece's checksum from base to target (O(changed) work)."""
+    if old_sum != e.changed_base_checksum:
+        raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: receiver values differ from the base version")
+    if e.base_checksum is None or cks.add(e.base_checksum, cks.sub(new_sum, old_sum)) != e.checksum:
+        raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
+
+
 def apply_update(
     weights: dict[str, torch.Tensor],
     update: WeightUpdate,
@@ -180,18 +202,27 @@ def apply_update(
                     undo.append((piece, idx, old[idx]))
                 piece.write_all(new)
                 continue
+            flat = piece.np_piece()
+            if flat is not None:
+                try:
+                    idx, old, old_sums, new_sums = apply_sparse_np(
+                        flat, blob.numpy(), e.parts, e.index_codec or "", e.value_codec or "", e.count, e.num_changed)
+                except (ValueError, RuntimeError, IndexError) as exc:
+                    raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
+                # written already (one pass over the changed positions): a failed check below undoes it
+                undo.append((piece, idx, old.view(piece.dtype)))
+                old_sum = cks.shift_sums(old_sums, e.shard, e.start)
+                new_sum = cks.shift_sums(new_sums, e.shard, e.start)
+                _check_delta_sums(e, old_sum, new_sum)
+                continue
             try:
                 idx, new, old = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
                                          e.num_changed, piece.read, piece.dtype)
             except (ValueError, RuntimeError, IndexError) as exc:
                 raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
             old = piece.read(idx) if old is None else old
-            old_sum = cks.sparse_checksum(old, idx, e.shard, e.start)
-            if old_sum != e.changed_base_checksum:
-                raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: receiver values differ from the base version")
-            new_sum = cks.sparse_checksum(new, idx, e.shard, e.start)
-            if e.base_checksum is None or cks.add(e.base_checksum, cks.sub(new_sum, old_sum)) != e.checksum:
-                raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
+            _check_delta_sums(e, cks.sparse_checksum(old, idx, e.shard, e.start),
+                              cks.sparse_checksum(new, idx, e.shard, e.start))
             undo.append((piece, idx, old))
             piece.write(idx, new)
         if verify == "full":

@@ -142,6 +142,15 @@ def sub(a: Checksum, b: Checksum) -> Checksum:
     return ((a[0] - b[0]) & MASK64, (a[1] - b[1]) & MASK64)
 
 
+def shift_sums(sums: tuple[int, int], shard: ShardSpec | None, start: int) -> Checksum:
+    """Checksum from (sum x, sum local_idx * x) over piece-local indices of
+    a piece starting at shard-local ``start`` (contiguous in the full tensor)."""
+    assert shard is None or shard.is_contiguous
+    s0, sj = sums
+    offset = start + (shard.global_start if shard is not None else 0)
+    return s0 & MASK64, ((offset + 1) * s0 + sj) & MASK64
+
+
 def sparse_checksum(values: torch.Tensor, local_idx: torch.Tensor, shard: ShardSpec | None, start: int) -> Checksum:
     """Checksum of ``values`` at piece-local indices ``local_idx`` (sorted or
     not) of the piece starting at shard-local ``start``. For pieces contiguous

@@ -278,14 +278,7 @@ def _decode_sparse_torch(blob: torch.Tensor, a: int, b: int, index_codec: str, v
 
 def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_codec: str, count: int,
                       num_changed: int, old_values_at: "callable", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    if index_codec == "varint":
-        idx = cnp.varint_decode(blob[:a], num_changed)
-    elif index_codec == "bitmask":
-        idx = cnp.bitmask_decode(blob[:a], count)
-    else:
-        raise ValueError(f"unknown index codec {index_codec!r}")
-    if idx.size != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
-        raise ValueError("decoded positions do not match the manifest")
+    idx = _decode_index_np(blob[:a], index_codec, count, num_changed)
     int_dtype = int_view(torch.empty(0, dtype=dtype)).numpy().dtype
     idx_t = torch.from_numpy(idx)
     old_t = None
@@ -299,3 +292,36 @@ def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_
     if new.size != num_changed:
         raise ValueError("decoded values do not match the manifest")
     return idx_t, torch.from_numpy(new).view(dtype), old_t
+
+
+def apply_sparse_np(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str,
+                    count: int, num_changed: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], tuple[int, int]]:
+    """Decode a sparse blob and write it into ``flat`` (the integer view of
+    one contiguous CPU piece) in a single pass over the changed positions.
+    Returns (positions, old values, sum pair of the old values, of the new)
+    for the caller to check against the manifest, writing the old values
+    back (:func:`restore_np`) if they do not match."""
+    if len(parts) != 3 or sum(parts) != blob.size:
+        raise ValueError(f"sparse parts {parts} do not add up to {blob.size} bytes")
+    a, b = parts[0], parts[0] + parts[1]
+    idx = _decode_index_np(blob[:a], index_codec, count, num_changed)
+    if value_codec == "raw":
+        old, old_sums, new_sums = cnp.apply_changes(flat, idx, values=blob[a:b].copy().view(flat.dtype))
+    elif value_codec == "diff8":
+        old, old_sums, new_sums = cnp.apply_changes(flat, idx, d8=blob[a:b].view(np.int8),
+                                                    escapes=blob[b:].copy().view(flat.dtype))
+    else:
+        raise ValueError(f"unknown value codec {value_codec!r}")
+    return torch.from_numpy(idx), torch.from_numpy(old), old_sums, new_sums
+
+
+def _decode_index_np(buf: np.ndarray, index_codec: str, count: int, num_changed: int) -> np.ndarray:
+    if index_codec == "varint":
+        idx = cnp.varint_decode(buf, num_changed)
+    elif index_codec == "bitmask":
+        idx = cnp.bitmask_decode(buf, count)
+    else:
+        raise ValueError(f"unknown index codec {index_codec!r}")
+    if idx.size != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
+        raise ValueError("decoded positions do not match the manifest")
+    return idx

@@ -60,27 +60,32 @@ def varint_encode(gaps: np.ndarray, plan: VarintPlan) -> np.ndarray:
 
 
 def varint_decode(buf: np.ndarray, count: int) -> np.ndarray:
-    if buf.size == count:  # every gap took one byte
-        if count and int(buf.max()) >= 0x80:
-            raise ValueError("varint stream does not hold the expected number of values")
+    """Inverse of :func:`varint_encode`. Only the few multi-byte gaps are
+    handled element-wise: a byte's gap index is its position minus the
+    number of continuation bytes before it, so the continuation bytes alone
+    say where every extra 7 bits go."""
+    cont = np.flatnonzero(buf >= 0x80)
+    if buf.size - cont.size != count or (buf.size and buf[-1] >= 0x80):
+        raise ValueError("varint stream does not hold the expected number of values")
+    if cont.size == 0:  # every gap took one byte
         gaps = buf.astype(np.int64)
     else:
-        is_end = (buf & 0x80) == 0
-        end_pos = np.flatnonzero(is_end)
-        if end_pos.size != count or (buf.size and not is_end[-1]):
-            raise ValueError("varint stream does not hold the expected number of values")
-        starts = np.empty_like(end_pos)
-        starts[0] = 0
-        starts[1:] = end_pos[:-1] + 1
-        lengths = end_pos - starts + 1
-        if int(lengths.max()) > 9:
+        run_start = np.ones(cont.size, dtype=bool)
+        np.not_equal(cont[1:], cont[:-1] + 1, out=run_start[1:])
+        starts = np.flatnonzero(run_start)
+        run_len = np.diff(np.append(starts, cont.size))
+        if int(run_len.max()) > 8:
             raise ValueError("varint value longer than 63 bits")
-        gaps = (buf[starts] & 0x7F).astype(np.int64)
-        for k in range(1, int(lengths.max())):
-            sel = np.flatnonzero(lengths > k)
-            gaps[sel] |= (buf[starts[sel] + k] & 0x7F).astype(np.int64) << (7 * k)
+        pos_in_run = np.arange(cont.size) - np.repeat(starts, run_len)
+        group = cont - np.arange(cont.size)  # the gap each continuation byte belongs to
+        gaps = np.delete(buf, cont + 1).astype(np.int64)  # the first byte of every gap
+        gaps[group[starts]] &= 0x7F
+        extra = (buf[cont + 1] & 0x7F).astype(np.int64) << (7 * (pos_in_run + 1))
+        np.add.at(gaps, group, extra)  # disjoint bit ranges: + is |
     gaps += 1
-    return np.cumsum(gaps) - 1
+    np.cumsum(gaps, out=gaps)
+    gaps -= 1
+    return gaps
 
 
 def bitmask_encode(idx: np.ndarray, n: int) -> np.ndarray:
@@ -182,3 +187,55 @@ def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> t
 
     parts = list(_compare_pool().map(one, starts))
     return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- applying changes
+
+APPLY_CHUNK = 1 << 16  # changed elements per apply task: their cache lines are read and written once
+
+
+def _sums(x: np.ndarray, idx: np.ndarray) -> tuple[int, int]:
+    """(sum x, sum idx * x) with wrapping int64 arithmetic."""
+    x = x.astype(np.int64)
+    return int(x.sum(dtype=np.int64)), int(np.dot(x, idx))
+
+
+def apply_changes(flat: np.ndarray, idx: np.ndarray, values: np.ndarray | None = None,
+                  d8: np.ndarray | None = None, escapes: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """Write new values at sorted positions ``idx`` of the integer view
+    ``flat`` and return (old values there, (sum, index-weighted sum) of the
+    old values, the same of the new). New values are ``values``, or old +
+    ``d8`` with ``escapes`` where ``d8`` is ESCAPE. Work is split into
+    chunks of changes on the compare pool, each gathering, decoding and
+    scattering while those cache lines are loaded; the caller checks the
+    sums and writes the old values back if they are wrong."""
+    k = idx.size
+    if d8 is not None:
+        esc_at = np.flatnonzero(d8 == ESCAPE)
+        if escapes is None or escapes.size != esc_at.size:
+            raise ValueError("diff8 escape count does not match the escape stream")
+    elif values is None or values.size != k:
+        raise ValueError("value stream does not match the number of positions")
+    old = np.empty(k, dtype=flat.dtype)
+    wide = np.int32 if flat.itemsize <= 2 else np.int64
+
+    def one(s: int) -> tuple[int, int, int, int]:
+        e = min(s + APPLY_CHUNK, k)
+        at = idx[s:e]
+        o = old[s:e]
+        np.take(flat, at, out=o, mode="clip")  # positions were range-checked; clip avoids a buffered copy
+        if d8 is None:
+            n = values[s:e]
+        else:
+            n = (o.astype(wide) + d8[s:e]).astype(flat.dtype)
+            lo, hi = np.searchsorted(esc_at, (s, e))
+            if hi > lo:
+                n[esc_at[lo:hi] - s] = escapes[lo:hi]
+        flat[at] = n
+        return (*_sums(o, at), *_sums(n, at))
+
+    starts = range(0, k, APPLY_CHUNK)
+    parts = [one(s) for s in starts] if len(starts) <= 1 else list(_compare_pool().map(one, starts))
+    mask = (1 << 64) - 1
+    tot = [sum(p[i] for p in parts) & mask for i in range(4)]
+    return old, (tot[0], tot[1]), (tot[2], tot[3])

@@ -217,3 +217,35 @@ def test_auto_mode_without_reports_estimates_from_bytes() -> None:
         kinds.append(sender.encode(w, v).manifest.kind)
     assert kinds == ["full", "delta", "delta", "delta", "delta"]
     assert sender.policy.cost_ms["full"] > 10 * sender.policy.cost_ms["delta"]
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 16])
+def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk: int) -> None:
+    """On CPU a sparse piece is written in the same pass that sums it (in
+    chunks on the pool); a target checksum that does not match must still
+    leave every tensor as it was, and an intact update is bit-exact."""
+    import msgspec
+
+    from sync import codec_np
+
+    saved, codec_np.APPLY_CHUNK = codec_np.APPLY_CHUNK, chunk
+    try:
+        w, sender = _model(), WeightSender(mode="delta", bucket_bytes=4096)
+        engine = _engine(w)
+        apply_update(engine, sender.encode(w, 1), 0)
+        _step(w, frac=0.1)
+        update = sender.encode(w, 2)
+        sparse = [i for i, e in enumerate(update.manifest.entries) if e.encoding == "sparse"]
+        assert sparse
+        entries = list(update.manifest.entries)
+        bad = entries[sparse[-1]]
+        entries[sparse[-1]] = msgspec.structs.replace(bad, checksum=(bad.checksum[0] ^ 1, bad.checksum[1]))
+        forged = type(update)(manifest=msgspec.structs.replace(update.manifest, entries=entries), buckets=update.buckets)
+        before = _snapshot(engine)
+        with pytest.raises(ChecksumError):
+            apply_update(engine, forged, 1)
+        assert _same(engine, before)
+        assert apply_update(engine, update, 1, verify="full") == 2
+        assert _same(engine, {k: v.bfloat16() for k, v in w.items()})
+    finally:
+        codec_np.APPLY_CHUNK = saved

@@ -241,3 +241,30 @@ def _check_many_chunks() -> None:
         version = apply_update(engine, update, version, verify="full")
         for k, t in master.items():
             assert torch.equal(int_view(engine[k]), int_view(t.bfloat16()))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.lists(st.one_of(st.integers(0, 127), st.integers(128, 255)), max_size=200),
+       count_delta=st.integers(-2, 2))
+def test_numpy_varint_decoder_agrees_with_torch_or_refuses(data: list[int], count_delta: int) -> None:
+    """Any byte stream (runs of continuation bytes capped so values fit in
+    63 bits): the numpy decoder returns what the torch decoder returns, or
+    raises ValueError when the stream does not hold ``count`` values."""
+    import numpy as np
+
+    from sync import codec_np as cnp
+
+    buf = np.array(data, dtype=np.uint8)
+    run = 0
+    for i, b in enumerate(buf):  # at most 8 continuation bytes in a row
+        run = run + 1 if b >= 0x80 else 0
+        if run > 8:
+            buf[i] &= 0x7F
+            run = 0
+    count = int((buf < 0x80).sum()) + count_delta
+    try:
+        got = cnp.varint_decode(buf, count)
+    except ValueError:
+        assert count_delta != 0 or (buf.size and buf[-1] >= 0x80)
+        return
+    assert torch.equal(torch.from_numpy(got), varint_decode(torch.from_numpy(buf.copy()), count))
