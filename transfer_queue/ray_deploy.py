@@ -23,6 +23,7 @@ initialized: the queue joins the running Ray, it never starts (or stops) one.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Sequence
 from typing import Any
@@ -60,21 +61,28 @@ class StorageActor:
         self._controller: Any = None
         self._arrived = asyncio.Event()
         self._tombstones: dict[int, None] = {}
+        self._unparsed: collections.deque[tuple[list[int], tuple[bytes, ...]]] = collections.deque()
 
     def ready(self, controller: Any) -> int:
         self._controller = controller
         return self._unit.unit_id
 
     def put(self, indices: list[int], *chunks: bytes) -> None:
-        rows = decode_raw_rows(b"".join(chunks))
-        if self._tombstones:  # deleted before they arrived
-            kept = [k for k, i in enumerate(indices) if i not in self._tombstones]
-            for i in indices:
-                self._tombstones.pop(i, None)
-            indices, rows = [indices[k] for k in kept], [rows[k] for k in kept]
-        self._unit.put_rows(indices, rows)
+        # Parsed on the next read or delete, not now: the writer's round trip is only the transfer.
+        self._unparsed.append((indices, chunks))
         self._arrived.set()
         self._arrived = asyncio.Event()
+
+    def _parse(self) -> None:
+        while self._unparsed:
+            indices, chunks = self._unparsed.popleft()
+            rows = decode_raw_rows(b"".join(chunks))
+            if self._tombstones:  # deleted before they arrived
+                kept = [k for k, i in enumerate(indices) if i not in self._tombstones]
+                for i in indices:
+                    self._tombstones.pop(i, None)
+                indices, rows = [indices[k] for k in kept], [rows[k] for k in kept]
+            self._unit.put_rows(indices, rows)
 
     async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], *chunks: bytes) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
@@ -84,6 +92,7 @@ class StorageActor:
     async def get(self, indices: list[int], fields: Sequence[str] | None) -> list[bytes]:
         deadline = None
         while True:
+            self._parse()
             try:
                 return _chunks(self._unit.get_encoded(indices, fields))
             except LookupError:
@@ -97,12 +106,14 @@ class StorageActor:
                     await asyncio.wait_for(self._arrived.wait(), deadline - now)
 
     def delete(self, indices: list[int]) -> None:
+        self._parse()
         for i in indices:
             if not self._unit.has(i):
                 remember(self._tombstones, i, None)
         self._unit.delete(indices)
 
     def num_rows(self) -> int:
+        self._parse()
         return len(self._unit)
 
 
