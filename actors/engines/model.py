@@ -2,8 +2,10 @@
 Hugging Face-named weights so that the engine owns the KV cache layout and can
 capture decode steps as CUDA graphs.
 
-    prefill(tokens [B, T], slots [B])           -> logits [B, T, V]   (writes KV[:, slots, :, :T])
-    decode(tokens [B], positions [B], B)        -> logits [B, V]      (writes KV[:, :B, :, pos])
+    prefill(tokens [B, T], slots [B], last [B])  -> logits [B, V]   (writes KV[:, slots, :, :T])
+    decode(tokens [B], positions [B])            -> logits [B, V]   (writes KV[:, :B, :, pos])
+
+Logits come in the model's dtype; the sampler upcasts what it needs.
 
 Decode runs on the first ``B`` cache slots: the engine keeps running
 requests packed into slots ``0..n-1`` so no gather of the cache is needed.
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.engines import decode_attention as _decode_attention
+from actors.engines import triton_kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -165,7 +167,7 @@ def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
         qk = qkv[..., : nq + nkv].unflatten(-1, (num_heads + num_kv_heads, head_dim))
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     qk = qk * cos + _rotate_half(qk) * sin
-    return qk[..., :num_heads, :].contiguous(), qk[..., num_heads:, :].contiguous(), v
+    return qk[..., :num_heads, :], qk[..., num_heads:, :], v  # views: no copies
 
 
 def attention_output_and_mlp(h, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
@@ -201,7 +203,7 @@ class Model:
         self.key_positions = torch.arange(max_model_len, device=device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # decode attention (cache write + attention) as one Triton kernel on CUDA; SDPA elsewhere
-        self.fused_attention = _decode_attention.supported(device, cfg.head_dim)
+        self.fused_attention = triton_kernels.attention_supported(device, cfg.head_dim)
 
     def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None):
         """h [..., hidden] -> q [..., Hq, D], k/v [..., Hkv, D] with RoPE applied."""
@@ -215,13 +217,14 @@ class Model:
             h, attn, layer.o_w, layer.post_norm, layer.gate_up_w, layer.down_w, self.cfg.rms_norm_eps)
 
     def _logits(self, weights, h: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: the sampler reads them as they are (no fp32 copy of [B, V])."""
         h = _rms_norm(h, weights.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(h, weights.lm_head).float()
+        return F.linear(h, weights.lm_head)
 
     @torch.inference_mode()
     def prefill(self, weights, kv, tokens: torch.Tensor, slots: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
         """Right-padded prompts tokens [B, T] into cache ``slots`` [B]; returns
-        the fp32 logits [B, V] at ``last_index`` [B] (each prompt's last token).
+        the logits [B, V] at ``last_index`` [B] (each prompt's last token).
         Padding sits after each prompt, so a causal mask alone keeps it out of
         every real token's attention; its cache entries are overwritten later."""
         B, T = tokens.shape
@@ -243,7 +246,7 @@ class Model:
     @torch.inference_mode()
     def decode(self, weights, kv, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for each of the first B slots: tokens/positions [B] ->
-        fp32 logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
+        logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
         cfg = self.cfg
         B = tokens.shape[0]
         cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
@@ -258,7 +261,7 @@ class Model:
         for n, layer in enumerate(weights.layers):
             q, k, v = self._qkv(layer, h, cos, sin, pre)  # [B, H, D]
             if fused:
-                a = _decode_attention.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale)
+                a = triton_kernels.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale)
             else:
                 kv.k[n][rows, :, positions] = k
                 kv.v[n][rows, :, positions] = v

@@ -7,7 +7,9 @@ step it lands in, and after an abort-and-resume (the position continues).
 No generator objects, no host round trips, one fixed set of kernels.
 When no request of a batch is seeded the noise comes from one ``torch.rand``
 (an engine-wide generator seeded once) instead: the hash costs ~10 int64
-passes over [B, V], which is most of a decode step's sampling on a GPU.
+passes over [B, V], which is most of a decode step's sampling on a GPU. On
+CUDA such a batch without top-k / top-p / greedy rows is sampled by one fused
+Triton kernel (:func:`actors.engines.triton_kernels.sample_gumbel`).
 
 Log-probs returned per sampled token:
   * ``raw``: log-softmax of the unmodified logits (T=1).
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from actors.engines import triton_kernels
 
 _MASK32 = 0xFFFFFFFF
 
@@ -77,10 +81,15 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> (token [B] int64, logprob [B], raw_logprob [B]).
+    """logits [B, V] (any float dtype; computed in fp32) -> (token [B] int64,
+    logprob [B], raw_logprob [B]).
 
     ``positions[b]`` is the position the sampled token will occupy (its
     index in prompt + response), the counter of the noise."""
+    if params.generator is not None and not (params.any_greedy or params.needs_filter) \
+            and triton_kernels.sampling_supported(logits):
+        return triton_kernels.sample_gumbel(logits, params.temperature, params.unit_temperature, params.generator)
+    logits = logits.float()
     if params.generator is not None and params.unit_temperature and not (params.any_greedy or params.needs_filter):
         return _sample_unit_temperature(logits, params.generator)
     raw = torch.log_softmax(logits, dim=-1)
