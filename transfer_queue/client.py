@@ -208,14 +208,30 @@ class TransferQueue:
     async def statistics_async(self) -> QueueStats:
         return await self._d.call("statistics")
 
+    async def flush(self) -> None:
+        """Wait until the rows of this client's puts reached their storage units.
+
+        Under Ray a put returns once the controller committed its samples (a read
+        of them waits for rows still in transit). A write a storage unit never got
+        (it died) has its samples dropped as ``"write_failed"`` and raises
+        TransferQueueError here, or at this client's next put.
+        """
+        await self._d.flush()
+
     async def close(self) -> None:
-        """End of input: later puts raise QueueClosed; getters drain, then get EndOfStream."""
-        await self._d.call("close")
+        """End of input: later puts raise QueueClosed; getters drain, then get EndOfStream.
+        This client's writes in transit are flushed first (see ``flush``)."""
+        try:
+            await self._d.flush()
+        finally:
+            await self._d.call("close")
 
     async def shutdown(self) -> None:
         """Close and release the deployment (Ray actors are killed; local rows freed)."""
-        await self.close()
-        await self._d.shutdown()
+        try:
+            await self.close()
+        finally:
+            await self._d.shutdown()
 
     async def save(self, path: str) -> None:
         """Persist unsettled samples (pending and in flight) and counters; see ``persist.py``."""
@@ -248,6 +264,9 @@ class TransferQueue:
 
     def drop_sync(self, uids: Sequence[str], reason: str) -> int:
         return loop.run(self.drop(uids, reason))
+
+    def flush_sync(self) -> None:
+        loop.run(self.flush())
 
     def close_sync(self) -> None:
         loop.run(self.close())

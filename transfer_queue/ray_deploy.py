@@ -36,6 +36,7 @@ from transfer_queue.codec import decode_raw_rows, decode_tags, encode_rows, enco
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
+from transfer_queue.errors import TransferQueueError
 from transfer_queue.records import remember
 from transfer_queue.rows import EncodedRows
 from transfer_queue.storage import StorageUnit
@@ -162,6 +163,8 @@ class RayDeployment:
         self._controller, self.units, self._owner = controller, units, owner
         self._next_unit = 0
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
+        self._writes: set[asyncio.Task] = set()  # rows on their way to a unit (put_new)
+        self._write_error: Exception | None = None
 
     @classmethod
     async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
@@ -183,10 +186,14 @@ class RayDeployment:
         at the same time, one reserve-and-commit at the controller, in this client's
         own index block. ``bodies``: rows from ``codec.encode_new_samples``.
 
-        ``ReserveRefused`` if the controller refused it (nothing registered, the rows
-        are deleted). If the write fails after the reserve, the samples are dropped
-        (``"write_failed"``, counted) and the error re-raised.
+        Returns once the controller committed them: their rows may still be on the
+        way to the unit (a read there waits for them), and the unit's reply is
+        collected in the background. ``ReserveRefused`` if the controller refused
+        (nothing registered; the rows are deleted). A write the unit never got (it
+        died) has its samples dropped (``"write_failed"``, counted) and its error
+        raised by this client's next put or ``flush``.
         """
+        self._raise_write_error()
         unit = self._next_unit
         self._next_unit = (unit + 1) % len(self.units)
         indices = await self._take_indices(unit, len(tags))
@@ -194,21 +201,39 @@ class RayDeployment:
         reserved = self._controller.reserve_new.remote(partition, encode_tags(tags), indices, wait, timeout_s)
         try:
             placed = await _unwrap(reserved)
-        except Exception as e:  # nothing was registered: the rows must go
-            with contextlib.suppress(Exception):
-                await stored
+        except Exception as e:  # nothing was registered: the rows must go (a tombstone if the delete overtakes them)
             self.units[unit].delete.remote(indices)
             raise ReserveRefused(e) from None
-        try:
-            await _unwrap(stored)
-        except BaseException:
-            kept = [t.uid for t, index in zip(tags, placed) if index >= 0]
-            with contextlib.suppress(Exception):
-                await self.call("drop", kept, "write_failed")
-            raise
         dead = [i for i, index in zip(indices, placed) if index < 0]  # dropped on arrival: their group is dead
         if dead:
             self.units[unit].delete.remote(dead)
+        kept = [t.uid for t, index in zip(tags, placed) if index >= 0]
+        task = asyncio.get_running_loop().create_task(self._settle_write(stored, kept))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _settle_write(self, stored: Any, uids: list[str]) -> None:
+        try:
+            await _unwrap(stored)
+        except Exception as e:  # the unit never got the rows: count them dropped, tell the client
+            with contextlib.suppress(Exception):
+                await self.call("drop", uids, "write_failed")
+            if self._write_error is None:
+                self._write_error = e
+
+    def _raise_write_error(self) -> None:
+        error, self._write_error = self._write_error, None
+        if error is not None:
+            raise TransferQueueError(
+                f"an earlier put's rows never reached their storage unit (its samples were dropped as "
+                f"'write_failed'): {error!r}"
+            ) from error
+
+    async def flush(self) -> None:
+        """Wait until this client's rows in transit reached their storage units; raise a failed write's error."""
+        while self._writes:
+            await asyncio.gather(*self._writes)
+        self._raise_write_error()
 
     async def _take_indices(self, unit: int, n: int) -> list[int]:
         """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
