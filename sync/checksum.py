@@ -115,8 +115,18 @@ def delta_checksum(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
 
 
 def bytes_checksum(buf: torch.Tensor) -> Checksum:
-    """Checksum of a uint8 buffer (positions are byte offsets)."""
-    return region_checksum(buf.view(torch.uint8), 0)
+    """Checksum of a uint8 buffer read as little-endian 8-byte words
+    (positions are word indices), then its last ``len % 8`` bytes at the
+    following positions: a sparse payload is checked at 8 bytes per step."""
+    buf = buf.view(torch.uint8).reshape(-1)
+    num_main = buf.numel() // 8 * 8
+    main = buf[:num_main]
+    if main.data_ptr() % 8:
+        main = main.clone()
+    total = region_checksum(main.view(torch.int64), 0) if num_main else (0, 0)
+    if num_main < buf.numel():
+        total = add(total, region_checksum(buf[num_main:], num_main // 8))
+    return total
 
 
 def piece_positions(shard: ShardSpec | None, local_idx: torch.Tensor) -> torch.Tensor:

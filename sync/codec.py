@@ -149,10 +149,12 @@ def encode_sparse(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
     """Compare 1-D pieces bit for bit, ``new`` cast to ``old.dtype`` first.
 
-    Returns ``(idx, old_values, new_values, plan)`` (values at ``idx``, in
-    ``old.dtype``) where ``plan`` is None when a
+    Returns ``(idx, old_values, new_values, plan, sums)`` (values at
+    ``idx``, in ``old.dtype``) where ``plan`` is None when a
     raw copy of ``new`` is no larger than the best sparse encoding, else the
-    chosen codecs and the byte streams (index, values, escapes).
+    chosen codecs and the byte streams (index, values, escapes); ``sums`` is
+    ((sum, index-weighted sum) of the old values, the same of the new) when
+    the CPU path computed them while comparing, else None.
     ``write_old``: also make ``old`` equal to ``new`` (only the changed
     elements are written). ``scratch``: a reusable buffer of ``old.dtype``
     for the cast, so a sync does not page-fault fresh memory every piece.
@@ -168,7 +170,7 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor, write_old: bool =
     idx = torch.nonzero(oi != ni).view(-1)
     k, n, size = idx.numel(), new.numel(), new.element_size()
     if k == 0:
-        return idx, old[:0], new[:0], None
+        return idx, old[:0], new[:0], None, None
     old_c, new_c = oi[idx], ni[idx]
     if write_old:
         oi[idx] = new_c
@@ -179,14 +181,14 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor, write_old: bool =
     value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
     new_vals, old_vals = new_c.view(old.dtype), old_c.view(old.dtype)
     if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx, old_vals, new_vals, None
+        return idx, old_vals, new_vals, None, None
     index_bytes = varint_encode(idx) if index_codec == "varint" else bitmask_encode(idx, n)
     if value_codec == "raw":
         streams = [index_bytes, as_bytes(new_c), index_bytes.new_empty(0)]
     else:
         d8, escapes = diff8_encode(old_c, new_c)
         streams = [index_bytes, as_bytes(d8), as_bytes(escapes)]
-    return idx, old_vals, new_vals, (index_codec, value_codec, streams)
+    return idx, old_vals, new_vals, (index_codec, value_codec, streams), None
 
 
 def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = False,
@@ -202,10 +204,12 @@ def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = Fa
         buf.copy_(new)
         new = buf
     oi = int_view(old).numpy()
-    idx, old_c, new_c = cnp.find_changes(oi, int_view(new).numpy(), write_old)
+    found = cnp.find_changes(oi, int_view(new).numpy(), write_old)
+    idx, old_c, new_c = found.idx, found.old, found.new
+    sums = (found.old_sums, found.new_sums)
     k, n, size = idx.size, oi.size, oi.itemsize
     if k == 0:
-        return torch.empty(0, dtype=torch.int64), old[:0], old[:0], None
+        return torch.empty(0, dtype=torch.int64), old[:0], old[:0], None, sums
     idx_sizes = {}
     if k * 8 < n:  # otherwise varint (>= 1 byte per change) cannot beat the bitmask
         gaps = cnp.gaps_of(idx)
@@ -215,19 +219,20 @@ def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = Fa
     index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
     val_sizes = {"raw": k * size}
     if size > 1:
-        d8, fits = cnp.diff8(old_c, new_c)
-        val_sizes["diff8"] = k + (k - int(np.count_nonzero(fits))) * size
+        val_sizes["diff8"] = k + found.num_escapes * size
     value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
     idx_t, new_vals = torch.from_numpy(idx), torch.from_numpy(new_c).view(old.dtype)
     old_vals = torch.from_numpy(old_c).view(old.dtype)
     if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx_t, old_vals, new_vals, None
+        return idx_t, old_vals, new_vals, None, sums
     index_bytes = cnp.varint_encode(gaps, plan) if index_codec == "varint" else cnp.bitmask_encode(idx, n)
     if value_codec == "raw":
         streams = [index_bytes, new_c.view(np.uint8), np.empty(0, np.uint8)]
     else:
-        streams = [index_bytes, d8.view(np.uint8), new_c[~fits].view(np.uint8)]
-    return idx_t, old_vals, new_vals, (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
+        escapes = new_c[found.d8 == cnp.ESCAPE] if found.num_escapes else new_c[:0]
+        streams = [index_bytes, found.d8.view(np.uint8), escapes.view(np.uint8)]
+    plan_out = (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
+    return idx_t, old_vals, new_vals, plan_out, sums
 
 
 def decode_sparse(

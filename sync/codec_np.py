@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,17 +46,20 @@ def varint_encode(gaps: np.ndarray, plan: VarintPlan) -> np.ndarray:
     low = gaps.astype(np.uint8)
     if plan.big.size == 0:
         return low
-    low &= 0x7F
-    reps = np.ones(gaps.size, dtype=np.intp)
-    reps[plan.big] = plan.big_len
-    out = np.repeat(low, reps)  # long gaps get their extra bytes right after their first
-    extra = plan.big_len - 1
-    starts = plan.big + np.cumsum(extra) - extra
-    g = gaps[plan.big]
-    for b in range(1, int(plan.big_len.max())):
-        sel = plan.big_len > b
-        out[starts[sel] + b - 1] |= 0x80
-        out[starts[sel] + b] = (g[sel] >> (7 * b)) & 0x7F
+    big, length = plan.big, plan.big_len
+    g = gaps[big]
+    extra = length - 1
+    before = np.cumsum(extra) - extra  # extra bytes of the long gaps before each one
+    # byte b >= 1 of each long gap, and where it lands: right after its first byte
+    b = np.arange(int(extra.sum())) - np.repeat(before, extra) + 1
+    at = np.repeat(big + before, extra) + b
+    keep = np.ones(plan.size, dtype=bool)
+    keep[at] = False
+    low[big] = (g & 0x7F) | 0x80
+    out = np.empty(plan.size, dtype=np.uint8)
+    out[keep] = low  # one pass; the few extra bytes go in after
+    more = b + 1 < np.repeat(length, extra)
+    out[at] = ((np.repeat(g, extra) >> (7 * b)) & 0x7F) | (more.astype(np.int64) << 7)
     return out
 
 
@@ -124,6 +128,7 @@ def diff8_decode(old: np.ndarray, d8: np.ndarray, escapes: np.ndarray) -> np.nda
 
 # ---------------------------------------------------------------- finding changes
 
+_MASK64 = (1 << 64) - 1
 COMPARE_CHUNK = 1 << 18  # elements per compare task: both sides and the mask stay in L2
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -139,11 +144,32 @@ def _compare_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _changes_in(old: np.ndarray, new: np.ndarray, base: int, write_old: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Changed positions (+ ``base``), old and new values of one chunk. Compared
-    a machine word (4 bf16 / 2 fp32 lanes) at a time: with a few percent of
-    elements changed most words are equal, and the lanes of the rest are
-    split out from the gathered words, which are already in cache."""
+def _sums(x: np.ndarray, idx: np.ndarray) -> tuple[int, int]:
+    """(sum x, sum idx * x) mod 2**64 (numpy's int64 arithmetic wraps)."""
+    x = x.astype(np.int64)
+    return int(x.sum(dtype=np.int64)) & _MASK64, int(np.dot(x, idx)) & _MASK64
+
+
+class Found(NamedTuple):
+    """What changed in a piece: sorted int64 positions, old and new values
+    there, (sum, index-weighted sum) of each, and the diff8 value stream
+    (None for 1-byte elements) with its number of escapes."""
+
+    idx: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+    old_sums: tuple[int, int]
+    new_sums: tuple[int, int]
+    d8: np.ndarray | None
+    num_escapes: int
+
+
+def _changes_in(old: np.ndarray, new: np.ndarray, base: int, write_old: bool) -> Found:
+    """What changed in one chunk (positions + ``base``). Compared a machine
+    word (4 bf16 / 2 fp32 lanes) at a time: with a few percent of elements
+    changed most words are equal, and the lanes of the rest are split out
+    from the gathered words, which are already in cache. The sums and diff8
+    stream are made here too, while the changed values are in cache."""
     lanes = 8 // old.itemsize
     num_words = old.size // lanes if lanes > 1 and old.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0 else 0
     parts = []
@@ -163,41 +189,47 @@ def _changes_in(old: np.ndarray, new: np.ndarray, base: int, write_old: bool) ->
         if write_old:
             o[j] = n[j]
     if not parts:  # an empty piece
-        return np.empty(0, np.int64), old[:0].copy(), new[:0].copy()
-    if len(parts) == 1:
+        idx, o_vals, n_vals = np.empty(0, np.int64), old[:0].copy(), new[:0].copy()
+    elif len(parts) == 1:
         idx, o_vals, n_vals = parts[0]
     else:
         idx, o_vals, n_vals = (np.concatenate(x) for x in zip(*parts))
     idx += base
-    return idx, o_vals, n_vals
+    d8, num_escapes = None, 0
+    if old.itemsize > 1:
+        d8, fits = diff8(o_vals, n_vals)
+        num_escapes = idx.size - int(np.count_nonzero(fits))
+    return Found(idx, o_vals, n_vals, _sums(o_vals, idx), _sums(n_vals, idx), d8, num_escapes)
 
 
-def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bit-exact compare of two integer views of one piece: (sorted int64
-    positions, old values there, new values there). ``write_old`` also
-    writes the new values into ``old`` while each chunk is in cache (the
-    sender's last-sent copy), instead of a scatter over the piece later."""
+def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> Found:
+    """Bit-exact compare of two integer views of one piece. ``write_old``
+    also writes the new values into ``old`` while each chunk is in cache
+    (the sender's last-sent copy), instead of a scatter over the piece later.
+    Chunks run on the compare pool."""
     assert old.shape == new.shape and old.dtype == new.dtype and old.ndim == 1
     starts = range(0, old.size, COMPARE_CHUNK)
     if len(starts) <= 1:
         return _changes_in(old, new, 0, write_old)
 
-    def one(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def one(s: int) -> Found:
         return _changes_in(old[s : s + COMPARE_CHUNK], new[s : s + COMPARE_CHUNK], s, write_old)
 
     parts = list(_compare_pool().map(one, starts))
-    return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+    mask = (1 << 64) - 1
+    return Found(
+        np.concatenate([p.idx for p in parts]), np.concatenate([p.old for p in parts]),
+        np.concatenate([p.new for p in parts]),
+        (sum(p.old_sums[0] for p in parts) & mask, sum(p.old_sums[1] for p in parts) & mask),
+        (sum(p.new_sums[0] for p in parts) & mask, sum(p.new_sums[1] for p in parts) & mask),
+        None if parts[0].d8 is None else np.concatenate([p.d8 for p in parts]),
+        sum(p.num_escapes for p in parts),
+    )
 
 
 # ---------------------------------------------------------------- applying changes
 
 APPLY_CHUNK = 1 << 16  # changed elements per apply task: their cache lines are read and written once
-
-
-def _sums(x: np.ndarray, idx: np.ndarray) -> tuple[int, int]:
-    """(sum x, sum idx * x) with wrapping int64 arithmetic."""
-    x = x.astype(np.int64)
-    return int(x.sum(dtype=np.int64)), int(np.dot(x, idx))
 
 
 def apply_changes(flat: np.ndarray, idx: np.ndarray, values: np.ndarray | None = None,

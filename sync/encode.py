@@ -287,12 +287,15 @@ def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: to
     ``old``'s), sparse or raw, the smaller; return (entry, changed positions,
     old values there, new values there), None if unchanged. ``write_old``:
     ``old`` becomes ``new`` as a side effect (changed elements only)."""
-    idx, old_vals, new_vals, plan = encode_sparse(old, new, write_old=write_old, scratch=scratch)
+    idx, old_vals, new_vals, plan, sums = encode_sparse(old, new, write_old=write_old, scratch=scratch)
     if idx.numel() == 0:
         return None
     start = common["start"]
-    old_sum = cks.sparse_checksum(old_vals, idx, shard, start)
-    checksum = cks.add(base, cks.sub(cks.sparse_checksum(new_vals, idx, shard, start), old_sum))
+    if sums is not None and (shard is None or shard.is_contiguous):  # summed while comparing
+        old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
+    else:
+        old_sum, new_sum = cks.sparse_checksum(old_vals, idx, shard, start), cks.sparse_checksum(new_vals, idx, shard, start)
+    checksum = cks.add(base, cks.sub(new_sum, old_sum))
     if plan is None:
         blob = as_bytes(new.to(old.dtype))
         extra: dict = dict(encoding="raw")

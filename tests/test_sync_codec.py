@@ -142,8 +142,13 @@ def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) ->
 
     old = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
     new = _perturb(old, frac, 3, seed)
-    a_idx, a_old, a_vals, a_plan = _encode_sparse_np(old, new)
-    b_idx, b_old, b_vals, b_plan = _encode_sparse_torch(old, new)
+    a_idx, a_old, a_vals, a_plan, a_sums = _encode_sparse_np(old, new)
+    b_idx, b_old, b_vals, b_plan, _ = _encode_sparse_torch(old, new)
+    if a_idx.numel():
+        from sync.checksum import shift_sums, sparse_checksum
+
+        assert shift_sums(a_sums[0], None, 0) == sparse_checksum(a_old, a_idx, None, 0)
+        assert shift_sums(a_sums[1], None, 0) == sparse_checksum(a_vals, a_idx, None, 0)
     assert torch.equal(a_idx, b_idx) and torch.equal(int_view(a_vals), int_view(b_vals))
     assert torch.equal(int_view(a_old), int_view(b_old)) and torch.equal(int_view(a_old), int_view(old[a_idx]))
     assert (a_plan is None) == (b_plan is None)
@@ -201,9 +206,18 @@ def _check_word_compare(itemsize: int, n: int, frac: float, offset: int, seed: i
     new_base[flip] += 1
     old, new = base[offset:], new_base[offset:]  # misaligned views on purpose
     want = np.flatnonzero(old != new)
-    idx, o, v = cnp.find_changes(old, new)
+    found = cnp.find_changes(old, new)
+    idx, o, v = found.idx, found.old, found.new
     assert np.array_equal(idx, want) and np.array_equal(o, old[want]) and np.array_equal(v, new[want])
-    idx2, o2, v2 = cnp.find_changes(old, new, write_old=True)
+    mask = 2**64 - 1
+    w64 = want.astype(np.int64)
+    for vals, sums in ((o, found.old_sums), (v, found.new_sums)):
+        x = vals.astype(np.int64)
+        assert sums == (int(x.sum()) & mask, int(np.dot(x, w64)) & mask)
+    if itemsize > 1:
+        d8, fits = cnp.diff8(o, v)
+        assert np.array_equal(found.d8, d8) and found.num_escapes == int((~fits).sum())
+    idx2, o2, v2 = cnp.find_changes(old, new, write_old=True)[:3]
     assert np.array_equal(idx2, want) and np.array_equal(o2, o) and np.array_equal(v2, v)
     assert np.array_equal(old, new)
 
