@@ -28,9 +28,12 @@ from transfer_queue.codec import (
     FULL_MASK,
     decode_identities,
     decode_samples,
+    encode_new_samples,
     encode_rows,
     fields_mask,
+    frame_rows,
     sample_to_row,
+    tags_of,
 )
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
@@ -450,3 +453,37 @@ class _AnyValueError:
 
 
 ANY_VALUE_ERROR = _AnyValueError()
+
+
+def test_new_samples_encode_straight_into_bodies_that_frame_into_one_write() -> None:
+    samples = make_samples(40, 2)  # 80 rows: a 3-byte array header once framed
+    samples[5].response_ids = np.array(samples[5].response_ids)  # an engine's array takes the row path
+    parts = [samples[:1], samples[1:17], samples[17:]]  # 1, 16 (a 3-byte header) and 63 rows
+    encoded = [encode_new_samples(p) for p in parts]
+    framed = frame_rows(len(samples), [body for body, _ in encoded])
+    samples[5].response_ids = samples[5].response_ids.tolist()
+    assert decode_samples(framed, FULL_MASK) == samples
+    assert [t for _, tags in encoded for t in tags] == [tags_of(sample_to_row(s, ALL_FIELDS), FULL_MASK) for s in samples]
+    assert decode_samples(frame_rows(0, []), FULL_MASK) == []
+
+
+@pytest.mark.asyncio
+async def test_controller_places_new_samples_at_allocated_indices_that_never_collide() -> None:
+    from transfer_queue.controller import Controller
+    from transfer_queue.errors import QueueFull as Full
+
+    controller = Controller(TransferQueueConfig(capacity=8, num_storage_units=2))
+    first = controller.allocate(1, 4)
+    rows = [sample_to_row(s, ALL_FIELDS) for s in make_samples(2, 2)]
+    tags = [tags_of(r, FULL_MASK) for r in rows]
+    mine = [(first + k) * 2 + 1 for k in range(4)]  # slots of unit 1: index % 2 == 1
+    assert await controller.reserve("train", tags, True, indices=mine, commit=True) == mine
+    assert controller.statistics().partitions["train"].ready == 4  # committed at once
+    others = [sample_to_row(s, ALL_FIELDS) for s in make_samples(2, 2, prefix="o")]
+    placed = await controller.reserve("train", [tags_of(r, FULL_MASK) for r in others], True)
+    assert not set(placed) & set(mine)  # the round-robin path skips the allocated block
+    with pytest.raises(Full):  # capacity still holds for placed puts
+        late = [tags_of(sample_to_row(s, ALL_FIELDS), FULL_MASK) for s in make_samples(1, prefix="x")]
+        await controller.reserve("train", late, True, wait=False, indices=[controller.allocate(0, 1) * 2], commit=True)
+    with pytest.raises(ValueError, match="num_slots"):
+        controller.allocate(0, 0)

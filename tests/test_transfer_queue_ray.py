@@ -106,3 +106,37 @@ async def test_ray_large_puts_and_reads_travel_in_chunks_and_come_back_whole(ray
     assert batch.samples == samples
     await tq.ack(batch.batch_id)
     await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_storage_unit_holds_a_read_until_its_row_arrives_and_buries_an_early_delete(ray_cluster) -> None:
+    from transfer_queue.codec import FULL_MASK, decode_samples, encode_new_samples, frame_rows
+
+    tq = await TransferQueue.create(_cfg(num_storage_units=1))
+    (unit,) = tq._d.units
+    a, b = make_samples(2)
+    read = unit.get.remote([5], None)  # committed elsewhere, its row still on the way
+    done, _ = ray.wait([read], timeout=0.2)
+    assert not done
+    unit.put.remote([5], frame_rows(1, [encode_new_samples([a])[0]]))
+    assert decode_samples(b"".join(await read), FULL_MASK) == [a]
+    unit.delete.remote([7])  # overtakes the row it frees
+    await unit.put.remote([7], frame_rows(1, [encode_new_samples([b])[0]]))
+    assert await unit.num_rows.remote() == 1  # 7 was buried on arrival; 5 stays
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_put_whose_rows_never_reach_a_storage_unit_is_dropped_and_raised_by_flush(ray_cluster) -> None:
+    from transfer_queue import TransferQueueError
+
+    tq = await TransferQueue.create(_cfg(num_storage_units=1))
+    ray.kill(tq._d.units[0])  # the unit dies: the controller commits, the rows go nowhere
+    await tq.put(make_samples(2, 2))
+    with pytest.raises(TransferQueueError, match="write_failed"):
+        await tq.flush()
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"write_failed": 4}
+    assert_accounting(stats)
+    await tq.flush()  # the error was raised once
+    await tq.shutdown()
