@@ -83,10 +83,11 @@ async def _run_batch(engine: TorchEngine, prompts: list[list[int]], new_tokens: 
 
 
 async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
-                       cuda_graphs: bool, overlap_steps: bool | None = None, micro: bool = True) -> dict:
+                       cuda_graphs: bool, overlap_steps: bool | None = None, micro: bool = True,
+                       compile_decode: bool | str = True) -> dict:
     engine = TorchEngine(path, device=device, dtype=dtype, max_num_seqs=len(prompts),
                          max_model_len=len(prompts[0]) + new_tokens, cuda_graphs=cuda_graphs,
-                         overlap_steps=overlap_steps)
+                         overlap_steps=overlap_steps, compile_decode=compile_decode)
     await engine.setup()
     try:
         await _run_batch(engine, prompts, min(new_tokens, 16), "warm")  # captures the decode graph
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of the engine's decode step, e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--check", action="store_true", help="verify against HF on the device first")
     ap.add_argument("--machine", default=None, help="free text saved with the result")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -226,7 +229,7 @@ def main() -> None:
     result: dict = {"bench": "engine", "machine": machine, "device": args.device, "dtype": dtype, "model_shape": shape,
                     **{k: v for k, v in SHAPES[shape].items()}, "prompt_len": prompt_len, "new_tokens": new_tokens,
                     "sampling": "T=1, fixed length", "torch": torch.__version__, "transformers": transformers.__version__,
-                    "cuda_graphs": cuda and not args.no_cuda_graphs, "runs": []}
+                    "cuda_graphs": cuda and not args.no_cuda_graphs, "compile_mode": args.compile_mode, "runs": []}
     with tempfile.TemporaryDirectory() as root:
         if args.check:
             result["check"] = loop.run(check_on_device(args.device, root))
@@ -235,10 +238,12 @@ def main() -> None:
         for batch in batches:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, prompt_len), generator=g)
-            eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs))
+            eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs,
+                                        compile_decode=args.compile_mode or True))
             # ablation: the same engine reading each step's tokens back before launching the next
             serial = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype,
-                                           not args.no_cuda_graphs, overlap_steps=False, micro=False)) if cuda else None
+                                           not args.no_cuda_graphs, overlap_steps=False, micro=False,
+                                           compile_decode=args.compile_mode or True)) if cuda else None
             hf_sample = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=True)
             hf_greedy = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=False)
             hf_best = max(hf_sample, hf_greedy)

@@ -14,6 +14,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (torch.cuda.is_available() and tk.triton is not None), reason="needs CUDA + Triton")]
 
 
+def rope(x, cos, sin):  # x [B, H, D], cos / sin [B, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos[:, None].float() + rotated.float() * sin[:, None].float()).to(x.dtype)
+
+
 def reference(q, k, v, k_cache, v_cache, positions, scale):
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -29,7 +35,8 @@ def reference(q, k, v, k_cache, v_cache, positions, scale):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [(14, 2, 64), (4, 4, 16), (16, 8, 128)])
-def test_kernel_matches_sdpa_and_writes_the_step_into_the_cache(dtype, tol, heads):
+@pytest.mark.parametrize("with_rope", [False, True])
+def test_kernel_matches_sdpa_and_writes_the_step_into_the_cache(dtype, tol, heads, with_rope):
     Hq, Hkv, D = heads
     B, slots, L = 5, 8, 400
     torch.manual_seed(0)
@@ -41,8 +48,15 @@ def test_kernel_matches_sdpa_and_writes_the_step_into_the_cache(dtype, tol, head
     vc = torch.randn_like(kc)
     positions = torch.tensor([0, 1, 63, 64, 399], device="cuda")
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    want = reference(q, k, v, kc_ref, vc_ref, positions, 1 / math.sqrt(D))
-    got = tk.decode_attention(q, k, v, kc, vc, positions, 1 / math.sqrt(D))
+    cos = sin = None
+    if with_rope:
+        angle = torch.arange(L, device="cuda")[:, None] * torch.rand(D // 2, device="cuda").repeat(2)[None, :]
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        want = reference(rope(q, cos[positions], sin[positions]), rope(k, cos[positions], sin[positions]), v,
+                         kc_ref, vc_ref, positions, 1 / math.sqrt(D))
+    else:
+        want = reference(q, k, v, kc_ref, vc_ref, positions, 1 / math.sqrt(D))
+    got = tk.decode_attention(q, k, v, kc, vc, positions, 1 / math.sqrt(D), cos, sin)
     assert (got.float() - want).abs().max().item() < tol
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 

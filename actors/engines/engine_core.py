@@ -75,7 +75,7 @@ class EngineOptions:
     seed: int
     cuda_graphs: bool
     max_prefill_tokens: int
-    compile_decode: bool = True
+    compile_decode: bool | str = True
     overlap_steps: bool | None = None  # None: on for CUDA (see EngineCore._decode)
 
     def __post_init__(self) -> None:

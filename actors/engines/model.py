@@ -154,7 +154,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
                      num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
-    """Pre-attention half of a layer (pure: compiled as one unit for decode)."""
+    """Pre-attention half of a layer (pure: compiled as one unit for decode).
+    ``cos`` / ``sin`` None: q and k come back without RoPE (the decode
+    attention kernel applies it)."""
     x = _rms_norm(h, norm_w, eps)
     qkv = F.linear(x, qkv_w, qkv_b)
     nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
@@ -165,8 +167,9 @@ def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
         qk = torch.cat([q, k], dim=-2)
     else:  # q and k are adjacent: rotate them together (fewer kernels per step)
         qk = qkv[..., : nq + nkv].unflatten(-1, (num_heads + num_kv_heads, head_dim))
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    qk = qk * cos + _rotate_half(qk) * sin
+    if cos is not None:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        qk = qk * cos + _rotate_half(qk) * sin
     return qk[..., :num_heads, :], qk[..., num_heads:, :], v  # views: no copies
 
 
@@ -183,16 +186,17 @@ class Model:
     and a :class:`~actors.engines.kv_cache.KVCache`."""
 
     def __init__(self, cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_decode: bool = False):
+                 compile_decode: bool | str = False):
         self.cfg = cfg
         # Decode is ~40 small kernels a layer, each a few microseconds even inside a CUDA
         # graph; compiled, the elementwise work (norms, RoPE, SwiGLU, residuals) fuses.
         # The KV-cache writes and attention stay outside: compiled, a write into the
         # cache became a copy of the whole layer cache (measured on an H200).
         self._decode_fns = (None, None)
-        if compile_decode:
-            self._decode_fns = (torch.compile(attention_inputs, fullgraph=True),
-                                torch.compile(attention_output_and_mlp, fullgraph=True))
+        if compile_decode:  # True, or a torch.compile mode such as "max-autotune-no-cudagraphs"
+            mode = compile_decode if isinstance(compile_decode, str) else None
+            self._decode_fns = (torch.compile(attention_inputs, fullgraph=True, mode=mode),
+                                torch.compile(attention_output_and_mlp, fullgraph=True, mode=mode))
         self.dtype = dtype
         self.device = device
         pos = torch.arange(max_model_len, dtype=torch.float32)
@@ -249,8 +253,8 @@ class Model:
         logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
         cfg = self.cfg
         B = tokens.shape[0]
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
         fused = self.fused_attention
+        cos, sin = (None, None) if fused else (self.cos[positions], self.sin[positions])  # [B, D]
         if not fused:
             rows = torch.arange(B, device=tokens.device)
             # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
@@ -261,7 +265,8 @@ class Model:
         for n, layer in enumerate(weights.layers):
             q, k, v = self._qkv(layer, h, cos, sin, pre)  # [B, H, D]
             if fused:
-                a = triton_kernels.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale)
+                a = triton_kernels.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale,
+                                                    self.cos, self.sin)
             else:
                 kv.k[n][rows, :, positions] = k
                 kv.v[n][rows, :, positions] = v

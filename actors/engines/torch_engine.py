@@ -45,14 +45,15 @@ class TorchEngine(RolloutEngine):
     seeds of unseeded requests. ``cuda_graphs``: replay decode steps as CUDA
     graphs (CUDA only). ``max_prefill_tokens``: padded tokens per prefill batch.
     ``compile_decode``: fuse the decode step's elementwise work with
-    ``torch.compile`` (CUDA only; the first step of each batch size compiles).
+    ``torch.compile`` (CUDA only; the first step of each batch size compiles);
+    a string is a ``torch.compile`` mode, e.g. ``"max-autotune-no-cudagraphs"``.
     ``overlap_steps``: launch decode step k+1 before reading step k's tokens
     back (None: on for CUDA, off for CPU, where launching *is* computing).
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 2048, seed: int = 0,
-                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool = True,
+                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool | str = True,
                  overlap_steps: bool | None = None):
         if dtype is None:
             dtype = "bfloat16" if str(device).startswith("cuda") else "float32"

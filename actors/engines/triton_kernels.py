@@ -52,15 +52,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr,
+        q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr,
         stride_qb, stride_qh,
         stride_knb, stride_knh,
         stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cl,
-        stride_ob, stride_oh,
+        stride_ob, stride_oh, stride_rope,
         scale,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, ROPE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -70,15 +70,25 @@ if triton is not None:
         n = tl.arange(0, BLOCK_N)
         g_ok = g < G
 
-        # this step's key/value: into the cache for later steps, and kept here
         k_new = tl.load(kn_ptr + b * stride_knb + h * stride_knh + d)
         v_new = tl.load(vn_ptr + b * stride_vnb + h * stride_vnh + d)
+        q_at = q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh
+        q = tl.load(q_at + d[None, :], mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
+        if ROPE:  # x * cos + rotate_half(x) * sin, in fp32, for q and the new key
+            half: tl.constexpr = D // 2
+            d_sw = tl.where(d < half, d + half, d - half)
+            sign = tl.where(d < half, -1.0, 1.0)
+            cos = tl.load(cos_ptr + pos * stride_rope + d).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * stride_rope + d).to(tl.float32) * sign
+            k_sw = tl.load(kn_ptr + b * stride_knb + h * stride_knh + d_sw).to(tl.float32)
+            k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(k_new.dtype)
+            q_sw = tl.load(q_at + d_sw[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]).to(q.dtype)
+        # this step's key/value: into the cache for later steps, and kept here
         cache = b * stride_cs + h * stride_ch
         tl.store(kc_ptr + cache + pos * stride_cl + d, k_new)
         tl.store(vc_ptr + cache + pos * stride_cl + d, v_new)
 
-        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None], other=0.0)  # [G_PAD, D]
         # the new key first: it seeds the running max and sum
         m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [G_PAD]
         l_sum = tl.full([G_PAD], 1.0, tl.float32)
@@ -111,11 +121,13 @@ if triton is not None:
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """q [B, Hq, D], k_new / v_new [B, Hkv, D] (any row/head strides, unit last
     stride), caches [slots, Hkv, max_len, D] contiguous, positions [B] ->
     attention output [B, Hq, D]. Writes k_new / v_new at ``positions`` of
-    slots ``0..B-1``."""
+    slots ``0..B-1``. With ``cos`` / ``sin`` tables [max_len, D], q and
+    k_new come without RoPE and the kernel applies it at ``positions``."""
     B, Hq, D = q.shape
     Hkv = k_new.shape[1]
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new)):
@@ -126,63 +138,86 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     if D & (D - 1) or D < 16:
         raise ValueError(f"decode_attention: head_dim {D} must be a power of two >= 16")
     G = Hq // Hkv
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
+    rope = cos is not None
+    if rope and not (cos.stride(-1) == 1 and cos.stride() == sin.stride()):
+        raise ValueError("decode_attention: cos / sin tables need the same strides and a unit last one")
     _decode_attention_kernel[(B, Hkv)](
-        q, k_new, v_new, k_cache, v_cache, positions, out,
+        q, k_new, v_new, k_cache, v_cache, positions, out, cos if rope else q, sin if rope else q,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), cos.stride(0) if rope else 0,
         scale,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, ROPE=rope,
         num_warps=4,
     )
     return out
 
 
-_CHUNKS = 8  # pieces per row: B * 8 programs keep the GPU busy at small B
-_BLOCK = 1024
+_CHUNKS = 8  # pieces per row (at most): B * 8 programs keep the GPU busy at small B
+_BLOCK = 2048  # logits per turn of a piece
 
 if triton is not None:
 
     @triton.jit
+    def _sample_update(x, r, idx, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT: tl.constexpr):
+        """Fold one block of logits ``x`` (fp32, -inf where masked) with random bits ``r`` into the lanes' state."""
+        m_new = tl.maximum(m_raw, x)
+        s_raw = s_raw * tl.exp(m_raw - m_new) + tl.exp(x - m_new)
+        m_raw = m_new
+        if UNIT:
+            xt = x
+        else:
+            xt = x * inv_t
+            mt_new = tl.maximum(m_t, xt)
+            s_t = s_t * tl.exp(m_t - mt_new) + tl.exp(xt - mt_new)
+            m_t = mt_new
+        g = xt - tl.log(-tl.log(tl.uint_to_uniform_float(r)))  # + Gumbel(0, 1); u = 0 gives -inf, never drawn
+        take = g > best
+        return m_raw, s_raw, m_t, s_t, tl.where(take, g, best), tl.where(take, idx, best_i), tl.where(take, x, best_x)
+
+    @triton.jit
     def _sample_pieces_kernel(logits_ptr, stride_b, temp_ptr, seed_ptr, part_ptr, V, CHUNK,
                               UNIT: tl.constexpr, BLOCK: tl.constexpr):
+        """One (row, piece): BLOCK logits a turn as four quarter blocks that share one
+        Philox call (``randint4x``: four 32-bit outputs per counter)."""
+        Q: tl.constexpr = BLOCK // 4
         b = tl.program_id(0)
         c = tl.program_id(1)
         seed = tl.load(seed_ptr)
         inv_t = 1.0 / tl.load(temp_ptr + b)
-        lanes = tl.arange(0, BLOCK)
-        m_raw = tl.full([BLOCK], -3.0e38, tl.float32)  # finite: a masked lane never makes nan
-        s_raw = tl.zeros([BLOCK], tl.float32)
-        m_t = tl.full([BLOCK], -3.0e38, tl.float32)
-        s_t = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
-        best_x = tl.zeros([BLOCK], tl.float32)
-        lo = c * CHUNK
+        lanes = tl.arange(0, Q)
+        m_raw = tl.full([Q], -3.0e38, tl.float32)  # finite: a masked lane never makes nan
+        s_raw = tl.zeros([Q], tl.float32)
+        m_t = tl.full([Q], -3.0e38, tl.float32)
+        s_t = tl.zeros([Q], tl.float32)
+        best = tl.full([Q], float("-inf"), tl.float32)
+        best_i = tl.zeros([Q], tl.int32)
+        best_x = tl.zeros([Q], tl.float32)
+        lo = c * CHUNK  # CHUNK is a multiple of BLOCK: Philox counters never repeat
         hi = tl.minimum(lo + CHUNK, V)
+        row = logits_ptr + b * stride_b
         for start in range(lo, hi, BLOCK):
-            idx = start + lanes
-            x = tl.load(logits_ptr + b * stride_b + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m_raw, x)
-            s_raw = s_raw * tl.exp(m_raw - m_new) + tl.exp(x - m_new)
-            m_raw = m_new
-            if UNIT:
-                xt = x
-            else:
-                xt = x * inv_t
-                mt_new = tl.maximum(m_t, xt)
-                s_t = s_t * tl.exp(m_t - mt_new) + tl.exp(xt - mt_new)
-                m_t = mt_new
-            u = tl.rand(seed, b * V + idx)
-            g = xt - tl.log(-tl.log(u))
-            take = g > best
-            best = tl.where(take, g, best)
-            best_i = tl.where(take, idx, best_i)
-            best_x = tl.where(take, x, best_x)
+            i0 = start + lanes
+            r0, r1, r2, r3 = tl.randint4x(seed, b * V + i0)
+            x = tl.load(row + i0, mask=i0 < hi, other=float("-inf")).to(tl.float32)
+            m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
+                x, r0, i0, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+            i1 = i0 + Q
+            x = tl.load(row + i1, mask=i1 < hi, other=float("-inf")).to(tl.float32)
+            m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
+                x, r1, i1, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+            i2 = i1 + Q
+            x = tl.load(row + i2, mask=i2 < hi, other=float("-inf")).to(tl.float32)
+            m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
+                x, r2, i2, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+            i3 = i2 + Q
+            x = tl.load(row + i3, mask=i3 < hi, other=float("-inf")).to(tl.float32)
+            m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
+                x, r3, i3, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
         if UNIT:
             m_t = m_raw
             s_t = s_raw
@@ -199,13 +234,15 @@ if triton is not None:
         tl.store(out + 6, tl.sum(tl.where(lanes == k, best_i, 0), 0).to(tl.float32))  # < 2**24: exact
 
     @triton.jit
-    def _sample_merge_kernel(part_ptr, temp_ptr, token_ptr, lp_ptr, raw_ptr, NCHUNK: tl.constexpr):
+    def _sample_merge_kernel(part_ptr, temp_ptr, token_ptr, lp_ptr, raw_ptr, pieces, PIECES_PAD: tl.constexpr):
         b = tl.program_id(0)
-        c = tl.arange(0, NCHUNK)
-        row = part_ptr + (b * NCHUNK + c) * 8
-        mr, sr = tl.load(row + 0), tl.load(row + 1)
-        mt, st = tl.load(row + 2), tl.load(row + 3)
-        best, x, i = tl.load(row + 4), tl.load(row + 5), tl.load(row + 6)
+        c = tl.arange(0, PIECES_PAD)
+        ok = c < pieces
+        row = part_ptr + (b * pieces + c) * 8
+        mr, sr = tl.load(row + 0, mask=ok, other=-3.0e38), tl.load(row + 1, mask=ok, other=0.0)
+        mt, st = tl.load(row + 2, mask=ok, other=-3.0e38), tl.load(row + 3, mask=ok, other=0.0)
+        best = tl.load(row + 4, mask=ok, other=float("-inf"))
+        x, i = tl.load(row + 5, mask=ok, other=0.0), tl.load(row + 6, mask=ok, other=0.0)
         m = tl.max(mr, 0)
         lse_raw = m + tl.log(tl.sum(sr * tl.exp(mr - m), 0))
         m = tl.max(mt, 0)
@@ -230,13 +267,15 @@ def sample_gumbel(logits: torch.Tensor, temperature: torch.Tensor, unit_temperat
     if logits.stride(-1) != 1:
         raise ValueError("sample_gumbel: logits need a unit last stride")
     seed = torch.randint(0, 2**31 - 1, (1,), device=logits.device, generator=generator, dtype=torch.int32)
-    part = torch.empty((B, _CHUNKS, 8), device=logits.device, dtype=torch.float32)
     temperature = temperature.float()
-    _sample_pieces_kernel[(B, _CHUNKS)](logits, logits.stride(0), temperature, seed, part, V,
-                                        triton.cdiv(V, _CHUNKS), UNIT=unit_temperature, BLOCK=_BLOCK,
-                                        num_warps=4)
+    chunk = triton.cdiv(triton.cdiv(V, _CHUNKS), _BLOCK) * _BLOCK
+    pieces = triton.cdiv(V, chunk)
+    part = torch.empty((B, pieces, 8), device=logits.device, dtype=torch.float32)
+    _sample_pieces_kernel[(B, pieces)](logits, logits.stride(0), temperature, seed, part, V, chunk,
+                                       UNIT=unit_temperature, BLOCK=_BLOCK, num_warps=4)
     token = torch.empty(B, device=logits.device, dtype=torch.int64)
     lp = torch.empty(B, device=logits.device, dtype=torch.float32)
     raw = torch.empty(B, device=logits.device, dtype=torch.float32)
-    _sample_merge_kernel[(B,)](part, temperature, token, lp, raw, NCHUNK=_CHUNKS, num_warps=1)
+    _sample_merge_kernel[(B,)](part, temperature, token, lp, raw, pieces,
+                               PIECES_PAD=triton.next_power_of_2(pieces), num_warps=1)
     return token, lp, raw
