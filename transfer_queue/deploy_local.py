@@ -61,11 +61,9 @@ class LocalDeployment:
         n = len(self.units)
         if n == 1:
             return InProcessRows(self.units[0].get_rows(indices, fields))
-        rows: list[dict[str, Any] | None] = [None] * len(indices)
-        for unit, (positions, idx) in _shard(range(len(indices)), indices, n, key=indices).items():
-            for pos, row in zip(positions, self.units[unit].get_rows(idx, fields)):
-                rows[pos] = row
-        return InProcessRows(rows)  # type: ignore[arg-type]
+        # Each unit's rows in batch order, then interleaved back: comprehensions, no per-row dict work.
+        parts = [iter(unit.get_rows([i for i in indices if i % n == u], fields)) for u, unit in enumerate(self.units)]
+        return InProcessRows([next(parts[i % n]) for i in indices])
 
     def statistics(self) -> QueueStats:
         return self.controller.statistics()
