@@ -260,8 +260,10 @@ class Controller:
             self.expire_leases()
             if current_version is not None:
                 await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
-            candidates = (r for r in self._pending.get(partition, {}).values() if r.mask & mask == mask)
-            picked = pick(candidates, batch_size, group_size)
+            pending = self._pending.get(partition, {})
+            picked = None
+            if len(pending) >= batch_size:  # every sampler needs that many: skip the scan each write wakes
+                picked = pick((r for r in pending.values() if r.mask & mask == mask), batch_size, group_size)
             if picked is not None:
                 return self._lease(partition, consumer, picked, mask, dropped)
             if self._closed:
