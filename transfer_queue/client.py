@@ -76,7 +76,9 @@ class TransferQueue:
 
         Waits while the queue is at capacity; with ``wait=False`` raises QueueFull
         instead, and a finite ``timeout_s`` raises TimeoutError. A uid already in
-        the queue is a ValueError. After ``close()`` raises QueueClosed.
+        the queue is a ValueError. After ``close()`` raises QueueClosed. Under Ray
+        it returns once the controller committed the samples, their rows possibly
+        still in transit to the storage unit (reads wait for them; see ``flush``).
         """
         await self._write(samples, ALL_FIELDS, partition, wait, timeout_s, new_only=True)
 

@@ -1,20 +1,30 @@
 """The Ray deployment: the controller and each storage unit are Ray actors.
 
-    put         client ─put_new(tags, msgpack rows)─► StorageActor u ─reserve(unit=u, commit)─► ControllerActor
+    put         client ─put(indices, msgpack rows)─► StorageActor u        } at once, in the client's
+                client ─reserve_new(indices, msgpack tags)─► ControllerActor } index block; one round trip
     put_fields  client ─reserve─► controller;  client ─put_commit(rows)─► StorageActor ─commit─► controller
     get         client ─get_batch─► controller (lease);  client ─get(indices)─► each StorageActor: one buffer
     ack         client ─ack─► controller ─delete(indices), fire and forget─► StorageActors
 
 Sample data never passes through the controller: the client encodes the rows of
-each storage unit as one msgpack buffer (msgspec: C speed over ``list[int]``),
-the storage unit keeps each field as an unparsed msgpack slice and answers a
-read with one buffer, which the consumer decodes straight into ``Sample``
-structs when it reads ``batch.samples``. Ray pickles a bytes object with one
-copy, so no Python object per token is pickled. A put of new samples is one
-client message (the unit reserves and commits at the controller), since Ray's
-per-call CPU, not the bytes, is what a put costs. The client (a TransferQueue
-holding actor handles) pickles, so rollout and trainer actors in other
-processes can share one queue.
+each write as one msgpack buffer (msgspec: C speed over ``list[int]``), the
+storage unit keeps each field as an unparsed msgpack slice and answers a read
+with one buffer, which the consumer decodes straight into ``Sample`` structs
+when it reads ``batch.samples``. Ray pickles a bytes object with one copy, so
+no Python object per token is pickled.
+
+A put of new samples is one round trip, since Ray's per-call latency, not the
+bytes, is what a put costs: the client takes global indices from a block the
+controller allocated to it (``Controller.allocate``), sends the rows to a
+storage unit and the tags to the controller at the same time, and returns once
+the controller has registered and committed them (the controller alone still
+decides capacity, duplicate uids, closed and dead groups). So a read or delete
+can reach a unit before the rows it names: a read waits for them, a delete
+leaves a tombstone. The unit's reply is collected in the background; a write
+that never landed (the unit died) is dropped as ``"write_failed"`` and raised
+by the client's next put or ``flush``. The client (a TransferQueue holding
+actor handles) pickles, so rollout and trainer actors in other processes can
+share one queue.
 
 Ray is imported only when this deployment is chosen, and must already be
 initialized: the queue joins the running Ray, it never starts (or stops) one.
