@@ -52,21 +52,25 @@ def grpo_group(candidates: Iterable[Candidate], batch_size: int, group_size: int
     ``group_size`` of a picked group wait for a later batch.
     """
     assert batch_size % group_size == 0, "checked by the caller"
-    open_groups: dict[str, list[Candidate]] = {}
-    taken: set[str] = set()
+    groups: dict[str, list[Candidate]] = {}  # group id -> members so far, or _TAKEN once picked
     picked: list[Candidate] = []
-    for c in candidates:
-        if c.group_id in taken:
+    for c in candidates:  # one dict lookup per candidate: this loop is most of an in-process get
+        members = groups.get(c.group_id)
+        if members is None:
+            members = groups[c.group_id] = [c]
+        elif members is _TAKEN:
             continue
-        members = open_groups.setdefault(c.group_id, [])
-        members.append(c)
+        else:
+            members.append(c)
         if len(members) == group_size:
-            picked.extend(members)
-            del open_groups[c.group_id]
-            taken.add(c.group_id)
+            picked += members
+            groups[c.group_id] = _TAKEN
             if len(picked) == batch_size:
                 return picked
     return None
+
+
+_TAKEN: list = []  # never appended to: a picked group's later members are skipped before that
 
 
 def is_stale(candidate: Candidate, current_version: int, max_staleness: int) -> bool:
