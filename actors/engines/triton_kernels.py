@@ -52,18 +52,19 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr,
+        q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, part_ptr,
         stride_qb, stride_qh,
         stride_knb, stride_knh,
         stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cl,
         stride_ob, stride_oh, stride_rope,
-        scale,
+        scale, split_len,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, ROPE: tl.constexpr,
+        IEEE: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         pos = tl.load(pos_ptr + b).to(tl.int32)
         d = tl.arange(0, D)
         g = tl.arange(0, G_PAD)
@@ -86,16 +87,21 @@ if triton is not None:
             q = (q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]).to(q.dtype)
         # this step's key/value: into the cache for later steps, and kept here
         cache = b * stride_cs + h * stride_ch
-        tl.store(kc_ptr + cache + pos * stride_cl + d, k_new)
-        tl.store(vc_ptr + cache + pos * stride_cl + d, v_new)
+        first = split == 0
+        if first:
+            tl.store(kc_ptr + cache + pos * stride_cl + d, k_new)
+            tl.store(vc_ptr + cache + pos * stride_cl + d, v_new)
 
-        # the new key first: it seeds the running max and sum
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale  # [G_PAD]
-        l_sum = tl.full([G_PAD], 1.0, tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32) + v_new.to(tl.float32)[None, :]
-        for start in range(0, pos, BLOCK_N):
+        # split 0 takes the new key first: it seeds the running max and sum
+        m = tl.where(first, tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale,
+                     float("-inf"))  # [G_PAD]
+        l_sum = tl.where(first, tl.full([G_PAD], 1.0, tl.float32), 0.0)
+        acc = tl.zeros([G_PAD, D], tl.float32) + tl.where(first, v_new.to(tl.float32), 0.0)[None, :]
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, pos)
+        for start in range(lo, hi, BLOCK_N):
             keys = start + n
-            valid = keys < pos
+            valid = keys < hi
             offs = cache + keys[:, None] * stride_cl + d[None, :]
             k = tl.load(kc_ptr + offs, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
             if IEEE:
@@ -114,9 +120,31 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        if SPLITS == 1:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:  # partial (acc, max, sum) per query head: [B, Hq, SPLITS, D + 2] fp32
+            at = part_ptr + (((b * tl.num_programs(1) + h) * G + g) * SPLITS + split) * (D + 2)
+            tl.store(at[:, None] + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(at + D, m, mask=g_ok)
+            tl.store(at + D + 1, l_sum, mask=g_ok)
+
+    @triton.jit
+    def _decode_attention_merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh,
+                                       D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, D)
+        ok = s < SPLITS
+        at = part_ptr + ((b * tl.num_programs(1) + h) * SPLITS + s) * (D + 2)
+        m = tl.load(at + D, mask=ok, other=float("-inf"))  # split 0 always holds the new key: max is finite
+        w = tl.exp(m - tl.max(m, 0))  # an empty split (m = -inf) weighs 0
+        total = tl.sum(tl.load(at + D + 1, mask=ok, other=0.0) * w, 0)
+        acc = tl.load(at[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / total
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -142,19 +170,43 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     rope = cos is not None
     if rope and not (cos.stride(-1) == 1 and cos.stride() == sin.stride()):
         raise ValueError("decode_attention: cos / sin tables need the same strides and a unit last one")
-    _decode_attention_kernel[(B, Hkv)](
-        q, k_new, v_new, k_cache, v_cache, positions, out, cos if rope else q, sin if rope else q,
+    # flash-decoding: cut each row's keys into splits when (row, KV head) programs alone
+    # would leave SMs idle; a second launch merges the splits' partial softmaxes
+    max_len = k_cache.shape[2]
+    splits = min(-(-_target_programs(q.device) // (B * Hkv)), -(-max_len // _ATT_BLOCK_N))
+    split_len = -(-(-(-max_len // splits)) // _ATT_BLOCK_N) * _ATT_BLOCK_N
+    splits = -(-max_len // split_len)
+    part = torch.empty((B, Hq, splits, D + 2), device=q.device, dtype=torch.float32) if splits > 1 else out
+    _decode_attention_kernel[(B, Hkv, splits)](
+        q, k_new, v_new, k_cache, v_cache, positions, out, cos if rope else q, sin if rope else q, part,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), cos.stride(0) if rope else 0,
-        scale,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32, ROPE=rope,
+        scale, split_len,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=_ATT_BLOCK_N,
+        IEEE=q.dtype == torch.float32, ROPE=rope, SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        _decode_attention_merge_kernel[(B, Hq)](part, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
+                                                SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
     return out
+
+
+_ATT_BLOCK_N = 64
+_SM_COUNT: dict[int, int] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    """About four attention programs per SM (CPU, for the interpreter: 8)."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 4 * _SM_COUNT[index]
 
 
 _CHUNKS = 8  # pieces per row (at most): B * 8 programs keep the GPU busy at small B
