@@ -130,18 +130,22 @@ def diff8_decode(old: np.ndarray, d8: np.ndarray, escapes: np.ndarray) -> np.nda
 
 _MASK64 = (1 << 64) - 1
 COMPARE_CHUNK = 1 << 18  # elements per compare task: both sides and the mask stay in L2
+# Threads for compare/apply chunks (numpy releases the GIL in its loops); 1 runs them inline.
+NUM_THREADS = int(os.environ.get("ASYNCRL_SYNC_THREADS", "0")) or max(
+    1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _compare_pool() -> ThreadPoolExecutor:
-    """One process-wide pool (numpy's compares release the GIL), made on first use."""
+def _map(fn, items):
+    """``list(map(fn, items))``, on the process-wide pool when it has more than one thread."""
     global _pool
+    if NUM_THREADS <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
     with _pool_lock:
         if _pool is None:
-            workers = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync-compare")
-        return _pool
+            _pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="sync-compare")
+    return list(_pool.map(fn, items))
 
 
 def _sums(x: np.ndarray, idx: np.ndarray) -> tuple[int, int]:
@@ -215,7 +219,7 @@ def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> F
     def one(s: int) -> Found:
         return _changes_in(old[s : s + COMPARE_CHUNK], new[s : s + COMPARE_CHUNK], s, write_old)
 
-    parts = list(_compare_pool().map(one, starts))
+    parts = _map(one, starts)
     mask = (1 << 64) - 1
     return Found(
         np.concatenate([p.idx for p in parts]), np.concatenate([p.old for p in parts]),
@@ -267,7 +271,7 @@ def apply_changes(flat: np.ndarray, idx: np.ndarray, values: np.ndarray | None =
         return (*_sums(o, at), *_sums(n, at))
 
     starts = range(0, k, APPLY_CHUNK)
-    parts = [one(s) for s in starts] if len(starts) <= 1 else list(_compare_pool().map(one, starts))
+    parts = _map(one, starts)
     mask = (1 << 64) - 1
     tot = [sum(p[i] for p in parts) & mask for i in range(4)]
     return old, (tot[0], tot[1]), (tot[2], tot[3])
