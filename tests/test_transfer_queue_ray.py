@@ -119,7 +119,7 @@ async def test_ray_storage_unit_holds_a_read_until_its_row_arrives_and_buries_an
     done, _ = ray.wait([read], timeout=0.2)
     assert not done
     unit.put.remote([5], frame_rows(1, [encode_new_samples([a])[0]]))
-    assert decode_samples(b"".join(await read), FULL_MASK) == [a]
+    assert decode_samples(await read, FULL_MASK) == [a]  # one buffer, read in place
     unit.delete.remote([7])  # overtakes the row it frees
     await unit.put.remote([7], frame_rows(1, [encode_new_samples([b])[0]]))
     assert await unit.num_rows.remote() == 1  # 7 was buried on arrival; 5 stays

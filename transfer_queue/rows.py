@@ -6,6 +6,7 @@ the consumer asks (``Batch.samples``), and once.
 
     InProcessRows   rows shared with the in-process storage units (no copy until read)
     EncodedRows     one msgpack buffer per storage unit, as a storage actor sent it
+                    (bytes, or a uint8 array read in place from Ray's object store)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from transfer_queue.codec import TOKEN_FIELDS, decode_identities, decode_samples
 from transfer_queue.sample import Sample
 
 __all__ = ["EncodedRows", "InProcessRows", "Rows"]
+
+Buffer = bytes | memoryview | np.ndarray  # what msgspec decodes from: anything bytes-like
 
 
 class Rows(Protocol):
@@ -69,7 +72,7 @@ class EncodedRows:
 
     __slots__ = ("_num_rows", "_parts", "_mask")
 
-    def __init__(self, num_rows: int, parts: Sequence[tuple[Sequence[int], bytes]], mask: int) -> None:
+    def __init__(self, num_rows: int, parts: Sequence[tuple[Sequence[int], Buffer]], mask: int) -> None:
         self._num_rows, self._parts, self._mask = num_rows, parts, mask
 
     def __len__(self) -> int:
