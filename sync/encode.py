@@ -8,10 +8,12 @@ into a full or delta :class:`WeightUpdate`:
     trainer weights (fp32 master, any sharding)
       └─ per piece of <= bucket_bytes: cast to engine dtype
            ├─ full : raw bytes -> bucket; checksum; copy into last-sent
-           └─ delta: compare bit patterns with last-sent
+           └─ delta: compare bit patterns with last-sent (CPU: cast once into a
+                     reused buffer, then a machine word at a time in cache-sized
+                     chunks on a small thread pool, summing and writing the
+                     changed elements into last-sent while they are in cache)
                      -> sparse (index + value streams) or raw, whichever is smaller
                      -> checksum moved by the changed elements only
-                     -> changed elements written into last-sent
 """
 
 from __future__ import annotations
