@@ -122,9 +122,15 @@ class RolloutActor(Actor):
         await self.engine.pause()
 
     async def resume(self) -> None:
+        """Interrupted generations resubmit first, while the engine is still
+        paused, so it admits them together (one batched prefill) instead of
+        one by one between decode steps. Best effort: two loop turns let the
+        waiters wake and submit; a late one is still served, just alone."""
         assert self._running is not None
-        await self.engine.resume()
         self._running.set()
+        for _ in range(2):
+            await asyncio.sleep(0)
+        await self.engine.resume()
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
         return await self.engine.abort(request_ids)

@@ -174,7 +174,7 @@ class EngineCore:
         self.weights = WeightStore(self.cfg, o.device, o.dtype)
         self.weights.load_dir(o.model_path)
         self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
-                           compile_decode=o.compile_decode and o.device.type == "cuda")
+                           compile_decode=o.compile_decode if o.device.type == "cuda" else False)
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
         self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, -(-o.max_model_len // 16) * 16,
                           self.cfg.head_dim, o.device, o.dtype)
