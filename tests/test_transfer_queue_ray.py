@@ -133,10 +133,14 @@ async def test_ray_put_whose_rows_never_reach_a_storage_unit_is_dropped_and_rais
     tq = await TransferQueue.create(_cfg(num_storage_units=1))
     ray.kill(tq._d.units[0])  # the unit dies: the controller commits, the rows go nowhere
     await tq.put(make_samples(2, 2))
+    await asyncio.gather(*tq._d._writes)  # the unit's reply (an error) came back
+    with pytest.raises(TransferQueueError, match="this put was not written"):
+        await tq.put(make_samples(1, prefix="next"))  # the next put reports it
+    await tq.put(make_samples(1, prefix="last"))
     with pytest.raises(TransferQueueError, match="write_failed"):
         await tq.flush()
     stats = await tq.statistics_async()
-    assert stats.dropped_by_reason == {"write_failed": 4}
+    assert stats.dropped_by_reason == {"write_failed": 5} and stats.put == 5  # "next" never went in
     assert_accounting(stats)
-    await tq.flush()  # the error was raised once
+    await tq.flush()  # each error is raised once
     await tq.shutdown()

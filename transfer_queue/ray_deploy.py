@@ -238,8 +238,8 @@ class RayDeployment:
         error, self._write_error = self._write_error, None
         if error is not None:
             raise TransferQueueError(
-                f"an earlier put's rows never reached their storage unit (its samples were dropped as "
-                f"'write_failed'): {error!r}"
+                f"an earlier put's rows never reached their storage unit (those samples were dropped as "
+                f"'write_failed'); this put was not written: {error!r}"
             ) from error
 
     async def flush(self) -> None:
