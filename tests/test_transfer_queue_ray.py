@@ -39,6 +39,7 @@ async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pick
     samples = make_samples(4, 2)
     await tq.put(samples[:4])
     await tq.put(samples[4:])
+    await tq.flush()  # a put returns once committed; flush waits until its rows reached the units
     rows = await asyncio.gather(*(u.num_rows.remote() for u in tq._d.units))
     assert sorted(rows) == [4, 4]
     batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2)
