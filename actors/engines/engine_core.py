@@ -35,6 +35,8 @@ from actors.engines.model import Model, ModelConfig
 from actors.engines.sampling import SamplingBatch, sample
 from actors.engines.weights import FullWeights, WeightStore
 
+ADMIT_DELAY_STEPS = 4  # most decode steps a waiting request is held back to batch its prefill
+
 # (stream, token | None, logprob, raw_logprob, version, finish_reason | None, error | None)
 Event = tuple[Any, int | None, float, float, int, str | None, BaseException | None]
 
@@ -101,6 +103,7 @@ class EngineCore:
         self._params_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self.num_preemptions = 0
         self._inflight: _Step | None = None
+        self._admit_wait = 0  # turns the oldest waiting request has been held back
         self._pinned_turn = 0
         # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU)
         self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
@@ -298,11 +301,27 @@ class EngineCore:
         alive.sort(key=lambda s: s.slot)
         self.running = alive
 
+    def _admit_now(self) -> bool:
+        """Whether waiting requests are prefilled this turn. A prefill costs the
+        host about the same for one request as for many, and requests of a
+        group arrive one by one, so while others are decoding, newcomers wait
+        until there are enough to fill a quarter of the slots (or every free
+        slot), or ``ADMIT_DELAY_STEPS`` decode steps have passed."""
+        free = self.opts.max_num_seqs - len(self.running)
+        if not self.waiting or free <= 0:
+            self._admit_wait = 0
+            return False
+        self._admit_wait += 1
+        return (not self.running or len(self.waiting) >= min(free, max(1, self.opts.max_num_seqs // 4))
+                or self._admit_wait > ADMIT_DELAY_STEPS)
+
     def _step(self) -> None:
         events: list[Event] = []
         admit: list[Seq] = []
-        while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
-            admit.append(self.waiting.popleft())
+        if self._admit_now():
+            self._admit_wait = 0
+            while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
+                admit.append(self.waiting.popleft())
         if admit:
             self._drain(events)  # the batch changes: finish the step in flight first
             t0 = time.perf_counter()
