@@ -302,7 +302,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "them waits). Puts issued in one loop tick share one write, so the 4 producers' 32 samples go as one "
         "write per round trip. Measured with a per-process CPU count on this box at load ~4-5 (not part of this "
         "JSON): TransferQueue ~550-650 us of CPU per sample in all (driver ~350-400, each storage unit ~90, "
-        "controller ~95), ray.util.queue ~1,900-2,700 (its queue actor alone ~900-1,100, polling included). "
+        "controller ~95), ray.util.queue ~1,900-2,900 (its queue actor alone ~900-1,100, polling included). "
         "Putting 4 groups per call on both queues (--groups-per-put 4) did not change the ratio (2.39 in one run), "
         "so put granularity is not what limits it here; per-sample CPU is."
     )
