@@ -5,7 +5,8 @@
 
 Every policy runs the same task, model, engine, trainer, batch size and
 number of trainer steps (so the same sample budget), one after the other in
-this process. Prints one JSON object: per policy the wall time of training
+this process, seed by seed (every policy runs seed 0, then seed 1, ...),
+after an untimed warm-up run. Prints one JSON object: per policy the wall time of training
 (setup excluded), samples/s, trainer and rollout idle ratios and the final
 reward (mean over the last 10% of steps), each as mean and spread over seeds,
 and the speedup of each policy over sync. ``fully_async`` syncs weights after
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async,fully_async_k2")
+    p.add_argument("--warmup-steps", type=int, default=3, help="an untimed run first (0: none)")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
@@ -134,14 +136,21 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": args.overrides,
         "policies": {},
     }
-    for policy in args.policies.split(","):
-        runs = [_one(policy, seed, args) for seed in range(args.seeds)]
-        result["policies"][policy] = _summarise(runs)
-        print(f"[async_vs_sync] {policy}: {result['policies'][policy]['wall_s']}", file=sys.stderr)
+    policies = args.policies.split(",")
+    if args.warmup_steps > 0:  # one-time costs (CUDA context, kernels, compiles, imports) land here, untimed
+        _one(policies[0], 0, argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}))
+    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
+        for policy in policies:
+            runs[policy].append(_one(policy, seed, args))
+            print(f"[async_vs_sync] seed {seed} {policy}: {runs[policy][-1]['wall_s']:.2f} s", file=sys.stderr)
+    result["policies"] = {policy: _summarise(r) for policy, r in runs.items()}
     pol = result["policies"]
     for name in pol:
         if name != "sync" and "sync" in pol:
             result[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
+            result[f"speedup_{name}_over_sync_per_seed"] = [
+                round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
     text = json.dumps(result)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
