@@ -196,7 +196,7 @@ def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = Fa
     """:func:`encode_sparse` for CPU tensors, in numpy. ``new`` may still be
     in the trainer's dtype: it is cast in one torch call per piece into
     ``scratch`` (torch's and numpy's threads then do not take turns per
-    chunk), then compared a word at a time on the compare pool."""
+    chunk), then compared a word at a time in cache-sized chunks."""
     if new.dtype != old.dtype:
         n = new.numel()
         buf = scratch[:n] if scratch is not None and scratch.dtype == old.dtype and scratch.numel() >= n \

@@ -130,9 +130,11 @@ def diff8_decode(old: np.ndarray, d8: np.ndarray, escapes: np.ndarray) -> np.nda
 
 _MASK64 = (1 << 64) - 1
 COMPARE_CHUNK = 1 << 18  # elements per compare task: both sides and the mask stay in L2
-# Threads for compare/apply chunks (numpy releases the GIL in its loops); 1 runs them inline.
-NUM_THREADS = int(os.environ.get("ASYNCRL_SYNC_THREADS", "0")) or max(
-    1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+# Threads for compare/apply chunks (numpy releases the GIL in its loops). Default 1 runs
+# them inline: on the shared 2-core bench host a 2-thread pool made the delta encode of
+# a 0.5B model ~1.5x slower than inline chunks (GIL hand-offs between many small ops,
+# torch's worker threads spinning). Set ASYNCRL_SYNC_THREADS on hosts with idle cores.
+NUM_THREADS = max(1, int(os.environ.get("ASYNCRL_SYNC_THREADS", "1")))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -210,7 +212,7 @@ def find_changes(old: np.ndarray, new: np.ndarray, write_old: bool = False) -> F
     """Bit-exact compare of two integer views of one piece. ``write_old``
     also writes the new values into ``old`` while each chunk is in cache
     (the sender's last-sent copy), instead of a scatter over the piece later.
-    Chunks run on the compare pool."""
+    Chunks run inline, or on the pool when ``NUM_THREADS`` > 1."""
     assert old.shape == new.shape and old.dtype == new.dtype and old.ndim == 1
     starts = range(0, old.size, COMPARE_CHUNK)
     if len(starts) <= 1:
@@ -242,7 +244,7 @@ def apply_changes(flat: np.ndarray, idx: np.ndarray, values: np.ndarray | None =
     ``flat`` and return (old values there, (sum, index-weighted sum) of the
     old values, the same of the new). New values are ``values``, or old +
     ``d8`` with ``escapes`` where ``d8`` is ESCAPE. Work is split into
-    chunks of changes on the compare pool, each gathering, decoding and
+    chunks of changes (on the pool when ``NUM_THREADS`` > 1), each gathering, decoding and
     scattering while those cache lines are loaded; the caller checks the
     sums and writes the old values back if they are wrong."""
     k = idx.size

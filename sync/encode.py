@@ -10,7 +10,7 @@ into a full or delta :class:`WeightUpdate`:
            ├─ full : raw bytes -> bucket; checksum; copy into last-sent
            └─ delta: compare bit patterns with last-sent (CPU: cast once into a
                      reused buffer, then a machine word at a time in cache-sized
-                     chunks on a small thread pool, summing and writing the
+                     chunks, summing and writing the
                      changed elements into last-sent while they are in cache)
                      -> sparse (index + value streams) or raw, whichever is smaller
                      -> checksum moved by the changed elements only

@@ -229,6 +229,7 @@ def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk:
     from sync import codec_np
 
     saved, codec_np.APPLY_CHUNK = codec_np.APPLY_CHUNK, chunk
+    saved_threads, codec_np.NUM_THREADS = codec_np.NUM_THREADS, 2
     try:
         w, sender = _model(), WeightSender(mode="delta", bucket_bytes=4096)
         engine = _engine(w)
@@ -248,4 +249,4 @@ def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk:
         assert apply_update(engine, update, 1, verify="full") == 2
         assert _same(engine, {k: v.bfloat16() for k, v in w.items()})
     finally:
-        codec_np.APPLY_CHUNK = saved
+        codec_np.APPLY_CHUNK, codec_np.NUM_THREADS = saved, saved_threads

@@ -224,14 +224,15 @@ def _check_word_compare(itemsize: int, n: int, frac: float, offset: int, seed: i
 
 @contextlib.contextmanager
 def _compare_chunk(n: int):
-    """Compare tasks of ``n`` elements, so small tensors exercise the pool."""
+    """Compare tasks of ``n`` elements on a 2-thread pool, so small tensors exercise it."""
     from sync import codec_np as cnp
 
     saved, cnp.COMPARE_CHUNK = cnp.COMPARE_CHUNK, n
+    saved_threads, cnp.NUM_THREADS = cnp.NUM_THREADS, 2  # and through the pool
     try:
         yield
     finally:
-        cnp.COMPARE_CHUNK = saved
+        cnp.COMPARE_CHUNK, cnp.NUM_THREADS = saved, saved_threads
 
 
 def test_delta_over_many_compare_chunks_is_bit_exact() -> None:
