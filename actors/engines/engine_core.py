@@ -107,7 +107,7 @@ class EngineCore:
         self._pinned_turn = 0
         # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU)
         self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
-                       "decode_post_s": 0.0, "prefill_s": 0.0}
+                       "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0}
 
     # ---- called from the event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -325,6 +325,8 @@ class EngineCore:
         if admit:
             self._drain(events)  # the batch changes: finish the step in flight first
             t0 = time.perf_counter()
+            self.timing["num_prefills"] += 1
+            self.timing["num_prefill_seqs"] += len(admit)
             self._prefill(admit, events)
             self._compact()
             self.timing["prefill_s"] += time.perf_counter() - t0

@@ -58,9 +58,9 @@ if triton is not None:
         stride_vnb, stride_vnh,
         stride_cs, stride_ch, stride_cl,
         stride_ob, stride_oh, stride_rope,
-        scale, split_len,
+        scale, split_len, splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr,
+        IEEE: tl.constexpr, ROPE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -120,25 +120,25 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        if SPLITS == 1:
+        if splits == 1:
             out = acc / l_sum[:, None]
             tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-        else:  # partial (acc, max, sum) per query head: [B, Hq, SPLITS, D + 2] fp32
-            at = part_ptr + (((b * tl.num_programs(1) + h) * G + g) * SPLITS + split) * (D + 2)
+        else:  # partial (acc, max, sum) per query head: [B, Hq, splits, D + 2] fp32
+            at = part_ptr + (((b * tl.num_programs(1) + h) * G + g) * splits + split) * (D + 2)
             tl.store(at[:, None] + d[None, :], acc, mask=g_ok[:, None])
             tl.store(at + D, m, mask=g_ok)
             tl.store(at + D + 1, l_sum, mask=g_ok)
 
     @triton.jit
-    def _decode_attention_merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh,
-                                       D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    def _decode_attention_merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh, splits,
+                                       D: tl.constexpr, SPLITS_PAD: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
         d = tl.arange(0, D)
-        ok = s < SPLITS
-        at = part_ptr + ((b * tl.num_programs(1) + h) * SPLITS + s) * (D + 2)
+        ok = s < splits
+        at = part_ptr + ((b * tl.num_programs(1) + h) * splits + s) * (D + 2)
         m = tl.load(at + D, mask=ok, other=float("-inf"))  # split 0 always holds the new key: max is finite
         w = tl.exp(m - tl.max(m, 0))  # an empty split (m = -inf) weighs 0
         total = tl.sum(tl.load(at + D + 1, mask=ok, other=0.0) * w, 0)
@@ -173,7 +173,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     # flash-decoding: cut each row's keys into splits when (row, KV head) programs alone
     # would leave SMs idle; a second launch merges the splits' partial softmaxes
     max_len = k_cache.shape[2]
-    splits = min(-(-_target_programs(q.device) // (B * Hkv)), -(-max_len // _ATT_BLOCK_N))
+    # the split count is a runtime argument: batch sizes come and go without recompiles
+    splits = min(-(-_target_programs(q.device) // (B * Hkv)), -(-max_len // _ATT_BLOCK_N), _MAX_SPLITS)
     split_len = -(-(-(-max_len // splits)) // _ATT_BLOCK_N) * _ATT_BLOCK_N
     splits = -(-max_len // split_len)
     part = torch.empty((B, Hq, splits, D + 2), device=q.device, dtype=torch.float32) if splits > 1 else out
@@ -184,18 +185,19 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), cos.stride(0) if rope else 0,
-        scale, split_len,
+        scale, split_len, splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=_ATT_BLOCK_N,
-        IEEE=q.dtype == torch.float32, ROPE=rope, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, ROPE=rope,
         num_warps=4,
     )
     if splits > 1:
-        _decode_attention_merge_kernel[(B, Hq)](part, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
-                                                SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
+        _decode_attention_merge_kernel[(B, Hq)](part, out, out.stride(0), out.stride(1), splits, D=D,
+                                                SPLITS_PAD=_MAX_SPLITS, num_warps=1)
     return out
 
 
 _ATT_BLOCK_N = 64
+_MAX_SPLITS = 16
 _SM_COUNT: dict[int, int] = {}
 
 
