@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
         "runtime": args.runtime, "free_kv": args.free_kv,
         "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(), "load_average_start": os.getloadavg(),
         "task": args.task, "steps": args.steps, "seeds": args.seeds,
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
         "task_max_len": args.task_max_len, "tail_alpha": args.tail_alpha,
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             result[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
             result[f"speedup_{name}_over_sync_per_seed"] = [
                 round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
+    result["load_average_end"] = os.getloadavg()
     text = json.dumps(result)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
