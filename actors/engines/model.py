@@ -254,8 +254,9 @@ class Model:
         cfg = self.cfg
         B = tokens.shape[0]
         fused = self.fused_attention
-        cos, sin = (None, None) if fused else (self.cos[positions], self.sin[positions])  # [B, D]
+        cos = sin = None  # fused: the attention kernel applies RoPE
         if not fused:
+            cos, sin = self.cos[positions], self.sin[positions]  # [B, D]
             rows = torch.arange(B, device=tokens.device)
             # key j of row b is visible iff j <= positions[b]: [B, 1, 1, max_len]
             mask = (self.key_positions[: kv.max_len][None, :] <= positions[:, None]).view(B, 1, 1, kv.max_len)

@@ -86,12 +86,12 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
 
     ``positions[b]`` is the position the sampled token will occupy (its
     index in prompt + response), the counter of the noise."""
-    if params.generator is not None and not (params.any_greedy or params.needs_filter) \
-            and triton_kernels.sampling_supported(logits):
-        return triton_kernels.sample_gumbel(logits, params.temperature, params.unit_temperature, params.generator)
+    if params.generator is not None and not (params.any_greedy or params.needs_filter):
+        if triton_kernels.sampling_supported(logits):
+            return triton_kernels.sample_gumbel(logits, params.temperature, params.unit_temperature, params.generator)
+        if params.unit_temperature:
+            return _sample_unit_temperature(logits.float(), params.generator)
     logits = logits.float()
-    if params.generator is not None and params.unit_temperature and not (params.any_greedy or params.needs_filter):
-        return _sample_unit_temperature(logits, params.generator)
     raw = torch.log_softmax(logits, dim=-1)
     if params.unit_temperature and not params.any_greedy and not params.needs_filter:
         lp = raw
