@@ -15,6 +15,7 @@ import inspect
 import json
 import pathlib
 
+import numpy as np
 import safetensors.torch
 import torch
 
@@ -97,22 +98,24 @@ class TorchBackend:
             raise ValueError("empty batch")
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         width = max(lengths)
-        num_resp = max(len(s.response_ids) for s in samples)
-        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(samples), width), dtype=torch.long)
+        num_resp = max(max(len(s.response_ids) for s in samples), 1)
+        # Built in numpy, moved once: per-row tensor writes cost a copy (and on CUDA a launch) each.
+        ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
         # Logits at position p predict token p + 1, so response token j of a
         # sample with prompt length P is scored by the logits at P - 1 + j.
-        pos = torch.zeros((len(samples), max(num_resp, 1)), dtype=torch.long)
-        mask = torch.zeros((len(samples), max(num_resp, 1)), dtype=torch.float32)
+        pos = np.zeros((len(samples), num_resp), dtype=np.int64)
         for i, s in enumerate(samples):
             if not s.prompt_ids:
                 raise ValueError(f"sample {s.uid!r} has an empty prompt")
-            row = list(s.prompt_ids) + list(s.response_ids)
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attn[i, : len(row)] = 1
-            n = len(s.response_ids)
-            pos[i, :n] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + n)
-            mask[i, :n] = 1.0
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            ids[i, :p] = s.prompt_ids
+            ids[i, p : p + n] = s.response_ids
+            pos[i, :n] = np.arange(p - 1, p - 1 + n)
+        cols = np.arange(width)
+        attn = (cols[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        resp = np.asarray([len(s.response_ids) for s in samples])
+        mask = (np.arange(num_resp)[None, :] < resp[:, None]).astype(np.float32)
+        ids, attn, pos, mask = (torch.from_numpy(a) for a in (ids, attn, pos, mask))
         return ids.to(self.device), attn.to(self.device), pos.to(self.device), mask.to(self.device)
 
     def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,12 +218,12 @@ class TorchBackend:
         """Per-token values (one list per sample) as a zero-padded tensor shaped ``like`` ``[B, T]``."""
         if len(values) != len(samples):
             raise ValueError(f"got {what} for {len(values)} samples, expected {len(samples)}")
-        out = torch.zeros_like(like, requires_grad=False)
+        out = np.zeros(tuple(like.shape), dtype=np.float32)
         for i, (s, v) in enumerate(zip(samples, values)):
             if len(v) != len(s.response_ids):
                 raise ValueError(f"sample {s.uid!r} has {len(v)} {what} for {len(s.response_ids)} response tokens")
-            out[i, : len(v)] = torch.tensor(v, dtype=out.dtype)
-        return out
+            out[i, : len(v)] = v
+        return torch.from_numpy(out).to(device=like.device, dtype=like.dtype)
 
     def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under its HF name, detached.
