@@ -110,38 +110,32 @@ async def test_ray_large_puts_and_reads_travel_in_chunks_and_come_back_whole(ray
 
 
 @pytest.mark.asyncio
-async def test_ray_storage_unit_holds_a_read_until_its_row_arrives_and_buries_an_early_delete(ray_cluster) -> None:
-    from transfer_queue.codec import FULL_MASK, decode_samples, encode_new_samples, frame_rows
-
-    tq = await TransferQueue.create(_cfg(num_storage_units=1))
+async def test_ray_put_returns_once_stored_and_a_refused_put_leaves_no_rows(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(capacity=4, num_storage_units=1))
     (unit,) = tq._d.units
-    a, b = make_samples(2)
-    read = unit.get.remote([5], None)  # committed elsewhere, its row still on the way
-    done, _ = ray.wait([read], timeout=0.2)
-    assert not done
-    unit.put.remote([5], frame_rows(1, [encode_new_samples([a])[0]]))
-    assert decode_samples(await read, FULL_MASK) == [a]  # one buffer, read in place
-    unit.delete.remote([7])  # overtakes the row it frees
-    await unit.put.remote([7], frame_rows(1, [encode_new_samples([b])[0]]))
-    assert await unit.num_rows.remote() == 1  # 7 was buried on arrival; 5 stays
+    await tq.put(make_samples(2, 2))
+    assert await unit.num_rows.remote() == 4  # no flush needed: the unit stored them before the commit
+    with pytest.raises(QueueFull):
+        await tq.put(make_samples(1, prefix="x"), wait=False)
+    with pytest.raises(ValueError, match="already in the queue"):
+        await tq.put(make_samples(1))
+    assert await unit.num_rows.remote() == 4  # the refused writes' rows were deleted
+    batch = await tq.get("trainer", 4, timeout_s=0)
+    await tq.ack(batch.batch_id)
+    await asyncio.sleep(0.2)  # the controller's delete is fire and forget
+    assert await unit.num_rows.remote() == 0
+    assert_accounting(await tq.statistics_async())
     await tq.shutdown()
 
 
 @pytest.mark.asyncio
-async def test_ray_put_whose_rows_never_reach_a_storage_unit_is_dropped_and_raised_by_flush(ray_cluster) -> None:
-    from transfer_queue import TransferQueueError
-
+async def test_ray_put_to_a_dead_storage_unit_raises_and_registers_nothing(ray_cluster) -> None:
     tq = await TransferQueue.create(_cfg(num_storage_units=1))
-    ray.kill(tq._d.units[0])  # the unit dies: the controller commits, the rows go nowhere
-    await tq.put(make_samples(2, 2))
-    await asyncio.gather(*tq._d._writes)  # the unit's reply (an error) came back
-    with pytest.raises(TransferQueueError, match="this put was not written"):
-        await tq.put(make_samples(1, prefix="next"))  # the next put reports it
-    await tq.put(make_samples(1, prefix="last"))
-    with pytest.raises(TransferQueueError, match="write_failed"):
-        await tq.flush()
+    ray.kill(tq._d.units[0])  # the unit dies: the put cannot store its rows
+    with pytest.raises(ray.exceptions.RayActorError):
+        await tq.put(make_samples(2, 2))
     stats = await tq.statistics_async()
-    assert stats.dropped_by_reason == {"write_failed": 5} and stats.put == 5  # "next" never went in
+    assert stats.put == 0 and stats.pending == 0
     assert_accounting(stats)
-    await tq.flush()  # each error is raised once
+    await tq.flush()  # nothing in transit
     await tq.shutdown()

@@ -1,8 +1,8 @@
 """TransferQueue: the client every producer and consumer holds.
 
     producers ── put / put_fields ──► controller.reserve ─► storage units (rows) ─► controller.commit
-                 (under Ray a put of new samples is one round trip: its rows go to a storage
-                  unit while the controller reserves and commits them, in the client's index block)
+                 (under Ray a put of new samples is one client call: its rows go to a storage
+                  unit, which has the controller reserve and commit them, in the client's index block)
     consumers ── get ──► controller.get_batch (leases) ─► storage units (rows) ─► Batch
               ── ack / nack ──► controller (frees storage rows on ack)
 
@@ -76,9 +76,8 @@ class TransferQueue:
 
         Waits while the queue is at capacity; with ``wait=False`` raises QueueFull
         instead, and a finite ``timeout_s`` raises TimeoutError. A uid already in
-        the queue is a ValueError. After ``close()`` raises QueueClosed. Under Ray
-        it returns once the controller committed the samples, their rows possibly
-        still in transit to the storage unit (reads wait for them; see ``flush``).
+        the queue is a ValueError. After ``close()`` raises QueueClosed. It returns
+        once the samples are stored and committed (a ``get`` can hand them out).
         """
         await self._write(samples, ALL_FIELDS, partition, wait, timeout_s, new_only=True)
 
@@ -123,7 +122,7 @@ class TransferQueue:
 
     async def _reserve_write_commit(self, key: tuple, rows: list[Any], tags: list[SampleTags]) -> None:
         partition, _, wait, timeout_s, new_only = key
-        if new_only and self.cfg.deployment == "ray":  # rows: msgpack bodies; the write and the reserve go at once
+        if new_only and self.cfg.deployment == "ray":  # rows: msgpack bodies; the unit stores them, then reserves
             await self._d.put_new(partition, rows, tags, wait, timeout_s)
             return
         try:
@@ -211,12 +210,10 @@ class TransferQueue:
         return await self._d.call("statistics")
 
     async def flush(self) -> None:
-        """Wait until the rows of this client's puts reached their storage units.
+        """Wait until this client's writes in transit reached their storage units.
 
-        Under Ray a put returns once the controller committed its samples (a read
-        of them waits for rows still in transit). A write a storage unit never got
-        (it died) has its samples dropped as ``"write_failed"`` and raises
-        TransferQueueError here, or at this client's next put.
+        Both deployments return from a put once its rows are stored, so nothing is
+        in transit between calls today; kept so callers need not know that.
         """
         await self._d.flush()
 

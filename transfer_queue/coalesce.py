@@ -1,8 +1,8 @@
 """Group commit: concurrent puts of one client share one reserve / write / commit.
 
-Across processes each put costs a round trip (under Ray, a put of new samples
-is one: rows to a storage unit and reserve-and-commit at the controller at
-once; ``put_fields`` is reserve, write, commit). A rollout actor finishes many samples at
+Across processes each put costs calls (under Ray, a put of new samples is one
+client call: rows to a storage unit, which has the controller reserve and
+commit them; ``put_fields`` is reserve, write, commit). A rollout actor finishes many samples at
 once, so while one put of a client is in flight, the puts that arrive behind it
 (same partition, fields and options) wait and then go as one. No timer is
 involved: a put on an idle client goes on the next loop tick (so puts issued in
@@ -12,9 +12,8 @@ coalescing adds no latency, only saves messages when there is a queue of them.
 Errors stay per put: when a merged reserve is refused (a bad uid in one put,
 QueueFull, a timeout), nothing was registered, so each put is retried alone and
 gets its own answer. A failure after reserve (a storage write) is reported to
-every put of the group (or, for a Ray put of new samples whose rows are still in
-transit when it returns, to the client's next put or flush); their samples were
-dropped with reason "write_failed".
+every put of the group; their samples were dropped with reason "write_failed"
+(a Ray put of new samples whose unit died registered nothing).
 """
 
 from __future__ import annotations

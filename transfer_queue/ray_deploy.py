@@ -1,7 +1,7 @@
 """The Ray deployment: the controller and each storage unit are Ray actors.
 
-    put         client ─put(indices, msgpack rows)─► StorageActor u        } at once, in the client's
-                client ─reserve_new(indices, msgpack tags)─► ControllerActor } index block; one round trip
+    put         client ─put_new(indices, msgpack tags, msgpack rows)─► StorageActor u
+                        (stores the rows, then) ─reserve_new─► ControllerActor   one client call
     put_fields  client ─reserve─► controller;  client ─put_commit(rows)─► StorageActor ─commit─► controller
     get         client ─get_batch─► controller (lease);  client ─get(indices)─► each StorageActor: one buffer
     ack         client ─ack─► controller ─delete(indices), fire and forget─► StorageActors
@@ -13,18 +13,17 @@ with one buffer, which the consumer decodes straight into ``Sample`` structs
 when it reads ``batch.samples``. Ray pickles a bytes object with one copy, so
 no Python object per token is pickled.
 
-A put of new samples is one round trip, since Ray's per-call latency, not the
-bytes, is what a put costs: the client takes global indices from a block the
-controller allocated to it (``Controller.allocate``), sends the rows to a
-storage unit and the tags to the controller at the same time, and returns once
-the controller has registered and committed them (the controller alone still
-decides capacity, duplicate uids, closed and dead groups). So a read or delete
-can reach a unit before the rows it names: a read waits for them, a delete
-leaves a tombstone. The unit's reply is collected in the background; a write
-that never landed (the unit died) is dropped as ``"write_failed"`` and raised
-by the client's next put or ``flush``. The client (a TransferQueue holding
-actor handles) pickles, so rollout and trainer actors in other processes can
-share one queue.
+A put of new samples is one call from the client, since on a small host each
+Ray call costs about a millisecond of CPU at both ends, more than the bytes:
+the client takes global indices from a block the controller allocated to it
+(``Controller.allocate``) and sends rows and tags to a storage unit, which
+stores the rows and then has the controller register and commit them (the
+controller alone still decides capacity, duplicate uids, closed and dead
+groups). The unit answers once the controller did, so a put that returns is
+readable, and a put that raises registered nothing (its rows are deleted).
+The controller learns of a row only after its unit holds it, so a read or a
+delete never overtakes a row. The client (a TransferQueue holding actor
+handles) pickles, so rollout and trainer actors in other processes can share one queue.
 
 Ray is imported only when this deployment is chosen, and must already be
 initialized: the queue joins the running Ray, it never starts (or stops) one.
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,8 +45,6 @@ from transfer_queue.codec import decode_raw_rows, decode_tags, encode_rows, enco
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
-from transfer_queue.errors import TransferQueueError
-from transfer_queue.records import remember
 from transfer_queue.rows import EncodedRows
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
@@ -61,18 +57,13 @@ class StorageActor:
     """One storage unit in its own process. An async actor: its methods run one
     at a time on the actor's loop (none awaits while touching the rows).
 
-    A put of new samples writes its rows here while the controller registers
-    them (and marks them ready) in parallel, so a read or a delete can reach an
-    index before its row does. A read waits for the missing rows (up to
-    ``_ARRIVAL_WAIT_S``); a delete of a row not here yet leaves a tombstone, and
-    the row is discarded when it arrives (global indices are never reused).
+    Rows arrive as msgpack and are parsed (into per-field slices) on the next
+    read or delete, so a write's round trip is only the transfer.
     """
 
     def __init__(self, unit_id: int) -> None:
         self._unit = StorageUnit(unit_id)
         self._controller: Any = None
-        self._arrived = asyncio.Event()
-        self._tombstones: dict[int, None] = {}
         self._unparsed: collections.deque[tuple[list[int], tuple[bytes, ...]]] = collections.deque()
 
     def ready(self, controller: Any) -> int:
@@ -80,50 +71,44 @@ class StorageActor:
         return self._unit.unit_id
 
     def put(self, indices: list[int], *chunks: bytes) -> None:
-        # Parsed on the next read or delete, not now: the writer's round trip is only the transfer.
         self._unparsed.append((indices, chunks))
-        self._arrived.set()
-        self._arrived = asyncio.Event()
 
     def _parse(self) -> None:
         while self._unparsed:
             indices, chunks = self._unparsed.popleft()
-            rows = decode_raw_rows(b"".join(chunks))
-            if self._tombstones:  # deleted before they arrived
-                kept = [k for k, i in enumerate(indices) if i not in self._tombstones]
-                for i in indices:
-                    self._tombstones.pop(i, None)
-                indices, rows = [indices[k] for k in kept], [rows[k] for k in kept]
-            self._unit.put_rows(indices, rows)
+            self._unit.put_rows(indices, decode_raw_rows(chunks[0] if len(chunks) == 1 else b"".join(chunks)))
+
+    async def put_new(
+        self, partition: str, tags_buf: bytes, indices: list[int], wait: bool, timeout_s: float | None, *chunks: bytes
+    ) -> list[int]:
+        """Store new samples' rows, then have the controller register and commit them
+        (``Controller.reserve``); returns its placement (-1: dropped on arrival).
+        A refusal (QueueFull, a bad uid, closed, timeout) deletes the rows and
+        raises ``ReserveRefused``: nothing was registered."""
+        self.put(indices, *chunks)
+        try:
+            placed = await _unwrap(self._controller.reserve_new.remote(partition, tags_buf, indices, wait, timeout_s))
+        except Exception as e:
+            self.delete(indices)
+            raise ReserveRefused(e) from None
+        dead = [i for i, index in zip(indices, placed) if index < 0]  # their group is dead: not kept
+        if dead:
+            self.delete(dead)
+        return placed
 
     async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], *chunks: bytes) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
         self.put(indices, *chunks)
         await self._controller.commit_after.remote(all_indices, tags)
 
-    async def get(self, indices: list[int], fields: Sequence[str] | None) -> np.ndarray:
+    def get(self, indices: list[int], fields: Sequence[str] | None) -> np.ndarray:
         """The rows as one msgpack buffer, as a uint8 array: a reply over ~100 KiB goes through
         the object store, where an array is read in place (the reader decodes it without a copy)."""
-        deadline = None
-        while True:
-            self._parse()
-            try:
-                return np.frombuffer(self._unit.get_encoded(indices, fields), np.uint8)
-            except LookupError:
-                if all(map(self._unit.has, indices)):
-                    raise  # a field is missing, not a row: no write is on its way for that
-                now = asyncio.get_running_loop().time()
-                deadline = now + _ARRIVAL_WAIT_S if deadline is None else deadline
-                if now >= deadline:
-                    raise
-                with contextlib.suppress(TimeoutError):  # a put committed them and its rows are on their way
-                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
+        self._parse()
+        return np.frombuffer(self._unit.get_encoded(indices, fields), np.uint8)
 
     def delete(self, indices: list[int]) -> None:
         self._parse()
-        for i in indices:
-            if not self._unit.has(i):
-                remember(self._tombstones, i, None)
         self._unit.delete(indices)
 
     def num_rows(self) -> int:
@@ -176,8 +161,6 @@ class RayDeployment:
         self._controller, self.units, self._owner = controller, units, owner
         self._next_unit = 0
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
-        self._writes: set[asyncio.Task] = set()  # rows on their way to a unit (put_new)
-        self._write_error: Exception | None = None
 
     @classmethod
     async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
@@ -194,59 +177,25 @@ class RayDeployment:
     async def call(self, method: str, *args: Any) -> Any:
         return await _unwrap(self._controller.call.remote(method, *args))
 
-    async def put_new(self, partition: str, bodies: list[bytes], tags: list[Any], wait: bool, timeout_s: float | None) -> None:
-        """A put of new samples: one write to the next storage unit (round robin) and,
-        at the same time, one reserve-and-commit at the controller, in this client's
-        own index block. ``bodies``: rows from ``codec.encode_new_samples``.
+    async def put_new(
+        self, partition: str, bodies: list[bytes], tags: list[Any], wait: bool, timeout_s: float | None
+    ) -> list[int]:
+        """A put of new samples: one call to the next storage unit (round robin), which
+        stores the rows and has the controller register and commit them, at indices
+        from this client's own block. ``bodies``: rows from ``codec.encode_new_samples``.
 
-        Returns once the controller committed them: their rows may still be on the
-        way to the unit (a read there waits for them), and the unit's reply is
-        collected in the background. ``ReserveRefused`` if the controller refused
-        (nothing registered; the rows are deleted). A write the unit never got (it
-        died) has its samples dropped (``"write_failed"``, counted) and its error
-        raised by this client's next put or ``flush``.
+        Returns once they are committed (readable). ``ReserveRefused`` if the
+        controller refused (nothing registered, the rows deleted); any other error
+        (the unit died) leaves nothing readable of them.
         """
-        self._raise_write_error()
         unit = self._next_unit
         self._next_unit = (unit + 1) % len(self.units)
         indices = await self._take_indices(unit, len(tags))
-        stored = self.units[unit].put.remote(indices, *_chunks(frame_rows(len(tags), bodies)))
-        reserved = self._controller.reserve_new.remote(partition, encode_tags(tags), indices, wait, timeout_s)
-        try:
-            placed = await _unwrap(reserved)
-        except Exception as e:  # nothing was registered: the rows must go (a tombstone if the delete overtakes them)
-            self.units[unit].delete.remote(indices)
-            raise ReserveRefused(e) from None
-        dead = [i for i, index in zip(indices, placed) if index < 0]  # dropped on arrival: their group is dead
-        if dead:
-            self.units[unit].delete.remote(dead)
-        kept = [t.uid for t, index in zip(tags, placed) if index >= 0]
-        task = asyncio.get_running_loop().create_task(self._settle_write(stored, kept))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _settle_write(self, stored: Any, uids: list[str]) -> None:
-        try:
-            await _unwrap(stored)
-        except Exception as e:  # the unit never got the rows: count them dropped, tell the client
-            with contextlib.suppress(Exception):
-                await self.call("drop", uids, "write_failed")
-            if self._write_error is None:
-                self._write_error = e
-
-    def _raise_write_error(self) -> None:
-        error, self._write_error = self._write_error, None
-        if error is not None:
-            raise TransferQueueError(
-                f"an earlier put's rows never reached their storage unit (those samples were dropped as "
-                f"'write_failed'); this put was not written: {error!r}"
-            ) from error
+        chunks = _chunks(frame_rows(len(tags), bodies))
+        return await _unwrap(self.units[unit].put_new.remote(partition, encode_tags(tags), indices, wait, timeout_s, *chunks))
 
     async def flush(self) -> None:
-        """Wait until this client's rows in transit reached their storage units; raise a failed write's error."""
-        while self._writes:
-            await asyncio.gather(*self._writes)
-        self._raise_write_error()
+        """Nothing to wait for: every write of this client returned once its rows were stored."""
 
     async def _take_indices(self, unit: int, n: int) -> list[int]:
         """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
@@ -295,9 +244,6 @@ class RayDeployment:
 _CHUNK_BYTES = 90_000
 # Slots a client takes from the controller at a time (per storage unit), for its puts.
 _BLOCK_SLOTS = 1 << 16
-# How long a storage unit holds a read of an index whose row has not arrived yet
-# (the put that committed it is writing it); past that the read fails (LookupError).
-_ARRIVAL_WAIT_S = 60.0
 
 
 def _chunks(buf: bytes) -> list[bytes]:
