@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from tests.test_transfer_queue import assert_accounting, make_samples, run_producers_consumers
@@ -104,6 +105,9 @@ async def test_ray_large_puts_and_reads_travel_in_chunks_and_come_back_whole(ray
     await tq.put(samples)
     await tq.put_fields(samples[:1], ["reward"])  # a known uid: the reserve-then-write path
     batch = await tq.get("trainer", 4)
+    # a column straight from the storage buffers (no Samples built), then the samples
+    assert [c.tolist() for c in batch.column("response_ids")] == [s.response_ids for s in samples]
+    assert {c.dtype for c in batch.column("rollout_logprobs")} == {np.dtype(np.float32)}
     assert batch.samples == samples
     await tq.ack(batch.batch_id)
     await tq.shutdown()

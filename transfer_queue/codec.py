@@ -30,6 +30,7 @@ __all__ = [
     "FULL_MASK",
     "SCALAR_FIELDS",
     "TOKEN_FIELDS",
+    "decode_field",
     "decode_identities",
     "decode_raw_rows",
     "decode_samples",
@@ -226,6 +227,20 @@ def encode_tags(tags: Sequence[SampleTags]) -> bytes:
 
 def decode_tags(buf: bytes) -> list[SampleTags]:
     return _tags_decoder.decode(buf)
+
+
+_field_decoders: dict[str, msgspec.msgpack.Decoder] = {}
+
+
+def decode_field(buf: bytes, name: str) -> list[list]:
+    """Token field ``name`` of each row of ``buf`` as a Python list, the other fields skipped
+    unparsed (no Sample, no Python object for their tokens)."""
+    dec = _field_decoders.get(name)
+    if dec is None:
+        item = float if TOKEN_FIELDS[name] is np.float32 else int
+        row = msgspec.defstruct(f"_Only_{name}", [(name, list[item], msgspec.field(default_factory=list))])
+        dec = _field_decoders[name] = msgspec.msgpack.Decoder(list[row])
+    return [getattr(r, name) for r in dec.decode(buf)]
 
 
 def decode_identities(buf: bytes) -> list[tuple[str, str]]:

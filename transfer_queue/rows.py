@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from transfer_queue.codec import TOKEN_FIELDS, decode_identities, decode_samples, row_to_sample
+from transfer_queue.codec import TOKEN_FIELDS, decode_field, decode_identities, decode_samples, row_to_sample
 from transfer_queue.sample import Sample
 
 __all__ = ["EncodedRows", "InProcessRows", "Rows"]
@@ -95,4 +95,7 @@ class EncodedRows:
 
     def column(self, name: str, samples: list[Sample] | None) -> list[np.ndarray]:
         dtype = TOKEN_FIELDS[name]
-        return [np.array(getattr(s, name), dtype) for s in (samples if samples is not None else self.samples())]
+        if samples is not None:
+            return [np.array(getattr(s, name), dtype) for s in samples]
+        # Only this field is parsed: its lists, not a whole Sample per row.
+        return [np.array(values, dtype) for values in self._in_order(lambda buf: decode_field(buf, name))]
