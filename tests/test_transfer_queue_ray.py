@@ -143,3 +143,21 @@ async def test_ray_put_to_a_dead_storage_unit_raises_and_registers_nothing(ray_c
     assert_accounting(stats)
     await tq.flush()  # nothing in transit
     await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_reads_of_some_fields_and_later_fields_split_whole_rows(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(num_storage_units=2))
+    samples = make_samples(2, 2)
+    await tq.put(samples)
+    batch = await tq.get("trainer", 4, fields=["response_ids"], timeout_s=0)  # rows kept whole: split for this read
+    assert [s.response_ids for s in batch.samples] == [s.response_ids for s in samples]
+    assert all(s.prompt_ids == [] and s.reward is None for s in batch.samples)
+    await tq.nack(batch.batch_id)
+    for s in samples:
+        s.reward = 0.5
+    await tq.put_fields(samples, ["reward"])  # fields added to whole rows
+    batch = await tq.get("trainer", 4, timeout_s=0)
+    assert batch.samples == samples
+    await tq.ack(batch.batch_id)
+    await tq.shutdown()

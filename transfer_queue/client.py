@@ -21,7 +21,7 @@ from typing import Any
 
 import loop
 from transfer_queue.batch import Batch
-from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_samples, fields_mask, mask_fields, sample_to_row, tags_of
+from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_rows, fields_mask, mask_fields, sample_to_row, tags_of
 from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.sample import Sample
@@ -106,8 +106,8 @@ class TransferQueue:
             return
         key = (partition, fields, wait, timeout_s, new_only)
         if new_only and self._coalescer is not None:  # Ray: encoded now (the copy), one write with its neighbours
-            body, tags = encode_new_samples(samples)
-            await self._coalescer.put(key, [body], tags)
+            body, row_ends, tags = encode_new_rows(samples)
+            await self._coalescer.put(key, [(body, row_ends)], tags)
             return
         mask = fields_mask(fields)
         rows = [sample_to_row(s, fields) for s in samples]
@@ -122,7 +122,7 @@ class TransferQueue:
 
     async def _reserve_write_commit(self, key: tuple, rows: list[Any], tags: list[SampleTags]) -> None:
         partition, _, wait, timeout_s, new_only = key
-        if new_only and self.cfg.deployment == "ray":  # rows: msgpack bodies; the unit stores them, then reserves
+        if new_only and self.cfg.deployment == "ray":  # rows: (msgpack rows, row ends); the unit stores them, then reserves
             await self._d.put_new(partition, rows, tags, wait, timeout_s)
             return
         try:

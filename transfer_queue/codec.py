@@ -32,9 +32,11 @@ __all__ = [
     "TOKEN_FIELDS",
     "decode_field",
     "decode_identities",
+    "decode_raw_row",
     "decode_raw_rows",
     "decode_samples",
     "decode_tags",
+    "encode_new_rows",
     "encode_new_samples",
     "encode_rows",
     "encode_tags",
@@ -146,6 +148,7 @@ class _Identity(msgspec.Struct):
 
 _encoder = msgspec.msgpack.Encoder()
 _raw_rows_decoder = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
+_raw_row_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _samples_decoder = msgspec.msgpack.Decoder(list[Sample])
 _rows_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
 _identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
@@ -159,17 +162,28 @@ def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
 def encode_new_samples(samples: Sequence[Sample]) -> tuple[bytes, list[SampleTags]]:
     """Whole samples as the msgpack *body* of a rows array (``frame_rows`` adds the header), and their tags.
 
+    Bodies of several puts concatenate into one write (``frame_rows``).
+    """
+    body, _, tags = encode_new_rows(samples)
+    return bytes(body), tags
+
+
+def encode_new_rows(samples: Sequence[Sample]) -> tuple[bytearray, list[int], list[SampleTags]]:
+    """Whole samples as msgpack rows back to back (no array header), the end offset of
+    each row in that body, and their tags.
+
     A ``Sample`` encodes as the same map as its full row, so the common case (token
     fields are lists) skips ``sample_to_row``'s copies: encoding is the copy. A sample
-    holding numpy arrays goes through ``sample_to_row``. Bodies of several puts
-    concatenate into one write (``frame_rows``).
+    holding numpy arrays goes through ``sample_to_row``. The row ends let a storage
+    unit keep each row as a slice without parsing it.
     """
-    items: list[Any] = []
+    body = bytearray()
+    ends: list[int] = []
     tags = []
     for s in samples:
         if type(s.prompt_ids) is list and type(s.response_ids) is list and type(s.rollout_logprobs) is list \
                 and type(s.token_versions) is list:  # fmt: skip
-            items.append(s)
+            _encoder.encode_into(s, body, -1)
             versions = s.token_versions
             tags.append(SampleTags(
                 uid=s.uid, group_id=s.group_id, mask=FULL_MASK,
@@ -178,10 +192,10 @@ def encode_new_samples(samples: Sequence[Sample]) -> tuple[bytes, list[SampleTag
             ))  # fmt: skip
         else:
             row = sample_to_row(s, ALL_FIELDS)
-            items.append(row)
+            _encoder.encode_into(row, body, -1)
             tags.append(tags_of(row, FULL_MASK))
-    buf = _encoder.encode(items)
-    return buf[_array_header_len(len(items)) :], tags
+        ends.append(len(body))
+    return body, ends, tags
 
 
 def frame_rows(num_rows: int, bodies: Sequence[bytes]) -> bytes:
@@ -195,8 +209,9 @@ def frame_rows(num_rows: int, bodies: Sequence[bytes]) -> bytes:
     return b"".join((header, *bodies))
 
 
-def _array_header_len(n: int) -> int:
-    return 1 if n <= 15 else 3 if n <= 0xFFFF else 5
+def decode_raw_row(row: msgspec.Raw) -> dict[str, msgspec.Raw]:
+    """One row kept whole (a slice of a write) as field -> msgpack slice, like ``decode_raw_rows``."""
+    return _raw_row_decoder.decode(row)
 
 
 def decode_raw_rows(buf: bytes) -> list[dict[str, msgspec.Raw]]:

@@ -8,9 +8,11 @@
 
 Sample data never passes through the controller: the client encodes the rows of
 each write as one msgpack buffer (msgspec: C speed over ``list[int]``), the
-storage unit keeps each field as an unparsed msgpack slice and answers a read
-with one buffer, which the consumer decodes straight into ``Sample`` structs
-when it reads ``batch.samples``. Ray pickles a bytes object with one copy, so
+storage unit keeps each new row whole as an unparsed slice of it (the client
+sends the row lengths; a row is split into field slices only when fields are
+added to it or a read asks for some fields) and answers a read with one buffer,
+which the consumer decodes straight into ``Sample`` structs when it reads
+``batch.samples`` (or one field of each, for ``batch.column``). Ray pickles a bytes object with one copy, so
 no Python object per token is pickled.
 
 A put of new samples is one call from the client, since on a small host each
@@ -36,12 +38,13 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import ray
 
 import loop
 from transfer_queue.coalesce import ReserveRefused
-from transfer_queue.codec import decode_raw_rows, decode_tags, encode_rows, encode_tags, fields_mask, frame_rows
+from transfer_queue.codec import decode_raw_row, decode_raw_rows, decode_tags, encode_rows, encode_tags, fields_mask
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
@@ -65,6 +68,10 @@ class StorageActor:
         self._unit = StorageUnit(unit_id)
         self._controller: Any = None
         self._unparsed: collections.deque[tuple[list[int], tuple[bytes, ...]]] = collections.deque()
+        # Rows of new samples kept whole (a msgpack slice of their write, never parsed): a
+        # read of whole rows copies them out as they are. Parsed into ``_unit`` (field ->
+        # slice) only when fields are added to them or a read asks for some fields.
+        self._whole: dict[int, msgspec.Raw] = {}
 
     def ready(self, controller: Any) -> int:
         self._controller = controller
@@ -76,16 +83,35 @@ class StorageActor:
     def _parse(self) -> None:
         while self._unparsed:
             indices, chunks = self._unparsed.popleft()
+            self._unwhole(indices)  # fields added to a whole row: parse it first, then merge
             self._unit.put_rows(indices, decode_raw_rows(chunks[0] if len(chunks) == 1 else b"".join(chunks)))
 
+    def _unwhole(self, indices: Sequence[int]) -> None:
+        if self._whole:
+            for i in indices:
+                row = self._whole.pop(i, None)
+                if row is not None:
+                    self._unit.put_rows([i], [decode_raw_row(row)])
+
     async def put_new(
-        self, partition: str, tags_buf: bytes, indices: list[int], wait: bool, timeout_s: float | None, *chunks: bytes
+        self,
+        partition: str,
+        tags_buf: bytes,
+        indices: list[int],
+        row_lengths: list[int],
+        wait: bool,
+        timeout_s: float | None,
+        *chunks: bytes,
     ) -> list[int]:
-        """Store new samples' rows, then have the controller register and commit them
-        (``Controller.reserve``); returns its placement (-1: dropped on arrival).
-        A refusal (QueueFull, a bad uid, closed, timeout) deletes the rows and
-        raises ``ReserveRefused``: nothing was registered."""
-        self.put(indices, *chunks)
+        """Store new samples' rows (msgpack maps back to back, ``row_lengths`` bytes each), then
+        have the controller register and commit them (``Controller.reserve``); returns its
+        placement (-1: dropped on arrival). A refusal (QueueFull, a bad uid, closed, timeout)
+        deletes the rows and raises ``ReserveRefused``: nothing was registered."""
+        view = memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        start = 0
+        for index, n in zip(indices, row_lengths, strict=True):
+            self._whole[index] = msgspec.Raw(view[start : start + n])
+            start += n
         try:
             placed = await _unwrap(self._controller.reserve_new.remote(partition, tags_buf, indices, wait, timeout_s))
         except Exception as e:
@@ -105,15 +131,23 @@ class StorageActor:
         """The rows as one msgpack buffer, as a uint8 array: a reply over ~100 KiB goes through
         the object store, where an array is read in place (the reader decodes it without a copy)."""
         self._parse()
+        if fields is None:
+            try:  # whole rows as they came: one copy into the reply
+                return np.frombuffer(encode_rows([self._whole[i] for i in indices]), np.uint8)
+            except KeyError:  # some were parsed (fields added): the general path below
+                pass
+        self._unwhole(indices)
         return np.frombuffer(self._unit.get_encoded(indices, fields), np.uint8)
 
     def delete(self, indices: list[int]) -> None:
         self._parse()
+        for i in indices:
+            self._whole.pop(i, None)
         self._unit.delete(indices)
 
     def num_rows(self) -> int:
         self._parse()
-        return len(self._unit)
+        return len(self._whole) + len(self._unit)
 
 
 @ray.remote
@@ -178,11 +212,11 @@ class RayDeployment:
         return await _unwrap(self._controller.call.remote(method, *args))
 
     async def put_new(
-        self, partition: str, bodies: list[bytes], tags: list[Any], wait: bool, timeout_s: float | None
+        self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[Any], wait: bool, timeout_s: float | None
     ) -> list[int]:
         """A put of new samples: one call to the next storage unit (round robin), which
         stores the rows and has the controller register and commit them, at indices
-        from this client's own block. ``bodies``: rows from ``codec.encode_new_samples``.
+        from this client's own block. ``bodies``: (rows, row ends) from ``codec.encode_new_rows``.
 
         Returns once they are committed (readable). ``ReserveRefused`` if the
         controller refused (nothing registered, the rows deleted); any other error
@@ -191,8 +225,13 @@ class RayDeployment:
         unit = self._next_unit
         self._next_unit = (unit + 1) % len(self.units)
         indices = await self._take_indices(unit, len(tags))
-        chunks = _chunks(frame_rows(len(tags), bodies))
-        return await _unwrap(self.units[unit].put_new.remote(partition, encode_tags(tags), indices, wait, timeout_s, *chunks))
+        lengths = []
+        for _, ends in bodies:
+            lengths += [end - start for start, end in zip([0, *ends], ends)]
+        chunks = _chunks(bodies[0][0] if len(bodies) == 1 else b"".join(body for body, _ in bodies))
+        return await _unwrap(
+            self.units[unit].put_new.remote(partition, encode_tags(tags), indices, lengths, wait, timeout_s, *chunks)
+        )
 
     async def flush(self) -> None:
         """Nothing to wait for: every write of this client returned once its rows were stored."""
@@ -246,9 +285,9 @@ _CHUNK_BYTES = 90_000
 _BLOCK_SLOTS = 1 << 16
 
 
-def _chunks(buf: bytes) -> list[bytes]:
+def _chunks(buf: bytes | bytearray) -> list[bytes]:
     if len(buf) <= _CHUNK_BYTES:
-        return [buf]
+        return [bytes(buf)]
     view = memoryview(buf)
     return [bytes(view[i : i + _CHUNK_BYTES]) for i in range(0, len(buf), _CHUNK_BYTES)]
 
