@@ -16,12 +16,15 @@ has already proved that its payload is the target.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
 
 from sync import checksum as cks
+from sync import native
 from sync.codec import apply_sparse_np, decode_sparse
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
 from sync.manifest import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
@@ -187,7 +190,7 @@ def apply_update(
     buckets: dict[int, torch.Tensor] = {}
     _check_payload(update, pieces, buckets)
 
-    undo: list[tuple[_Piece, torch.Tensor, torch.Tensor]] = []  # (piece, idx, old values)
+    undo: list[Callable[[], None]] = []  # each writes one piece's old values back
     try:
         for piece in pieces:
             e = piece.entry
@@ -199,10 +202,22 @@ def apply_update(
                     if e.base_checksum is not None and cks.piece_checksum(old, e.shard, e.start) != e.base_checksum:
                         raise ChecksumError(f"{e.name}: receiver values differ from the base version")
                     idx = torch.nonzero(cks.int_view(old) != cks.int_view(new)).view(-1)
-                    undo.append((piece, idx, old[idx]))
+                    undo.append(partial(piece.write, idx, old[idx]))
                 piece.write_all(new)
                 continue
             flat = piece.np_piece()
+            if flat is not None and native.supports(flat.itemsize):
+                blob_np = blob.numpy()
+                try:  # checks the streams before it writes anything
+                    olds, old_sums, new_sums = native.apply_piece(
+                        flat, blob_np, e.parts, e.index_codec or "", e.value_codec or "", e.count, e.num_changed)
+                except ValueError as exc:
+                    raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
+                # written already (one pass over the changed positions): a failed check below undoes it
+                undo.append(partial(native.restore_piece, flat, blob_np, e.parts, e.index_codec, e.count, olds))
+                _check_delta_sums(e, cks.shift_sums(old_sums, e.shard, e.start),
+                                  cks.shift_sums(new_sums, e.shard, e.start))
+                continue
             if flat is not None:
                 try:
                     idx, old, old_sums, new_sums = apply_sparse_np(
@@ -210,7 +225,7 @@ def apply_update(
                 except (ValueError, RuntimeError, IndexError) as exc:
                     raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
                 # written already (one pass over the changed positions): a failed check below undoes it
-                undo.append((piece, idx, old.view(piece.dtype)))
+                undo.append(partial(piece.write, idx, old.view(piece.dtype)))
                 old_sum = cks.shift_sums(old_sums, e.shard, e.start)
                 new_sum = cks.shift_sums(new_sums, e.shard, e.start)
                 _check_delta_sums(e, old_sum, new_sum)
@@ -223,7 +238,7 @@ def apply_update(
             old = piece.read(idx) if old is None else old
             _check_delta_sums(e, cks.sparse_checksum(old, idx, e.shard, e.start),
                               cks.sparse_checksum(new, idx, e.shard, e.start))
-            undo.append((piece, idx, old))
+            undo.append(partial(piece.write, idx, old))
             piece.write(idx, new)
         if verify == "full":
             for piece in pieces:
@@ -231,8 +246,8 @@ def apply_update(
                 if cks.piece_checksum(piece.read_all(), e.shard, e.start) != e.checksum:
                     raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: result checksum mismatch")
     except BaseException as exc:
-        for piece, idx, old in reversed(undo):
-            piece.write(idx, old)
+        for restore in reversed(undo):
+            restore()
         if isinstance(exc, WeightSyncError) or not isinstance(exc, Exception):
             raise
         raise WeightSyncError(f"applying update {m.version} failed: {exc}") from exc

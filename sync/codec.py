@@ -17,12 +17,13 @@ on the device for CUDA tensors; both write the same bytes.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from sync import codec_np as cnp
+from sync import native
 from sync.checksum import int_view
 
 IndexCodec = Literal["varint", "bitmask"]
@@ -189,6 +190,53 @@ def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor, write_old: bool =
         d8, escapes = diff8_encode(old_c, new_c)
         streams = [index_bytes, as_bytes(d8), as_bytes(escapes)]
     return idx, old_vals, new_vals, (index_codec, value_codec, streams), None
+
+
+class NativeChanges(NamedTuple):
+    """:func:`encode_sparse_native`'s result. ``old_values`` is a view into the
+    scratch (copy it to keep it); positions are not materialised: the index
+    stream (the chosen codec's, or the bitmask for a raw piece) says them."""
+
+    num_changed: int
+    old_values: torch.Tensor
+    plan: tuple[IndexCodec, ValueCodec, list[list[np.ndarray]]] | None
+    sums: tuple[tuple[int, int], tuple[int, int]]
+    index_codec: IndexCodec
+    index_stream: list[np.ndarray]
+
+
+def encode_sparse_native(old: torch.Tensor, new: torch.Tensor, *, write_old: bool,
+                         scratch: "native.EncodeScratch", cast_buf: torch.Tensor | None = None) -> NativeChanges:
+    """:func:`encode_sparse` through the fused kernel (CPU, 2- or 4-byte
+    ``old``): one pass compares, emits every stream and sums, and (``write_old``)
+    updates ``old``. ``new`` in another dtype is cast by the kernel (fp32 ->
+    bf16) or into ``cast_buf`` first.
+    Same codec choice and bytes as the numpy path."""
+    if new.dtype != old.dtype and not native.fuses_cast(old, new):
+        n = new.numel()
+        buf = cast_buf[:n] if cast_buf is not None and cast_buf.dtype == old.dtype and cast_buf.numel() >= n \
+            else torch.empty(n, dtype=old.dtype)
+        buf.copy_(new)
+        new = buf
+    d = native.encode_piece(old, new.contiguous(), write_old, scratch)
+    k, n, size = d.num_changed, old.numel(), old.element_size()
+    # a copy (the scratch is reused): the sender's undo log keeps it
+    olds = torch.from_numpy(np.concatenate(d.olds) if d.olds else np.empty(0, native._ELEM[size][1])).view(old.dtype)
+    sums = (d.old_sums, d.new_sums)
+    idx_sizes = dict(d.index_size)
+    if not k * 8 < n:  # varint (>= 1 byte per change) cannot beat the bitmask
+        idx_sizes.pop("varint", None)
+    index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
+    val_sizes = {"raw": k * size, "diff8": k + d.num_escapes * size}
+    value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
+    if k == 0 or idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
+        return NativeChanges(k, olds, None, sums, "bitmask", d.index["bitmask"])
+    u8 = lambda chunks: [c.view(np.uint8) for c in chunks]  # noqa: E731
+    if value_codec == "raw":
+        streams = [d.index[index_codec], u8(d.vals), []]
+    else:
+        streams = [d.index[index_codec], u8(d.d8), u8(d.esc)]
+    return NativeChanges(k, olds, (index_codec, value_codec, streams), sums, index_codec, d.index[index_codec])
 
 
 def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = False,

@@ -26,7 +26,10 @@ import torch
 
 from sync import checksum as cks
 from sync.auto import AutoConfig, AutoPolicy, Kind
-from sync.codec import as_bytes, encode_sparse
+import numpy as np
+
+from sync import native
+from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
 from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor, ShardSpec | None]]
@@ -127,6 +130,7 @@ class WeightSender:
         self._undo: tuple[int | None, list[tuple]] | None = None
         self._unreported: tuple[Kind, float, int] | None = None
         self._scratch: torch.Tensor | None = None
+        self._native_scratch = native.EncodeScratch()
 
     def _cast_scratch(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer the CPU delta path casts a trainer-dtype piece into, kept
@@ -215,14 +219,14 @@ class WeightSender:
                 else:
                     old = prev[start : start + count]
                     found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key],
-                                         write_old=True, scratch=self._cast_scratch(piece, dtype))
+                                         write_old=True, scratch=self._cast_scratch(piece, dtype),
+                                         native_scratch=self._native_scratch)
                     if found is None:
                         continue
-                    entry, idx, old_vals, new_vals = found
+                    entry, where, old_vals = found
                     entries.append(entry)
-                    # int32 positions: the undo log is O(changed) and should stay small
-                    undo.append((key, sum_key, idx.to(torch.int32), old_vals, self._prev_sums[sum_key], common))
-                    num_changed += idx.numel()
+                    undo.append((key, sum_key, where, old_vals, self._prev_sums[sum_key], common))
+                    num_changed += entry.num_changed
                     checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
         writer.flush()
@@ -262,13 +266,14 @@ class WeightSender:
         writer = _BucketWriter(self.bucket_bytes)
         entries: list[TensorEntry] = []
         num_changed = 0
-        for key, sum_key, idx, old_vals, old_sum, common in reversed(undo):
+        for key, sum_key, where, old_vals, old_sum, common in reversed(undo):
             start, count = sum_key[2], common["count"]
             current = self._prev[key][start : start + count]
             restored = current.clone()
-            idx = idx.to(torch.int64)
+            idx = _positions(where)
             restored[idx] = old_vals
-            found = _delta_piece(writer, common, current, restored, key[1], self._prev_sums[sum_key])
+            found = _delta_piece(writer, common, current, restored, key[1], self._prev_sums[sum_key],
+                                 native_scratch=self._native_scratch)
             assert found is not None and found[0].checksum == old_sum, "undo log out of step with last-sent copy"
             entries.append(found[0])
             current[idx] = old_vals
@@ -282,37 +287,92 @@ class WeightSender:
         return WeightUpdate(manifest=manifest, buckets=writer.buckets)
 
 
+def _native_ok(old: torch.Tensor, new: torch.Tensor) -> bool:
+    return not old.is_cuda and not new.is_cuda and old.is_contiguous() and native.supports(old.element_size())
+
+
 def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
                  shard: ShardSpec | None, base: cks.Checksum, *, write_old: bool = False,
-                 scratch: torch.Tensor | None = None) -> tuple[TensorEntry, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                 scratch: torch.Tensor | None = None,
+                 native_scratch: native.EncodeScratch | None = None) -> tuple[TensorEntry, tuple, torch.Tensor] | None:
     """Encode how piece ``old`` became ``new`` (any float dtype; compared in
-    ``old``'s), sparse or raw, the smaller; return (entry, changed positions,
-    old values there, new values there), None if unchanged. ``write_old``:
-    ``old`` becomes ``new`` as a side effect (changed elements only)."""
-    idx, old_vals, new_vals, plan, sums = encode_sparse(old, new, write_old=write_old, scratch=scratch)
-    if idx.numel() == 0:
-        return None
+    ``old``'s), sparse or raw, the smaller; return (entry, how to find the
+    changed positions again, old values there), None if unchanged. The
+    positions are ``("idx", int32 tensor)`` or ``("stream", codec, bytes, count,
+    num_changed)`` for :func:`_positions`. ``write_old``: ``old`` becomes
+    ``new`` as a side effect (changed elements only)."""
     start = common["start"]
-    if sums is not None and (shard is None or shard.is_contiguous):  # summed while comparing
-        old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
+    contiguous = shard is None or shard.is_contiguous
+    found: NativeChanges | None = None
+    if _native_ok(old, new):
+        found = encode_sparse_native(old, new, write_old=write_old, scratch=native_scratch or native.EncodeScratch(),
+                                     cast_buf=scratch)
+        k = found.num_changed
+        if k == 0:
+            return None
+        old_vals, plan, sums = found.old_values, found.plan, found.sums
+        if contiguous:
+            old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
+        else:  # position weights need the shard's layout: decode the positions
+            idx = torch.from_numpy(_stream_positions(found.index_codec, found.index_stream, common["count"], k))
+            old_sum = cks.sparse_checksum(old_vals, idx, shard, start)
+            new_sum = cks.sparse_checksum(_new_at(old, new, idx, write_old), idx, shard, start)
     else:
-        old_sum, new_sum = cks.sparse_checksum(old_vals, idx, shard, start), cks.sparse_checksum(new_vals, idx, shard, start)
+        idx, old_vals, new_vals, plan, sums = encode_sparse(old, new, write_old=write_old, scratch=scratch)
+        k = idx.numel()
+        if k == 0:
+            return None
+        if sums is not None and contiguous:  # summed while comparing
+            old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
+        else:
+            old_sum, new_sum = cks.sparse_checksum(old_vals, idx, shard, start), cks.sparse_checksum(new_vals, idx, shard, start)
     checksum = cks.add(base, cks.sub(new_sum, old_sum))
     if plan is None:
         blob = as_bytes(new.to(old.dtype))
         extra: dict = dict(encoding="raw")
+        bucket, offset = writer.add(blob)
     else:
         index_codec, value_codec, streams = plan
-        parts = tuple(s.numel() for s in streams)
+        chunks = [[s] if isinstance(s, torch.Tensor) else s for s in streams]
+        parts = tuple(sum(c.numel() if isinstance(c, torch.Tensor) else c.size for c in s) for s in chunks)
         bucket, offset, blob = writer.reserve(sum(parts), old.device)
+        dst = blob.numpy() if not blob.is_cuda else None
         at = 0
-        for s in streams:  # straight into the bucket, no concatenated copy
-            blob[at : at + s.numel()].copy_(s)
-            at += s.numel()
+        for s in chunks:  # straight into the bucket, no concatenated copy
+            for c in s:
+                num = c.numel() if isinstance(c, torch.Tensor) else c.size
+                if dst is not None:  # numpy copies: no torch worker threads woken per small stream
+                    np.copyto(dst[at : at + num], c.numpy() if isinstance(c, torch.Tensor) else c)
+                else:
+                    blob[at : at + num].copy_(c)
+                at += num
         extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
                      parts=parts, payload_checksum=cks.bytes_checksum(blob), changed_base_checksum=old_sum)
-    if plan is None:
-        bucket, offset = writer.add(blob)
-    entry = TensorEntry(**common, **extra, num_changed=idx.numel(), bucket=bucket, offset=offset,
+    entry = TensorEntry(**common, **extra, num_changed=k, bucket=bucket, offset=offset,
                         nbytes=blob.numel(), checksum=checksum, base_checksum=base)
-    return entry, idx, old_vals, new_vals
+    if found is not None:
+        if plan is not None:  # the index stream is in the bucket already: point at it
+            stream = blob[: parts[0]]
+        else:
+            stream = torch.from_numpy(np.concatenate(found.index_stream))
+        where: tuple = ("stream", found.index_codec, stream, common["count"], k)
+    else:
+        where = ("idx", idx.to(torch.int32))  # int32: the undo log is O(changed) and should stay small
+    return entry, where, old_vals
+
+
+def _stream_positions(codec: str, stream: list | torch.Tensor, count: int, k: int) -> np.ndarray:
+    buf = stream.numpy() if isinstance(stream, torch.Tensor) else np.concatenate(stream)
+    return native.decode_index(buf, codec, count, k)
+
+
+def _new_at(old: torch.Tensor, new: torch.Tensor, idx: torch.Tensor, written: bool) -> torch.Tensor:
+    return old[idx] if written else new[idx].to(old.dtype)
+
+
+def _positions(where: tuple) -> torch.Tensor:
+    """The int64 changed positions an undo entry refers to."""
+    if where[0] == "idx":
+        return where[1].to(torch.int64)
+    _, codec, stream, count, k = where
+    return torch.from_numpy(_stream_positions(codec, stream, count, k))

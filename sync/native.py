@@ -1,0 +1,370 @@
+"""Fused CPU kernels for the delta path (``sync/_native.c``), built on first use.
+
+The numpy path (:mod:`sync.codec_np`) makes a chain of temporaries per chunk
+(compare, nonzero, gather, diff, sums), each a pass over memory; on a 2-core
+host that made a delta of a 0.5B model cost more than a full push. These
+kernels do each job in one pass:
+
+    encode_piece  sender: compare last-sent vs current a word at a time, emit
+                  varint gaps + bitmask + diff8 + escapes + sums, update last-sent
+    apply_piece   receiver: check the streams, then decode, write, keep the old
+                  values and sum old/new in one pass over the changed positions
+    restore_piece receiver: write kept old values back (a failed update)
+
+The C source is compiled with the system C compiler into a per-user cache the
+first time it is needed (about a second) and loaded with ctypes; ctypes drops
+the GIL during a call, so a piece is split into parts run on threads. Without
+a compiler, or with ``ASYNCRL_SYNC_NATIVE=0``, :func:`available` is False and
+callers use the numpy path, which writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("_native.c")
+# Parts a piece is split into (run on that many threads). Default: the cores
+# this process may use, at most 2 (the kernels are bound by memory bandwidth).
+NUM_THREADS = max(1, int(os.environ.get("ASYNCRL_SYNC_THREADS", "0")) or min(2, len(os.sched_getaffinity(0))))
+MIN_PART = 1 << 16  # elements: smaller pieces are not split
+_MASK64 = (1 << 64) - 1
+
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ELEM = {2: ("u16", np.uint16), 4: ("u32", np.uint32)}
+ESCAPE = -128
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((ln for ln in f if ln.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return b""
+
+
+def _build() -> ctypes.CDLL:
+    src = _SOURCE.read_bytes()
+    # -march=native: the library is cached per source and CPU feature set
+    tag = hashlib.sha256(src + os.uname().machine.encode() + _cpu_flags()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncrl"
+    lib_path = cache / f"sync_native_{tag}.so"
+    if not lib_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        cc = os.environ.get("CC", "cc")
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / lib_path.name
+            args = [cc, "-O3", "-std=c99", "-shared", "-fPIC", "-o", str(out), str(_SOURCE)]
+            try:
+                subprocess.run(args[:2] + ["-march=native"] + args[2:], check=True, capture_output=True, timeout=120)
+            except subprocess.CalledProcessError:  # a compiler without -march=native
+                subprocess.run(args, check=True, capture_output=True, timeout=120)
+            os.replace(out, lib_path)  # atomic: concurrent builders (Ray workers) agree
+    lib = ctypes.CDLL(str(lib_path))
+    for name in ("enc_u16", "enc_u32", "enc_bf16_f32"):
+        enc = getattr(lib, name)
+        enc.restype = _I
+        enc.argtypes = [_P, _P, _I, ctypes.c_int, _I, _P, _I, _P, _P, _P, _P, _P, _I, _P]
+    for w in ("u16", "u32"):
+        app = getattr(lib, f"apply_{w}")
+        app.restype = None
+        app.argtypes = [_P, _P, _I, ctypes.c_int, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_int, _P]
+    lib.scan.restype = _I
+    lib.scan.argtypes = [_P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P]
+    return lib
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (building them if needed)."""
+    global _lib, _lib_error
+    if _lib is not None:
+        return True
+    if _lib_error is not None or os.environ.get("ASYNCRL_SYNC_NATIVE", "1") == "0":
+        return False
+    with _lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                _lib_error = str(exc)
+                log.warning("sync: native delta kernels unavailable (%s); using the numpy path", exc)
+    return _lib is not None
+
+
+def supports(itemsize: int) -> bool:
+    return itemsize in _ELEM and available()
+
+
+_nan_bits: int | None = -1
+
+
+def _torch_nan_bits() -> int | None:
+    """What torch's fp32 -> bf16 cast makes of NaN on this build and CPU
+    (0x7FC0 in its scalar code, 0xFFFF in its vector code): the fused cast must
+    match it bit for bit. None when it depends on the NaN's sign or payload
+    (then the cast is left to torch)."""
+    global _nan_bits
+    if _nan_bits == -1:
+        bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF] * 40, dtype=torch.int64)
+        got = set()
+        for n in (1, 7, bits.numel()):  # scalar tails and vector bodies alike
+            f = bits[:n].to(torch.int32).view(torch.float32)
+            got |= set((f.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF).tolist())
+        _nan_bits = got.pop() if len(got) == 1 else None
+    return _nan_bits
+
+
+def fuses_cast(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """True when :func:`encode_piece` can cast ``new`` (fp32) to ``old``'s bf16 itself."""
+    return old.dtype == torch.bfloat16 and new.dtype == torch.float32 and available() and _torch_nan_bits() is not None
+
+
+def _run(fns: list) -> list:
+    """Call each thunk, on the shared pool when there is more than one."""
+    global _pool
+    if len(fns) <= 1:
+        return [f() for f in fns]
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="sync-native")
+    futures = [_pool.submit(f) for f in fns[1:]]
+    first = fns[0]()  # this thread works too
+    return [first] + [f.result() for f in futures]
+
+
+def _ptr(a: np.ndarray | torch.Tensor) -> int:
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+
+
+def _varint(g: int) -> bytes:
+    out = bytearray()
+    while g >= 128:
+        out.append((g & 127) | 128)
+        g >>= 7
+    out.append(g)
+    return bytes(out)
+
+
+def _varint_len_at(buf: np.ndarray, at: int) -> int:
+    n = 0
+    while buf[at + n] & 0x80:
+        n += 1
+    return n + 1
+
+
+class EncodeScratch:
+    """Output buffers of :func:`encode_piece`, reused across pieces and syncs
+    (fresh memory per piece costs page faults comparable to the work). Sized
+    for every element changing, but pages are only touched as far as changes
+    are written, so what stays resident follows the changed fraction."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.itemsize = 0
+
+    def ensure(self, n: int, itemsize: int) -> None:
+        if n <= self.n and itemsize == self.itemsize:
+            return
+        n = max(n, self.n)
+        dt = _ELEM[itemsize][1]
+        self.vbuf = np.empty(n // 8 + 16 * NUM_THREADS + 16, np.uint8)
+        self.bm = np.empty(n // 8 + 8, np.uint8)
+        self.d8 = np.empty(n, np.int8)
+        self.vals = np.empty(n, dt)
+        self.olds = np.empty(n, dt)
+        self.esc = np.empty(n, dt)
+        self.n, self.itemsize = n, itemsize
+
+
+class NativeDelta(NamedTuple):
+    """What changed in one piece, as streams ready to copy into a bucket.
+
+    ``index``: {codec: list of uint8 chunks} for the index codecs available
+    (varint is missing when its buffer overflowed: the bitmask is smaller then);
+    ``d8``/``vals``/``esc``/``olds``: lists of per-part chunks (views into the
+    scratch, valid until its next use); sums are piece-local (see sync.checksum)."""
+
+    num_changed: int
+    num_escapes: int
+    index: dict[str, list[np.ndarray]]
+    index_size: dict[str, int]
+    d8: list[np.ndarray]
+    vals: list[np.ndarray]
+    esc: list[np.ndarray]
+    olds: list[np.ndarray]
+    old_sums: tuple[int, int]
+    new_sums: tuple[int, int]
+
+
+def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch: EncodeScratch) -> NativeDelta:
+    """Compare two contiguous 1-D CPU pieces of one 2- or 4-byte dtype bit for
+    bit (``write_old``: make ``old`` equal ``new``, changed elements only).
+    ``new`` may be fp32 for a bf16 ``old`` when :func:`fuses_cast`: it is
+    cast block by block in cache, exactly as torch casts."""
+    assert old.is_contiguous() and new.is_contiguous() and old.numel() == new.numel()
+    n, size = old.numel(), old.element_size()
+    scratch.ensure(n, size)
+    if new.dtype == old.dtype:
+        fn, nan_bits, new_size = getattr(_lib, f"enc_{_ELEM[size][0]}"), 0, size
+    else:
+        assert fuses_cast(old, new), (old.dtype, new.dtype)
+        fn, nan_bits, new_size = _lib.enc_bf16_f32, _torch_nan_bits(), 4
+    num_parts = max(1, min(NUM_THREADS, n // MIN_PART))
+    # parts start on a bitmask byte (a multiple of 8 elements)
+    step = ((n + num_parts - 1) // num_parts + 7) // 8 * 8 if num_parts > 1 else max(n, 1)
+    bounds = [(s, min(s + step, n)) for s in range(0, n, step)] or [(0, 0)]
+    vcap = n // 8 // len(bounds) + 16  # past this varint is no smaller than the bitmask
+    o_ptr, n_ptr = old.data_ptr(), new.data_ptr()
+    s = scratch
+
+    def part(t: int):
+        a, b = bounds[t]
+        out = np.zeros(10, np.int64)
+        fn(o_ptr + a * size, n_ptr + a * new_size, b - a, int(write_old), a,
+           s.vbuf.ctypes.data + t * vcap, vcap, s.bm.ctypes.data + a // 8,
+           s.d8.ctypes.data + a, s.vals.ctypes.data + a * size, s.olds.ctypes.data + a * size,
+           s.esc.ctypes.data + a * size, nan_bits, out.ctypes.data)
+        return out
+
+    outs = _run([lambda t=t: part(t) for t in range(len(bounds))])
+    k = int(sum(int(o[0]) for o in outs))
+    nesc = int(sum(int(o[1]) for o in outs))
+    sums = [sum(int(o[i]) for o in outs) & _MASK64 for i in range(4, 8)]
+    d8, vals, esc, olds, vchunks = [], [], [], [], []
+    overflow = any(int(o[3]) for o in outs)
+    vsize, last = 0, -1
+    for t, ((a, _), o) in enumerate(zip(bounds, outs)):
+        kt, et, vlen = int(o[0]), int(o[1]), int(o[2])
+        if not kt:
+            continue
+        d8.append(s.d8[a : a + kt])
+        vals.append(s.vals[a : a + kt])
+        olds.append(s.olds[a : a + kt])
+        if et:
+            esc.append(s.esc[a : a + et])
+        if not overflow:
+            v = s.vbuf[t * vcap : t * vcap + vlen]
+            if a:  # the part's first gap was written relative to its own start
+                head = _varint_len_at(v, 0)
+                first = a + int(o[8])
+                fixed = np.frombuffer(_varint(first - last - 1), np.uint8)
+                vchunks.append(fixed)
+                v = v[head:]
+                vsize += fixed.size
+            vchunks.append(v)
+            vsize += v.size
+        last = a + int(o[9])
+    index = {"bitmask": [s.bm[: (n + 7) // 8]]}
+    index_size = {"bitmask": (n + 7) // 8}
+    if not overflow:
+        index["varint"], index_size["varint"] = vchunks, vsize
+    return NativeDelta(k, nesc, index, index_size, d8, vals, esc, olds, (sums[0], sums[1]), (sums[2], sums[3]))
+
+
+_CODEC = {"varint": 0, "bitmask": 1}
+_SCAN_ERRORS = {-1: "index stream ends early or has extra bytes", -2: "position out of range",
+                -3: "number of positions does not match the manifest", -4: "diff8 escape count does not match",
+                -5: "varint value too long"}
+
+
+def _aligned(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``a`` (uint8) viewed as ``dtype``, copied when misaligned for it."""
+    if a.ctypes.data % np.dtype(dtype).itemsize or a.size % np.dtype(dtype).itemsize:
+        a = a.copy()
+    return a.view(dtype)
+
+
+def _streams(blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str, count: int,
+             num_changed: int, dtype: np.dtype):
+    if len(parts) != 3 or sum(parts) != blob.size:
+        raise ValueError(f"sparse parts {parts} do not add up to {blob.size} bytes")
+    if index_codec not in _CODEC:
+        raise ValueError(f"unknown index codec {index_codec!r}")
+    a, b = parts[0], parts[0] + parts[1]
+    size = np.dtype(dtype).itemsize
+    if value_codec == "diff8":
+        if parts[1] != num_changed or parts[2] % size:
+            raise ValueError("diff8 value stream does not match the number of positions")
+        d8, vals = blob[a:b].view(np.int8), _aligned(blob[b:], dtype)
+    elif value_codec == "raw":
+        if parts[1] != num_changed * size or parts[2]:
+            raise ValueError("value stream does not match the number of positions")
+        d8, vals = None, _aligned(blob[a:b], dtype)
+    else:
+        raise ValueError(f"unknown value codec {value_codec!r}")
+    return blob[:a], d8, vals
+
+
+def apply_piece(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str,
+                count: int, num_changed: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+    """Check a sparse blob, then write it into ``flat`` (writable integer
+    view of one contiguous CPU piece of ``count`` elements). Returns (old
+    values at the changed positions, piece-local sums of the old values, of
+    the new). Raises ValueError, writing nothing, for a malformed blob."""
+    assert flat.size == count and flat.itemsize in _ELEM
+    dtype = _ELEM[flat.itemsize][1]
+    idx_s, d8, vals = _streams(blob, parts, index_codec, value_codec, count, num_changed, dtype)
+    num_parts = max(1, min(NUM_THREADS, num_changed // MIN_PART))
+    cuts = np.zeros(4 * num_parts + 4, np.int64)
+    codec = _CODEC[index_codec]
+    rc = _lib.scan(_ptr(idx_s), idx_s.size, codec, count, num_changed, 0 if d8 is None else _ptr(d8),
+                   vals.size if d8 is not None else 0, num_parts, cuts.ctypes.data)
+    if rc:
+        raise ValueError(f"undecodable sparse payload: {_SCAN_ERRORS.get(rc, rc)}")
+    cuts[4 * num_parts + 2] = num_changed
+    olds = np.empty(num_changed, dtype)
+    fn = getattr(_lib, f"apply_{_ELEM[flat.itemsize][0]}")
+    mode = 1 if d8 is None else 0
+    fp = flat.ctypes.data
+
+    def part(t: int):
+        sums = np.zeros(4, np.int64)
+        at, last, j0, e0 = (int(x) for x in cuts[4 * t : 4 * t + 4])
+        j1 = int(cuts[4 * t + 6])
+        if j1 > j0:
+            fn(fp, _ptr(idx_s), idx_s.size, codec, at, last, j0, j1, 0 if d8 is None else _ptr(d8), _ptr(vals), e0,
+               olds.ctypes.data, mode, sums.ctypes.data)
+        return sums
+
+    sums = _run([lambda t=t: part(t) for t in range(num_parts)])
+    tot = [sum(int(s[i]) for s in sums) & _MASK64 for i in range(4)]
+    return olds, (tot[0], tot[1]), (tot[2], tot[3])
+
+
+def restore_piece(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, count: int,
+                  olds: np.ndarray) -> None:
+    """Write ``olds`` back at the positions of an applied blob (rollback)."""
+    idx_s = blob[: parts[0]]
+    fn = getattr(_lib, f"apply_{_ELEM[flat.itemsize][0]}")
+    codec = _CODEC[index_codec]
+    dummy = np.zeros(4, np.int64)
+    fn(flat.ctypes.data, _ptr(idx_s), idx_s.size, codec, 0, -1, 0, olds.size, None, None, 0,
+       olds.ctypes.data, 2, dummy.ctypes.data)
+
+
+def decode_index(stream: np.ndarray, index_codec: str, count: int, num_changed: int) -> np.ndarray:
+    """Positions (int64) of an index stream; for undo logs, not the hot path."""
+    from sync import codec_np as cnp
+
+    if index_codec == "varint":
+        return cnp.varint_decode(stream, num_changed)
+    return cnp.bitmask_decode(stream, count)
