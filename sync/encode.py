@@ -8,10 +8,11 @@ into a full or delta :class:`WeightUpdate`:
     trainer weights (fp32 master, any sharding)
       └─ per piece of <= bucket_bytes: cast to engine dtype
            ├─ full : raw bytes -> bucket; checksum; copy into last-sent
-           └─ delta: compare bit patterns with last-sent (CPU: cast once into a
-                     reused buffer, then a machine word at a time in cache-sized
-                     chunks, summing and writing the
-                     changed elements into last-sent while they are in cache)
+           └─ delta: compare bit patterns with last-sent. CPU: one pass of the
+                     fused kernel (sync/native.py) per part of a piece, a part per
+                     core: fp32 -> bf16 cast in cache, 64-element vector compares,
+                     every stream, the sums, and last-sent updated at the changed
+                     elements; without a C compiler the numpy path (sync/codec_np.py)
                      -> sparse (index + value streams) or raw, whichever is smaller
                      -> checksum moved by the changed elements only
 """
@@ -22,13 +23,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
+import numpy as np
 import torch
 
 from sync import checksum as cks
-from sync.auto import AutoConfig, AutoPolicy, Kind
-import numpy as np
-
 from sync import native
+from sync.auto import AutoConfig, AutoPolicy, Kind
 from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
 from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 

@@ -62,6 +62,16 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+def build_variant(flags: list[str], directory: str | Path) -> ctypes.CDLL:
+    """Build the kernels with the given compiler flags into ``directory``
+    (not cached, not used by the sync): tests check that the vector and
+    portable code paths write the same bytes."""
+    out = Path(directory) / f"sync_native_{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-O3", "-std=c99", "-shared", "-fPIC", *flags, "-o", str(out),
+                    str(_SOURCE)], check=True, capture_output=True, timeout=120)
+    return _declare(ctypes.CDLL(str(out)))
+
+
 def _build() -> ctypes.CDLL:
     src = _SOURCE.read_bytes()
     # -march=native: the library is cached per source and CPU feature set
@@ -79,7 +89,10 @@ def _build() -> ctypes.CDLL:
             except subprocess.CalledProcessError:  # a compiler without -march=native
                 subprocess.run(args, check=True, capture_output=True, timeout=120)
             os.replace(out, lib_path)  # atomic: concurrent builders (Ray workers) agree
-    lib = ctypes.CDLL(str(lib_path))
+    return _declare(ctypes.CDLL(str(lib_path)))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("enc_u16", "enc_u32", "enc_bf16_f32"):
         enc = getattr(lib, name)
         enc.restype = _I
