@@ -19,6 +19,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import load_causal_lm, resolve_model_path
 from policies.losses import NEEDS_PROXIMAL, make_loss
 from transfer_queue.sample import Sample
@@ -47,14 +48,20 @@ class TorchBackend:
         loss_kwargs: dict | None = None,
         seed: int = 0,
         micro_batch_tokens: int = 0,
+        master_dtype: str | None = "float32",
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if master_dtype is not None and master_dtype not in _DTYPES:
+            raise ValueError(f"master_dtype must be one of {sorted(_DTYPES)} or None, got {master_dtype!r}")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
+        # Optimizer params in this dtype when the model's is lower (Megatron-style
+        # fp32 main params; see mixed_precision.py). None: step the model params as they are.
+        self.master_dtype = None if master_dtype is None or _DTYPES[master_dtype] == self.dtype else _DTYPES[master_dtype]
         self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
         self.loss_name = loss
         self.loss_fn = make_loss(loss)  # fail on a bad name at construction, not at step 1
@@ -80,9 +87,13 @@ class TorchBackend:
         self.model = load_causal_lm(model_dir, device=self.device, dtype=self.dtype)
         # No dropout in RL: the log-probs we train on must match the sampler's.
         self.model.eval()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
-        )
+        def adamw(params):
+            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+
+        if self.master_dtype is None:
+            self.optimizer = adamw(self.model.parameters())
+        else:
+            self.optimizer = MainParamsOptimizer(self.model.parameters(), adamw, self.master_dtype)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
     def _require_setup(self) -> None:
@@ -169,8 +180,11 @@ class TorchBackend:
             for k, v in self._accumulate(part, [advantages[i] for i in idx], prox, weight).items():
                 sums[k] = sums.get(k, 0.0) + v * weight
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
+        if isinstance(self.optimizer, MainParamsOptimizer):
+            grad_norm = self.optimizer.clip_and_step(max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            self.optimizer.step()
         self.version += 1
         return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens),
                 "version": float(self.version)}
