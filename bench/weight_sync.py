@@ -2,8 +2,13 @@
 
     python -m bench.weight_sync [--small] [--device cpu|cuda] [--transports inproc,ray,gloo]
 
-A Qwen2.5-0.5B-shaped model (random init, fp32 master weights, AdamW) takes
-one optimizer step per learning rate; the engine copy is bf16. For each step
+A Qwen2.5-0.5B-shaped model (random init) takes one AdamW step per learning
+rate. By default it trains the way the torch backend does with a bf16 model
+(Megatron-style mixed precision, ``actors/backends/mixed_precision.py``): fp32
+main params in the optimizer, bf16 model params written by the step, and the
+sync reads the bf16 model params, so neither full nor delta pays a cast.
+``--model-params fp32`` keeps an fp32 model instead, and then both kinds cast
+to the engine's bf16 inside the sync. For each step
 the same version is pushed as a delta and as a full update through every
 transport, and we print one JSON object: changed fraction, bytes sent, bytes
 per changed element, and encode / transfer / apply milliseconds per
@@ -28,7 +33,9 @@ from typing import Any
 
 import torch
 
+from actors.backends.mixed_precision import MainParamsOptimizer
 from sync import WeightSender, apply_update
+from sync import native
 from sync.auto import AutoConfig, AutoPolicy
 from sync.manifest import WeightUpdate
 from sync.transport import make_transport
@@ -59,14 +66,17 @@ def engine_shapes(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return out
 
 
-def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, seed: int, device: str) -> None:
+def optimizer_step(model: torch.nn.Module, opt: Any, lr: float, seed: int, device: str) -> None:
     for group in opt.param_groups:
         group["lr"] = lr
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=g).to(device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    opt.step()
+    if isinstance(opt, MainParamsOptimizer):
+        opt.clip_and_step(float("inf"))  # fp32 main params step, bf16 model params follow
+    else:
+        opt.step()
     opt.zero_grad(set_to_none=True)  # the grads' memory is not needed during the sync
 
 
@@ -260,13 +270,22 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
-def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repeat: int = 1) -> dict[str, Any]:
+def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repeat: int = 1,
+        model_params: str = "bf16") -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(0)
     with torch.device(device):  # initialise where it will live: much faster on a GPU
         model = transformers.Qwen2ForCausalLM(model_config(small))
-    opt = torch.optim.AdamW(model.parameters(), lr=LRS[0], weight_decay=0.0)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=LRS[0], weight_decay=0.0)
+
+    if model_params == "bf16":
+        model.to(torch.bfloat16)
+        opt: Any = MainParamsOptimizer(model.parameters(), adamw, torch.float32)
+    else:
+        opt = adamw(model.parameters())
     weights = model.state_dict()
     shapes = engine_shapes(weights)
     receivers = [make_receiver(t, shapes, device) for t in transports]
@@ -354,7 +373,14 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         "benchmark": "weight_sync",
         "machine": machine(device),
         "model": {"shape": "small" if small else "Qwen2.5-0.5B", "num_params": sum(p.numel() for p in model.parameters()),
-                  "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW"},
+                  "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW",
+                  "model_params_dtype": "bfloat16" if model_params == "bf16" else "float32",
+                  "sync_reads": ("bf16 model params written by the optimizer step (Megatron-style fp32 main params, "
+                                 "actors/backends/mixed_precision.py, as the torch backend does for a bf16 model): "
+                                 "no cast in the sync, for full and delta alike") if model_params == "bf16" else
+                                ("fp32 params: full and delta both cast to bf16 inside the sync")},
+        "native_kernels": native.available(),
+        "sync_threads": native.NUM_THREADS,
         "bucket_bytes": bucket_bytes,
         "repeat": repeat,
         "timing": "min over `repeat` pushes of the same update from the same base, per component",
@@ -371,11 +397,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
     p.add_argument("--repeat", type=int, default=3, help="time each push this many times (min is kept)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--model-params", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: mixed precision, the sync reads bf16 model params; fp32: the sync casts")
     args = p.parse_args(argv)
     default = "inproc,cuda_ipc" if args.device.startswith("cuda") else "inproc,ray,gloo"
     transports = (args.transports or default).split(",")
     torch.set_num_threads(os.cpu_count() or 1)
-    result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat))
+    result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat), args.model_params)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
