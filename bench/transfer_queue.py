@@ -303,7 +303,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ack; ray.util.queue makes ~47 (32 put_nowait_batch, ~15 get_nowait_batch polls). Profiled on this box "
         "(per-process CPU over 4,096-sample turns; py-spy of the driver; not part of this JSON): a Ray actor "
         "call costs ~1 ms of CPU at each end with no payload (async actor; ~0.7 ms sync) and ~1.3 ms more per "
-        "end for a 0.5 MB argument; TransferQueue ~610-750 us of CPU per sample in all (driver ~310-360, of "
+        "end for a 0.5 MB argument; TransferQueue ~680-750 us of CPU per sample in all at load 2-3 (driver ~330-360, of "
         "which decoding Samples and freeing them ~45%, encoding ~10%, Ray call submission ~17%, the event "
         "loop ~10%; each storage unit ~110-120; controller ~85-110; raylet ~20), ray.util.queue ~1,650-2,200 "
         "(its queue actor ~725-940, driver ~690-870, raylet ~220-310). The 5x goal needs ~330-440 us of CPU "
