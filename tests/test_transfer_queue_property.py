@@ -38,11 +38,14 @@ async def _complete(tq: TransferQueue, samples: list) -> None:
             assert "already dropped" in str(e)
 
 
-async def _drive(ops: list[tuple]) -> None:
+async def _drive(ops: list[tuple], deployment: str = "local") -> None:
     now = [0.0]
-    tq = await TransferQueue.create(
-        TransferQueueConfig(capacity=24, num_storage_units=2, lease_s=LEASE_S), clock=lambda: now[0]
-    )
+    if deployment == "local":
+        tq = await TransferQueue.create(
+            TransferQueueConfig(capacity=24, num_storage_units=2, lease_s=LEASE_S), clock=lambda: now[0]
+        )
+    else:  # real time: leases never run out by themselves here, "expire" forces them
+        tq = await TransferQueue.create(TransferQueueConfig(capacity=24, num_storage_units=2, deployment="ray"))
     leases: list[str] = []
     delivered: list[str] = []
     held: dict[str, list[str]] = {}  # batch id -> uids
@@ -81,6 +84,10 @@ async def _drive(ops: list[tuple]) -> None:
                 delivered.extend(held.pop(batch_id))
             else:
                 await tq.nack(batch_id)
+        elif kind == "expire" and deployment != "local":
+            if o[1]:  # as if every consumer died
+                await tq.expire_leases(force=True)
+                leases = []
         elif kind == "expire":
             now[0] += LEASE_S if o[1] else LEASE_S / 2
             await tq.expire_leases()
@@ -110,9 +117,28 @@ async def _drive(ops: list[tuple]) -> None:
     assert stats.pending == stats.in_flight == 0
     assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
     assert stats.put == len(put_uids) == len(delivered) + stats.dropped
+    await tq.shutdown()
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=40))
 def test_accounting_identity_holds_over_any_interleaving(ops: list[tuple]) -> None:
     loop.run(_drive(ops))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_accounting_identity_holds_over_any_interleaving_on_ray() -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(ops=st.lists(op, min_size=10, max_size=40))
+        def drive(ops: list[tuple]) -> None:
+            loop.run(_drive(ops, "ray"))
+
+        drive()
+    finally:
+        ray.shutdown()
