@@ -12,8 +12,8 @@ storage unit keeps each new row whole as an unparsed slice of it (the client
 sends the row lengths; a row is split into field slices only when fields are
 added to it or a read asks for some fields) and answers a read with one buffer,
 which the consumer decodes straight into ``Sample`` structs when it reads
-``batch.samples`` (or one field of each, for ``batch.column``). Ray pickles a bytes object with one copy, so
-no Python object per token is pickled.
+``batch.samples`` (or one field of each, for ``batch.column``). Ray pickles a
+bytes object with one copy, so no Python object per token is pickled.
 
 A put of new samples is one call from the client, since on a small host each
 Ray call costs about a millisecond of CPU at both ends, more than the bytes:
@@ -60,7 +60,8 @@ class StorageActor:
     """One storage unit in its own process. An async actor: its methods run one
     at a time on the actor's loop (none awaits while touching the rows).
 
-    Rows arrive as msgpack and are parsed (into per-field slices) on the next
+    New samples' rows are kept whole (``put_new``); rows of ``put_fields`` writes
+    arrive as one msgpack buffer and are parsed into per-field slices on the next
     read or delete, so a write's round trip is only the transfer.
     """
 
