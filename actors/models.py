@@ -13,6 +13,8 @@ import pathlib
 import torch
 import transformers
 
+from actors.engines.model import prefer_shape_agnostic_attention
+
 # Any of these next to config.json counts as weights.
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -67,6 +69,7 @@ def load_causal_lm(
     kernels a machine happens to have.
     """
     model_dir = resolve_model_path(path, base_dir)
+    prefer_shape_agnostic_attention(device)
     kwargs: dict = {"local_files_only": True, "dtype": dtype}
     if torch.device(device).type == "cpu":
         kwargs["attn_implementation"] = "eager"

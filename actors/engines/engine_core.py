@@ -36,6 +36,7 @@ from actors.engines.sampling import SamplingBatch, sample
 from actors.engines.weights import FullWeights, WeightStore
 
 ADMIT_DELAY_STEPS = 4  # most decode steps a waiting request is held back to batch its prefill
+PREFILL_PAD = 16  # CUDA prefill pads prompts to a multiple of this many tokens
 
 # (stream, token | None, logprob, raw_logprob, version, finish_reason | None, error | None)
 Event = tuple[Any, int | None, float, float, int, str | None, BaseException | None]
@@ -123,6 +124,12 @@ class EngineCore:
 
     # ---- the thread ----------------------------------------------------------------------------
     def _main(self) -> None:
+        if self.opts.device.type == "cuda":
+            # The engine's own stream: its steps run beside a colocated trainer's kernels
+            # instead of queueing behind them on the default stream, and its host-to-device
+            # copies wait only for its own work.
+            torch.cuda.set_device(self.opts.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.opts.device))
         while not self.closed:
             with self._cond:
                 while not self._commands and not self._can_step():
@@ -239,6 +246,16 @@ class EngineCore:
         return self.awake
 
     def _cmd_update(self, update: object) -> int:
+        cuda = self.opts.device.type == "cuda"
+        if cuda:  # the update's tensors were written on other threads' (default) streams
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.opts.device))
+        try:
+            return self._apply_update(update)
+        finally:
+            if cuda:  # the sender may free or reuse its tensors once this returns
+                torch.cuda.current_stream().synchronize()
+
+    def _apply_update(self, update: object) -> int:
         if isinstance(update, FullWeights):
             self.weights.load_full(update.tensors)
             new_version = int(update.version)
@@ -351,6 +368,8 @@ class EngineCore:
 
     def _prefill_chunk(self, seqs: list[Seq], events: list[Event], device: torch.device) -> None:
         T = max(len(s.tokens) for s in seqs)
+        if device.type == "cuda":  # few distinct shapes: attention plans and allocator blocks get reused
+            T = min(-(-T // PREFILL_PAD) * PREFILL_PAD, self.model.cos.shape[0])
         rows = [s.tokens + [0] * (T - len(s.tokens)) for s in seqs]
         tokens = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         meta = torch.tensor([[s.slot for s in seqs], [len(s.tokens) - 1 for s in seqs]], dtype=torch.int64)
