@@ -1,7 +1,7 @@
 """TransferQueue benchmark: samples/s and get latency, in-process vs Ray vs ray.util.queue.
 
     python -m bench.transfer_queue [--num-batches 16] [--latency-rounds 60] [--repeats 3]
-                                   [--groups-per-put 1] [--out PATH]
+                                   [--groups-per-put 1] [--num-storage-units 1] [--out PATH]
 
 Workload: batches of 256 samples, each a 128-token prompt and a 1,024-token
 response (ids, log-probs and per-token versions), in GRPO groups of 8.
@@ -16,6 +16,8 @@ pays its own encode / transport / decode costs on the same two cores.
                  ray.util.queue take turns, ``--repeats`` times each, so both see the
                  same load on the shared box; samples_per_s is the median of the
                  turns (``samples_per_s_runs``: every turn, in order).
+                 ``ray_2_units``: the Ray deployment with two storage units
+                 instead of ``--num-storage-units``, one turn after each pair.
                  ``samples_per_s_arrays``: the same, but the consumer wants token
                  arrays: ``batch.column(...)`` here (built from the samples), and
                  ``np.array(list)`` per field on ray.util.queue's Sample objects.
@@ -52,6 +54,10 @@ from transfer_queue import EndOfStream, Sample, TransferQueue, TransferQueueConf
 BATCH = 256
 GROUP = 8
 GROUPS_PER_PUT = 1  # --groups-per-put: both queues get the same put granularity
+# --num-storage-units: one on this 2-core host, where a second storage actor (one
+# more process, a read and a delete per unit per batch) costs more than it spreads;
+# ``ray_2_units`` measures the Ray deployment with two in the same run.
+NUM_STORAGE_UNITS = 1
 PROMPT_TOKENS = 128
 RESPONSE_TOKENS = 1024
 NUM_PRODUCERS = 4
@@ -144,12 +150,14 @@ async def tq_latency(tq: TransferQueue, rounds: int) -> dict[str, Any]:
     }
 
 
-def tq_cfg(deployment: str) -> TransferQueueConfig:
-    return TransferQueueConfig(capacity=CAPACITY, num_storage_units=2, lease_s=600.0, deployment=deployment)
+def tq_cfg(deployment: str, num_storage_units: int | None = None) -> TransferQueueConfig:
+    return TransferQueueConfig(
+        capacity=CAPACITY, num_storage_units=num_storage_units or NUM_STORAGE_UNITS, lease_s=600.0, deployment=deployment
+    )
 
 
-async def tq_rate(deployment: str, samples: list[Sample]) -> float:
-    tq = await TransferQueue.create(tq_cfg(deployment))
+async def tq_rate(deployment: str, samples: list[Sample], num_storage_units: int | None = None) -> float:
+    tq = await TransferQueue.create(tq_cfg(deployment, num_storage_units))
     rate = await tq_throughput(tq, samples)
     await tq.shutdown()
     return rate
@@ -253,7 +261,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "workload": {
             "batch_size": BATCH, "group_size": GROUP, "groups_per_put": GROUPS_PER_PUT, "prompt_tokens": PROMPT_TOKENS,
-            "response_tokens": RESPONSE_TOKENS, "num_producers": NUM_PRODUCERS,
+            "response_tokens": RESPONSE_TOKENS, "num_producers": NUM_PRODUCERS, "num_storage_units": NUM_STORAGE_UNITS,
             "num_consumers": NUM_CONSUMERS, "capacity": CAPACITY,
             "throughput_samples": args.num_batches * BATCH, "latency_rounds": args.latency_rounds,
         },  # fmt: skip
@@ -267,9 +275,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         result["ray_util_queue"] = await bench_rq(args.num_batches, args.latency_rounds)
         # The runs above are the first turn; more turns, alternating, so both sides see the same load.
         runs = {side: [result[side]["samples_per_s"]] for side in ("ray", "ray_util_queue")}
-        for r in range(1, args.repeats):
-            runs["ray"].append(await tq_rate("ray", make_samples(args.num_batches * BATCH, f"r{r}-")))
-            runs["ray_util_queue"].append(await rq_throughput(make_samples(args.num_batches * BATCH, f"q{r}-")))
+        runs["ray_2_units"] = []
+        for r in range(args.repeats):
+            if r:
+                runs["ray"].append(await tq_rate("ray", make_samples(args.num_batches * BATCH, f"r{r}-")))
+                runs["ray_util_queue"].append(await rq_throughput(make_samples(args.num_batches * BATCH, f"q{r}-")))
+            runs["ray_2_units"].append(await tq_rate("ray", make_samples(args.num_batches * BATCH, f"u{r}-"), 2))
+        result["ray_2_units"] = {}
         for side, rates in runs.items():
             result[side]["samples_per_s"] = round(float(np.median(rates)), 1)
             result[side]["samples_per_s_runs"] = [round(x, 1) for x in rates]
@@ -281,6 +293,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     result["ratio_ray_vs_ray_util_queue_arrays"] = round(
         result["ray"]["samples_per_s_arrays"] / result["ray_util_queue"]["samples_per_s_arrays"], 2
     )
+    result["ratio_ray_2_units_vs_ray_util_queue"] = round(result["ray_2_units"]["samples_per_s"] / rq_rate, 2)
     result["ratio_local_vs_ray_util_queue"] = round(result["local"]["samples_per_s"] / rq_rate, 2)
     result["goals"] = {
         "ray_at_least_5x_ray_util_queue": ray_rate >= 5 * rq_rate,
@@ -303,9 +316,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ack; ray.util.queue makes ~47 (32 put_nowait_batch, ~15 get_nowait_batch polls). Profiled on this box "
         "(per-process CPU over 4,096-sample turns; py-spy of the driver; not part of this JSON): a Ray actor "
         "call costs ~1 ms of CPU at each end with no payload (async actor; ~0.7 ms sync) and ~1.3 ms more per "
-        "end for a 0.5 MB argument; TransferQueue ~680-750 us of CPU per sample in all at load 2-3 (driver ~330-360, of "
-        "which decoding Samples and freeing them ~45%, encoding ~10%, Ray call submission ~17%, the event "
-        "loop ~10%; each storage unit ~110-120; controller ~85-110; raylet ~20), ray.util.queue ~1,650-2,200 "
+        "end for a 0.5 MB argument; TransferQueue with two storage units ~680-750 us of CPU per sample in all at "
+        "load 2-3 (driver ~330-360, of which decoding Samples and freeing them ~45%, encoding ~10%, Ray call "
+        "submission ~17%, the event loop ~10%; each storage unit ~110-120; controller ~85-110; raylet ~20), with "
+        "one ~590-610 (one process, read and delete fewer: ~25-30% more samples/s here, see ray_2_units), "
+        "ray.util.queue ~1,650-2,200 "
         "(its queue actor ~725-940, driver ~690-870, raylet ~220-310). The 5x goal needs ~330-440 us of CPU "
         "per sample in all, ~180-220 of it the floor of encoding and decoding Python lists in the one driver "
         "process, so it is not reached with Ray calls at ~2 ms of CPU each on these 2 cores."
@@ -320,9 +335,12 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3, help="turns each of Ray and ray.util.queue take (throughput)")
     parser.add_argument("--groups-per-put", type=int, default=1,
                         help="GRPO groups per put call, for every producer of both queues (default 1)")
+    parser.add_argument("--num-storage-units", type=int, default=1,
+                        help="storage units of both TransferQueue deployments (default 1: see NUM_STORAGE_UNITS)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer_queue_cpu.json"))
     args = parser.parse_args()
     GROUPS_PER_PUT = args.groups_per_put
+    NUM_STORAGE_UNITS = args.num_storage_units
     out = loop.run(main(args))  # the project's one loop (uvloop when installed), as every asyncrl process runs
     text = json.dumps(out, indent=2)
     print(text)
