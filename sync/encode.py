@@ -189,7 +189,7 @@ class WeightSender:
                     continue
                 seen.add(alias)
             dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
-            piece_elems = max(1, self.bucket_bytes // torch.empty(0, dtype=dtype).element_size())
+            piece_elems = max(1, self.bucket_bytes // dtype.itemsize)
             shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)
             if shard is not None and tuple(tensor.shape) != shard.local_shape:
                 raise ValueError(f"{name}: shard tensor shape {tuple(tensor.shape)} != ShardSpec {shard.local_shape}")

@@ -7,8 +7,8 @@ kernels do each job in one pass:
 
     encode_piece  sender: compare last-sent vs current a word at a time, emit
                   varint gaps + bitmask + diff8 + escapes + sums, update last-sent
-    apply_piece   receiver: check the streams, then decode, write, keep the old
-                  values and sum old/new in one pass over the changed positions
+    apply_piece   receiver: decode, check, write, keep the old values and sum
+                  old/new in one pass over the changed positions
     restore_piece receiver: write kept old values back (a failed update)
 
 The C source is compiled with the system C compiler into a per-user cache the
@@ -99,10 +99,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         enc.argtypes = [_P, _P, _I, ctypes.c_int, _I, _P, _I, _P, _P, _P, _P, _P, _I, _P]
     for w in ("u16", "u32"):
         app = getattr(lib, f"apply_{w}")
-        app.restype = None
-        app.argtypes = [_P, _P, _I, ctypes.c_int, _I, _I, _I, _I, _P, _P, _I, _P, ctypes.c_int, _P]
-    lib.scan.restype = _I
-    lib.scan.argtypes = [_P, _I, ctypes.c_int, _I, _I, _P, _I, _I, _P]
+        app.restype = _I
+        app.argtypes = [_P, _I, _P, _I, ctypes.c_int, _I, _P, _P, _I, _P, ctypes.c_int, _P, _P]
     return lib
 
 
@@ -165,7 +163,8 @@ def _run(fns: list) -> list:
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+    # __array_interface__ is several times cheaper than .ctypes per call
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.__array_interface__["data"][0]
 
 
 def _varint(g: int) -> bytes:
@@ -206,6 +205,9 @@ class EncodeScratch:
         self.olds = np.empty(n, dt)
         self.esc = np.empty(n, dt)
         self.n, self.itemsize = n, itemsize
+        self.ptrs = {name: _ptr(getattr(self, name)) for name in ("vbuf", "bm", "d8", "vals", "olds", "esc")}
+        self.out = np.zeros((NUM_THREADS + 1, 10), np.int64)  # one row of counters per part
+        self.out_ptr = _ptr(self.out)
 
 
 class NativeDelta(NamedTuple):
@@ -249,14 +251,17 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
     o_ptr, n_ptr = old.data_ptr(), new.data_ptr()
     s = scratch
 
+    p = s.ptrs
+    if s.out.shape[0] < len(bounds):
+        s.out = np.zeros((len(bounds), 10), np.int64)
+        s.out_ptr = _ptr(s.out)
+
     def part(t: int):
         a, b = bounds[t]
-        out = np.zeros(10, np.int64)
         fn(o_ptr + a * size, n_ptr + a * new_size, b - a, int(write_old), a,
-           s.vbuf.ctypes.data + t * vcap, vcap, s.bm.ctypes.data + a // 8,
-           s.d8.ctypes.data + a, s.vals.ctypes.data + a * size, s.olds.ctypes.data + a * size,
-           s.esc.ctypes.data + a * size, nan_bits, out.ctypes.data)
-        return out
+           p["vbuf"] + t * vcap, vcap, p["bm"] + a // 8, p["d8"] + a, p["vals"] + a * size,
+           p["olds"] + a * size, p["esc"] + a * size, nan_bits, s.out_ptr + t * 80)
+        return s.out[t]
 
     outs = _run([lambda t=t: part(t) for t in range(len(bounds))])
     k = int(sum(int(o[0]) for o in outs))
@@ -294,20 +299,20 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
 
 
 _CODEC = {"varint": 0, "bitmask": 1}
-_SCAN_ERRORS = {-1: "index stream ends early or has extra bytes", -2: "position out of range",
-                -3: "number of positions does not match the manifest", -4: "diff8 escape count does not match",
-                -5: "varint value too long"}
+_ERRORS = {-1: "index stream ends early or has extra bytes", -2: "position out of range",
+           -3: "number of positions does not match the manifest", -4: "diff8 escape count does not match",
+           -5: "varint value too long"}
 
 
 def _aligned(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``a`` (uint8) viewed as ``dtype``, copied when misaligned for it."""
-    if a.ctypes.data % np.dtype(dtype).itemsize or a.size % np.dtype(dtype).itemsize:
+    if _ptr(a) % np.dtype(dtype).itemsize or a.size % np.dtype(dtype).itemsize:
         a = a.copy()
     return a.view(dtype)
 
 
-def _streams(blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str, count: int,
-             num_changed: int, dtype: np.dtype):
+def _streams(blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str, num_changed: int,
+             dtype: np.dtype):
     if len(parts) != 3 or sum(parts) != blob.size:
         raise ValueError(f"sparse parts {parts} do not add up to {blob.size} bytes")
     if index_codec not in _CODEC:
@@ -327,51 +332,39 @@ def _streams(blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_c
     return blob[:a], d8, vals
 
 
+def _apply(flat: np.ndarray, idx_s: np.ndarray, codec: str, num_changed: int, d8: np.ndarray | None,
+           vals: np.ndarray | None, olds: np.ndarray, mode: int) -> tuple[int, np.ndarray, int]:
+    fn = getattr(_lib, f"apply_{_ELEM[flat.itemsize][0]}")
+    sums, written = np.zeros(4, np.int64), np.zeros(1, np.int64)
+    rc = fn(_ptr(flat), flat.size, _ptr(idx_s), idx_s.size, _CODEC[codec], num_changed,
+            0 if d8 is None else _ptr(d8), 0 if vals is None else _ptr(vals), 0 if vals is None else vals.size,
+            _ptr(olds), mode, _ptr(sums), _ptr(written))
+    return int(rc), sums, int(written[0])
+
+
 def apply_piece(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str,
                 count: int, num_changed: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
-    """Check a sparse blob, then write it into ``flat`` (writable integer
-    view of one contiguous CPU piece of ``count`` elements). Returns (old
-    values at the changed positions, piece-local sums of the old values, of
-    the new). Raises ValueError, writing nothing, for a malformed blob."""
+    """Decode a sparse blob and write it into ``flat`` (writable integer view
+    of one contiguous CPU piece of ``count`` elements) in one pass. Returns
+    (old values at the changed positions, piece-local sums of the old values,
+    of the new). A malformed blob raises ValueError with ``flat`` as it was."""
     assert flat.size == count and flat.itemsize in _ELEM
-    dtype = _ELEM[flat.itemsize][1]
-    idx_s, d8, vals = _streams(blob, parts, index_codec, value_codec, count, num_changed, dtype)
-    num_parts = max(1, min(NUM_THREADS, num_changed // MIN_PART))
-    cuts = np.zeros(4 * num_parts + 4, np.int64)
-    codec = _CODEC[index_codec]
-    rc = _lib.scan(_ptr(idx_s), idx_s.size, codec, count, num_changed, 0 if d8 is None else _ptr(d8),
-                   vals.size if d8 is not None else 0, num_parts, cuts.ctypes.data)
+    idx_s, d8, vals = _streams(blob, parts, index_codec, value_codec, num_changed, _ELEM[flat.itemsize][1])
+    olds = np.empty(num_changed, flat.dtype)
+    rc, sums, written = _apply(flat, idx_s, index_codec, num_changed, d8, vals, olds, 1 if d8 is None else 0)
     if rc:
-        raise ValueError(f"undecodable sparse payload: {_SCAN_ERRORS.get(rc, rc)}")
-    cuts[4 * num_parts + 2] = num_changed
-    olds = np.empty(num_changed, dtype)
-    fn = getattr(_lib, f"apply_{_ELEM[flat.itemsize][0]}")
-    mode = 1 if d8 is None else 0
-    fp = flat.ctypes.data
-
-    def part(t: int):
-        sums = np.zeros(4, np.int64)
-        at, last, j0, e0 = (int(x) for x in cuts[4 * t : 4 * t + 4])
-        j1 = int(cuts[4 * t + 6])
-        if j1 > j0:
-            fn(fp, _ptr(idx_s), idx_s.size, codec, at, last, j0, j1, 0 if d8 is None else _ptr(d8), _ptr(vals), e0,
-               olds.ctypes.data, mode, sums.ctypes.data)
-        return sums
-
-    sums = _run([lambda t=t: part(t) for t in range(num_parts)])
-    tot = [sum(int(s[i]) for s in sums) & _MASK64 for i in range(4)]
+        if written:  # put back what was written before the stream went bad
+            _apply(flat, idx_s, index_codec, written, None, None, olds[:written], 2)
+        raise ValueError(f"undecodable sparse payload: {_ERRORS.get(rc, rc)}")
+    tot = [int(x) & _MASK64 for x in sums]
     return olds, (tot[0], tot[1]), (tot[2], tot[3])
 
 
 def restore_piece(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, count: int,
                   olds: np.ndarray) -> None:
     """Write ``olds`` back at the positions of an applied blob (rollback)."""
-    idx_s = blob[: parts[0]]
-    fn = getattr(_lib, f"apply_{_ELEM[flat.itemsize][0]}")
-    codec = _CODEC[index_codec]
-    dummy = np.zeros(4, np.int64)
-    fn(flat.ctypes.data, _ptr(idx_s), idx_s.size, codec, 0, -1, 0, olds.size, None, None, 0,
-       olds.ctypes.data, 2, dummy.ctypes.data)
+    rc, _, written = _apply(flat, blob[: parts[0]], index_codec, olds.size, None, None, olds, 2)
+    assert written == olds.size, (rc, written)
 
 
 def decode_index(stream: np.ndarray, index_codec: str, count: int, num_changed: int) -> np.ndarray:
