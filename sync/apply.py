@@ -5,8 +5,9 @@
     phase 2  write piece by piece, keeping the old values at the changed
              positions; check that the old values sum to the base's there and
              base checksum + (new - old) equals the target checksum (on CPU a
-             sparse piece is decoded, written and summed in one pass over its
-             changed positions, so it is checked just after it is written)
+             sparse piece is decoded, checked, written and summed in one pass
+             over its changed positions by the C kernel of sync.native, or by
+             numpy without a compiler, so it is checked just after it is written)
     failure  write the kept old values back in reverse order and raise
 
 Extra memory is one decoded piece (<= a bucket) plus, for a delta, the old

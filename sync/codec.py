@@ -11,8 +11,9 @@ Value streams:
     most changed bf16 elements by one unit in the last place, so this is
     1 byte per change; it is exact because the receiver holds the base.
 
-Everything is vectorised: numpy for CPU tensors (:mod:`sync.codec_np`), torch
-on the device for CUDA tensors; both write the same bytes.
+On CPU the fused C kernels (:mod:`sync.native`) write these streams in one
+pass; where they cannot be built, numpy (:mod:`sync.codec_np`); CUDA tensors
+use torch on the device. All three write the same bytes.
 """
 
 from __future__ import annotations
