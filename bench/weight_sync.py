@@ -14,6 +14,10 @@ transport, and we print one JSON object: changed fraction, bytes sent, bytes
 per changed element, and encode / transfer / apply milliseconds per
 transport and kind, plus what ``auto`` mode would choose from those costs.
 
+    Every timed encode and push starts after a short pause (``--settle-s``,
+    full and delta alike), so background work left by the previous push (Ray
+    freeing objects) is not billed to the next one.
+
     transfer_ms: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
                  measured as receiver-acknowledged wall time minus its apply time
     apply_ms:    apply_update on the receiver (payload checks, decode, write, verify)
@@ -271,7 +275,7 @@ def machine(device: str) -> dict[str, Any]:
 
 
 def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repeat: int = 1,
-        model_params: str = "bf16") -> dict[str, Any]:
+        model_params: str = "bf16", settle_s: float = 1.0) -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(0)
@@ -282,8 +286,11 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         return torch.optim.AdamW(params, lr=LRS[0], weight_decay=0.0)
 
     if model_params == "bf16":
-        model.to(torch.bfloat16)
+        # fp32 main params from the fp32 init, then bf16 model params: the main
+        # params sit anywhere between bf16 values, as after many steps (from
+        # bf16-rounded main params a first small step would change far fewer elements)
         opt: Any = MainParamsOptimizer(model.parameters(), adamw, torch.float32)
+        model.to(torch.bfloat16)
     else:
         opt = adamw(model.parameters())
     weights = model.state_dict()
@@ -319,11 +326,13 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                     for r in receivers:
                         r.push(undo)
                     del undo
+                time.sleep(settle_s)
                 t0 = time.perf_counter()
                 delta = sender.encode(weights, version)
                 _sync(device)
                 encode_ms["delta"].append((time.perf_counter() - t0) * 1e3)
                 for r in receivers:
+                    time.sleep(settle_s)
                     timings[r.name]["delta"].append(r.push(delta))
             row: dict[str, Any] = {
                 "lr": lr, "version": version,
@@ -337,11 +346,13 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
             del delta
             for rep in range(repeat):
                 sender.force_full()
+                time.sleep(settle_s)
                 t0 = time.perf_counter()
                 full = sender.encode(weights, version)  # the same version, as a full push
                 _sync(device)
                 encode_ms["full"].append((time.perf_counter() - t0) * 1e3)
                 for r in receivers:
+                    time.sleep(settle_s)
                     timings[r.name]["full"].append(r.push(full))
             row["full_bytes"] = full.nbytes
             del full
@@ -384,6 +395,9 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         "bucket_bytes": bucket_bytes,
         "repeat": repeat,
         "timing": "min over `repeat` pushes of the same update from the same base, per component",
+        "settle_s": settle_s,
+        "settle": ("pause before every timed encode and push, full and delta alike: Ray frees the previous "
+                   "push's objects in the background, which otherwise lands on the next timed step"),
         "runs": runs,
         "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
     }
@@ -397,13 +411,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
     p.add_argument("--repeat", type=int, default=3, help="time each push this many times (min is kept)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="pause before each timed encode and push (lets Ray finish freeing the last push)")
     p.add_argument("--model-params", choices=("bf16", "fp32"), default="bf16",
                    help="bf16: mixed precision, the sync reads bf16 model params; fp32: the sync casts")
     args = p.parse_args(argv)
     default = "inproc,cuda_ipc" if args.device.startswith("cuda") else "inproc,ray,gloo"
     transports = (args.transports or default).split(",")
     torch.set_num_threads(os.cpu_count() or 1)
-    result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat), args.model_params)
+    result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat), args.model_params,
+                 args.settle_s)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
