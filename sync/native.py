@@ -192,11 +192,13 @@ class EncodeScratch:
     def __init__(self) -> None:
         self.n = 0
         self.itemsize = 0
+        self.num_parts = 0
 
     def ensure(self, n: int, itemsize: int) -> None:
-        if n <= self.n and itemsize == self.itemsize:
+        if n <= self.n and itemsize == self.itemsize and NUM_THREADS <= self.num_parts:
             return
         n = max(n, self.n)
+        self.num_parts = NUM_THREADS  # the varint buffer has a region per part
         dt = _ELEM[itemsize][1]
         self.vbuf = np.empty(n // 8 + 16 * NUM_THREADS + 16, np.uint8)
         self.bm = np.empty(n // 8 + 8, np.uint8)
