@@ -39,8 +39,7 @@ async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pick
     tq = await TransferQueue.create(_cfg())
     samples = make_samples(4, 2)
     await tq.put(samples[:4])
-    await tq.put(samples[4:])
-    await tq.flush()  # a put returns once committed; flush waits until its rows reached the units
+    await tq.put(samples[4:])  # a put returns once its rows are stored and committed
     rows = await asyncio.gather(*(u.num_rows.remote() for u in tq._d.units))
     assert sorted(rows) == [4, 4]
     batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2)
@@ -141,7 +140,6 @@ async def test_ray_put_to_a_dead_storage_unit_raises_and_registers_nothing(ray_c
     stats = await tq.statistics_async()
     assert stats.put == 0 and stats.pending == 0
     assert_accounting(stats)
-    await tq.flush()  # nothing in transit
     await tq.shutdown()
 
 

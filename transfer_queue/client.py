@@ -209,21 +209,9 @@ class TransferQueue:
     async def statistics_async(self) -> QueueStats:
         return await self._d.call("statistics")
 
-    async def flush(self) -> None:
-        """Wait until this client's writes in transit reached their storage units.
-
-        Both deployments return from a put once its rows are stored, so nothing is
-        in transit between calls today; kept so callers need not know that.
-        """
-        await self._d.flush()
-
     async def close(self) -> None:
-        """End of input: later puts raise QueueClosed; getters drain, then get EndOfStream.
-        This client's writes in transit are flushed first (see ``flush``)."""
-        try:
-            await self._d.flush()
-        finally:
-            await self._d.call("close")
+        """End of input: later puts raise QueueClosed; getters drain, then get EndOfStream."""
+        await self._d.call("close")
 
     async def shutdown(self) -> None:
         """Close and release the deployment (Ray actors are killed; local rows freed)."""
@@ -263,9 +251,6 @@ class TransferQueue:
 
     def drop_sync(self, uids: Sequence[str], reason: str) -> int:
         return loop.run(self.drop(uids, reason))
-
-    def flush_sync(self) -> None:
-        loop.run(self.flush())
 
     def close_sync(self) -> None:
         loop.run(self.close())

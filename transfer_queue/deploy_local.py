@@ -26,7 +26,7 @@ class LocalDeployment:
 
     The interface every deployment has (the client uses nothing else):
     ``call`` a controller method, ``write_commit``/``read`` rows by global index,
-    ``statistics``, ``flush`` (writes in transit), ``shutdown``.
+    ``statistics``, ``shutdown``.
     """
 
     def __init__(self, cfg: TransferQueueConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -67,9 +67,6 @@ class LocalDeployment:
 
     def statistics(self) -> QueueStats:
         return self.controller.statistics()
-
-    async def flush(self) -> None:
-        """Writes here are done when they return: nothing is in transit."""
 
     async def shutdown(self) -> None:
         for unit in self.units:

@@ -234,9 +234,6 @@ class RayDeployment:
             self.units[unit].put_new.remote(partition, encode_tags(tags), indices, lengths, wait, timeout_s, *chunks)
         )
 
-    async def flush(self) -> None:
-        """Nothing to wait for: every write of this client returned once its rows were stored."""
-
     async def _take_indices(self, unit: int, n: int) -> list[int]:
         """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
         start, end = self._blocks.get(unit, (0, 0))
