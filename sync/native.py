@@ -62,13 +62,18 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+def _compile(out: Path, flags: list[str]) -> None:
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-O3", "-std=c99", "-shared", "-fPIC", *flags, "-o", str(out), str(_SOURCE)],
+                   check=True, capture_output=True, timeout=120)
+
+
 def build_variant(flags: list[str], directory: str | Path) -> ctypes.CDLL:
     """Build the kernels with the given compiler flags into ``directory``
     (not cached, not used by the sync): tests check that the vector and
     portable code paths write the same bytes."""
     out = Path(directory) / f"sync_native_{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}.so"
-    subprocess.run([os.environ.get("CC", "cc"), "-O3", "-std=c99", "-shared", "-fPIC", *flags, "-o", str(out),
-                    str(_SOURCE)], check=True, capture_output=True, timeout=120)
+    _compile(out, flags)
     return _declare(ctypes.CDLL(str(out)))
 
 
@@ -80,14 +85,12 @@ def _build() -> ctypes.CDLL:
     lib_path = cache / f"sync_native_{tag}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        cc = os.environ.get("CC", "cc")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / lib_path.name
-            args = [cc, "-O3", "-std=c99", "-shared", "-fPIC", "-o", str(out), str(_SOURCE)]
             try:
-                subprocess.run(args[:2] + ["-march=native"] + args[2:], check=True, capture_output=True, timeout=120)
+                _compile(out, ["-march=native"])
             except subprocess.CalledProcessError:  # a compiler without -march=native
-                subprocess.run(args, check=True, capture_output=True, timeout=120)
+                _compile(out, [])
             os.replace(out, lib_path)  # atomic: concurrent builders (Ray workers) agree
     return _declare(ctypes.CDLL(str(lib_path)))
 
@@ -253,10 +256,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
     o_ptr, n_ptr = old.data_ptr(), new.data_ptr()
     s = scratch
 
-    p = s.ptrs
-    if s.out.shape[0] < len(bounds):
-        s.out = np.zeros((len(bounds), 10), np.int64)
-        s.out_ptr = _ptr(s.out)
+    p = s.ptrs  # s.out has a row per part: len(bounds) <= NUM_THREADS
 
     def part(t: int):
         a, b = bounds[t]
