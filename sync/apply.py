@@ -141,19 +141,66 @@ def _raw_values(blob: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
+def _check_blob(piece: _Piece, blob: torch.Tensor) -> None:
+    e = piece.entry
+    if e.encoding == "raw":
+        got = cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start)
+        want = e.checksum
+    elif e.encoding == "sparse":
+        got, want = cks.bytes_checksum(blob), e.payload_checksum
+    else:
+        raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
+    if got != want:
+        raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+
+
+def _raise_first(results: list) -> None:
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+
+
 def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
+    """Phase 1. CPU payloads are checked on the sync.native thread pool (the
+    numpy passes release the GIL); device ones here, on this thread's stream."""
+    on_cpu = []
     for piece in pieces:
-        e = piece.entry
-        blob = _blob(update, e, buckets)
-        if e.encoding == "raw":
-            got = cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start)
-            want = e.checksum
-        elif e.encoding == "sparse":
-            got, want = cks.bytes_checksum(blob), e.payload_checksum
+        blob = _blob(update, piece.entry, buckets)
+        if blob.device.type == "cpu":
+            on_cpu.append(partial(_check_blob, piece, blob))
         else:
-            raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
-        if got != want:
-            raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+            _check_blob(piece, blob)
+    _raise_first(native.run_each(on_cpu))
+
+
+def _apply_native(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor],
+                  undo: list[Callable[[], None]]) -> set[int]:
+    """Phase 2 for the sparse CPU pieces the C kernel handles: decode, write
+    and sum them all at once on the sync.native pool (pieces are disjoint),
+    then check each. Returns the indices of the pieces done; whatever was
+    written is on ``undo`` before anything can raise."""
+    jobs = []
+    for i, piece in enumerate(pieces):
+        e = piece.entry
+        flat = piece.np_piece() if e.encoding == "sparse" else None
+        if flat is None or not native.supports(flat.itemsize):
+            continue
+        blob = _blob(update, e, buckets).cpu().numpy()
+        jobs.append((i, flat, blob, partial(native.apply_piece, flat, blob, e.parts, e.index_codec or "",
+                                            e.value_codec or "", e.count, e.num_changed)))
+    results = native.run_each([job[-1] for job in jobs])
+    for (i, flat, blob, _), r in zip(jobs, results):
+        if not isinstance(r, Exception):
+            e = pieces[i].entry
+            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec, e.count, r[0]))
+    for (i, *_), r in zip(jobs, results):  # a malformed blob raised with its piece as it was
+        e = pieces[i].entry
+        if isinstance(r, ValueError):
+            raise ChecksumError(f"{e.name}: undecodable sparse payload: {r}") from r
+        if isinstance(r, Exception):
+            raise r
+        _check_delta_sums(e, cks.shift_sums(r[1], e.shard, e.start), cks.shift_sums(r[2], e.shard, e.start))
+    return {job[0] for job in jobs}
 
 
 def _check_delta_sums(e: TensorEntry, old_sum: cks.Checksum, new_sum: cks.Checksum) -> None:
@@ -193,7 +240,10 @@ def apply_update(
 
     undo: list[Callable[[], None]] = []  # each writes one piece's old values back
     try:
-        for piece in pieces:
+        done = _apply_native(update, pieces, buckets, undo)
+        for i, piece in enumerate(pieces):
+            if i in done:
+                continue
             e = piece.entry
             blob = _blob(update, e, buckets).to(piece.device)
             if e.encoding == "raw":
@@ -207,18 +257,6 @@ def apply_update(
                 piece.write_all(new)
                 continue
             flat = piece.np_piece()
-            if flat is not None and native.supports(flat.itemsize):
-                blob_np = blob.numpy()
-                try:  # checks the streams before it writes anything
-                    olds, old_sums, new_sums = native.apply_piece(
-                        flat, blob_np, e.parts, e.index_codec or "", e.value_codec or "", e.count, e.num_changed)
-                except ValueError as exc:
-                    raise ChecksumError(f"{e.name}: undecodable sparse payload: {exc}") from exc
-                # written already (one pass over the changed positions): a failed check below undoes it
-                undo.append(partial(native.restore_piece, flat, blob_np, e.parts, e.index_codec, e.count, olds))
-                _check_delta_sums(e, cks.shift_sums(old_sums, e.shard, e.start),
-                                  cks.shift_sums(new_sums, e.shard, e.start))
-                continue
             if flat is not None:
                 try:
                     idx, old, old_sums, new_sums = apply_sparse_np(

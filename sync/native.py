@@ -152,17 +152,38 @@ def fuses_cast(old: torch.Tensor, new: torch.Tensor) -> bool:
     return old.dtype == torch.bfloat16 and new.dtype == torch.float32 and available() and _torch_nan_bits() is not None
 
 
-def _run(fns: list) -> list:
-    """Call each thunk, on the shared pool when there is more than one."""
+def _shared_pool() -> ThreadPoolExecutor:
     global _pool
-    if len(fns) <= 1:
-        return [f() for f in fns]
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="sync-native")
-    futures = [_pool.submit(f) for f in fns[1:]]
+    return _pool
+
+
+def _run(fns: list) -> list:
+    """Call each thunk, on the shared pool when there is more than one."""
+    if len(fns) <= 1:
+        return [f() for f in fns]
+    futures = [_shared_pool().submit(f) for f in fns[1:]]
     first = fns[0]()  # this thread works too
     return [first] + [f.result() for f in futures]
+
+
+def run_each(fns: list) -> list:
+    """Call every thunk on the shared pool (this thread waits) and return, in
+    order, each one's result or the exception it raised: independent pieces
+    run at once, and one bad piece does not hide what the others did."""
+    if len(fns) <= 1 or NUM_THREADS <= 1:
+        out = []
+        for f in fns:
+            try:
+                out.append(f())
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                out.append(exc)
+        return out
+    pool = _shared_pool()
+    futures = [pool.submit(f) for f in fns]
+    return [f.exception() or f.result() for f in futures]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:

@@ -220,10 +220,13 @@ def test_auto_mode_without_reports_estimates_from_bytes() -> None:
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 16])
-def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk: int) -> None:
-    """On CPU a sparse piece is written in the same pass that sums it (in
-    chunks on the pool); a target checksum that does not match must still
-    leave every tensor as it was, and an intact update is bit-exact."""
+@pytest.mark.parametrize("which", [0, 1, -1])
+@pytest.mark.parametrize("forge", ["checksum", "count"])
+def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk: int, which: int, forge: str) -> None:
+    """On CPU sparse pieces are written, all at once on the pool, in the same
+    pass that sums them; a target checksum that does not match (or a count
+    the stream does not hold) in any one piece must still leave every tensor
+    as it was, and an intact update is bit-exact."""
     import msgspec
 
     from sync import codec_np
@@ -239,8 +242,11 @@ def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk:
         sparse = [i for i, e in enumerate(update.manifest.entries) if e.encoding == "sparse"]
         assert sparse
         entries = list(update.manifest.entries)
-        bad = entries[sparse[-1]]
-        entries[sparse[-1]] = msgspec.structs.replace(bad, checksum=(bad.checksum[0] ^ 1, bad.checksum[1]))
+        assert len(sparse) > 2
+        bad = entries[sparse[which]]
+        entries[sparse[which]] = (
+            msgspec.structs.replace(bad, checksum=(bad.checksum[0] ^ 1, bad.checksum[1])) if forge == "checksum"
+            else msgspec.structs.replace(bad, num_changed=bad.num_changed - 1))
         forged = type(update)(manifest=msgspec.structs.replace(update.manifest, entries=entries), buckets=update.buckets)
         before = _snapshot(engine)
         with pytest.raises(ChecksumError):
