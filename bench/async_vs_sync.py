@@ -6,7 +6,7 @@
 Every policy runs the same task, model, engine, trainer, batch size and
 number of trainer steps (so the same sample budget), one after the other in
 this process, seed by seed (every policy runs seed 0, then seed 1, ...),
-after an untimed warm-up run. Prints one JSON object: per policy the wall time of training
+after an untimed short warm-up run of each policy. Prints one JSON object: per policy the wall time of training
 (setup excluded), samples/s, trainer and rollout idle ratios and the final
 reward (mean over the last 10% of steps), each as mean and spread over seeds,
 and the speedup of each policy over sync. ``fully_async`` syncs weights after
@@ -16,6 +16,7 @@ every trainer step like the baselines; ``fully_async_k2`` every second step.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -82,8 +83,22 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "partial_ratio": sum(m["partial_ratio"] for m in hist) / len(hist),
         "dropped": last["dropped"],
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
+        # where a sync's time goes: encode (trainer), transfer, apply (engine), and the
+        # rest of the sequence (pause, abort, version checks, resume: engine round trips)
+        "sync_parts_ms_mean": _sync_parts(hist),
         "engine": engine,
     }
+
+
+def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
+    syncs = [m for m in hist if "sync/total_ms" in m]
+    if not syncs:
+        return {}
+    parts = {k: statistics.fmean(m[f"sync/{k}_ms"] for m in syncs) for k in ("encode", "transfer", "apply", "total")}
+    parts["sequence"] = parts["total"] - parts["encode"] - parts["transfer"] - parts["apply"]
+    parts = {k: round(v, 2) for k, v in parts.items()}
+    parts["kinds"] = dict(collections.Counter(m["sync/kind"] for m in syncs))
+    return parts
 
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async,fully_async_k2")
-    p.add_argument("--warmup-steps", type=int, default=3, help="an untimed run first (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="an untimed short run of each policy first (0: none)")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
@@ -139,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     policies = args.policies.split(",")
-    if args.warmup_steps > 0:  # one-time costs (CUDA context, kernels, compiles, imports) land here, untimed
-        _one(policies[0], 0, argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}))
+    # One-time costs (CUDA context, imports, and kernels JIT-compiled per shape, e.g. Triton
+    # decode kernels for the batch sizes a policy reaches) land here, untimed: one short run
+    # of every policy, since fully-async reaches batch sizes sync never does.
+    for policy in policies if args.warmup_steps > 0 else []:
+        _one(policy, 0, argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}))
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         for policy in policies:

@@ -162,14 +162,23 @@ def _raise_first(results: list) -> None:
 
 def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
     """Phase 1. CPU payloads are checked on the sync.native thread pool (the
-    numpy passes release the GIL); device ones here, on this thread's stream."""
-    on_cpu = []
+    numpy passes release the GIL); device ones on this thread's stream, their
+    sums read back together (one wait on the device per update)."""
+    on_cpu, on_device = [], []
     for piece in pieces:
-        blob = _blob(update, piece.entry, buckets)
+        e = piece.entry
+        blob = _blob(update, e, buckets)
         if blob.device.type == "cpu":
             on_cpu.append(partial(_check_blob, piece, blob))
+        elif e.encoding == "raw":
+            on_device.append((e, e.checksum, cks.piece_sums(_raw_values(blob, piece), e.shard, e.start)))
+        elif e.encoding == "sparse":
+            on_device.append((e, e.payload_checksum, cks.bytes_sums(blob)))
         else:
-            _check_blob(piece, blob)
+            raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
+    for (e, want, _), got in zip(on_device, cks.read_sums([d[2] for d in on_device])):
+        if got != tuple(want or ()):
+            raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
     _raise_first(native.run_each(on_cpu))
 
 

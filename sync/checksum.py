@@ -66,20 +66,33 @@ def _dot_torch(x: torch.Tensor, idx: torch.Tensor) -> tuple[int, int]:
     return int(x.sum()), int((x * idx.to(device=x.device, dtype=torch.int64)).sum())
 
 
-def _weighted_torch(x: torch.Tensor) -> tuple[int, int]:
-    n = x.shape[0]
+def _weighted_torch(x: torch.Tensor, first_pos: int = 0) -> torch.Tensor:
+    """int64[2] on x's device: (sum x, sum (first_pos + j) * x), wrapping; not read back."""
     x = x.to(torch.int64)
-    pos = torch.arange(n, dtype=torch.int64, device=x.device)
-    return int(x.sum()), int((x * pos).sum())
+    pos = torch.arange(first_pos, first_pos + x.shape[0], dtype=torch.int64, device=x.device)
+    return torch.stack((x.sum(), (x * pos).sum()))
+
+
+def read_sums(sums: list[torch.Tensor]) -> list[Checksum]:
+    """Checksums from the device: every pending (sum, weighted sum) pair in
+    one copy to the host, so a sync of many pieces waits on the device once."""
+    if not sums:
+        return []
+    flat = torch.stack(sums).tolist()
+    return [(a & MASK64, b & MASK64) for a, b in flat]
+
+
+def region_sums(values: torch.Tensor, first_pos: int) -> torch.Tensor:
+    """:func:`region_checksum` of device values, left on the device (see :func:`read_sums`)."""
+    return _weighted_torch(int_view(values.contiguous()), first_pos + 1)
 
 
 def region_checksum(values: torch.Tensor, first_pos: int) -> Checksum:
     """Checksum of a 1-D run of values at flat positions ``first_pos, first_pos+1, ...``."""
     x = int_view(values.contiguous())
     if x.is_cuda:
-        s0, sj = _weighted_torch(x)
-    else:
-        s0, sj = _weighted_np(x.numpy())
+        return read_sums([_weighted_torch(x, first_pos + 1)])[0]
+    s0, sj = _weighted_np(x.numpy())
     return (s0 & MASK64, ((first_pos + 1) * s0 + sj) & MASK64)
 
 
@@ -114,19 +127,37 @@ def delta_checksum(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     return int(d.sum()) & MASK64, int((d * (p + 1)).sum()) & MASK64
 
 
-def bytes_checksum(buf: torch.Tensor) -> Checksum:
-    """Checksum of a uint8 buffer read as little-endian 8-byte words
-    (positions are word indices), then its last ``len % 8`` bytes at the
-    following positions: a sparse payload is checked at 8 bytes per step."""
+def _bytes_regions(buf: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     buf = buf.view(torch.uint8).reshape(-1)
     num_main = buf.numel() // 8 * 8
     main = buf[:num_main]
     if main.data_ptr() % 8:
         main = main.clone()
-    total = region_checksum(main.view(torch.int64), 0) if num_main else (0, 0)
+    regions = [(main.view(torch.int64), 0)] if num_main else []
     if num_main < buf.numel():
-        total = add(total, region_checksum(buf[num_main:], num_main // 8))
+        regions.append((buf[num_main:], num_main // 8))
+    return regions
+
+
+def bytes_checksum(buf: torch.Tensor) -> Checksum:
+    """Checksum of a uint8 buffer read as little-endian 8-byte words
+    (positions are word indices), then its last ``len % 8`` bytes at the
+    following positions: a sparse payload is checked at 8 bytes per step."""
+    if buf.is_cuda:
+        return read_sums([bytes_sums(buf)])[0]
+    total = (0, 0)
+    for region, first in _bytes_regions(buf):
+        total = add(total, region_checksum(region, first))
     return total
+
+
+def bytes_sums(buf: torch.Tensor) -> torch.Tensor:
+    """:func:`bytes_checksum` of a device buffer, left on the device (int64 sums wrap alike)."""
+    regions = _bytes_regions(buf)
+    if not regions:
+        return torch.zeros(2, dtype=torch.int64, device=buf.device)
+    sums = [region_sums(region, first) for region, first in regions]
+    return sums[0] if len(sums) == 1 else sums[0] + sums[1]
 
 
 def piece_positions(shard: ShardSpec | None, local_idx: torch.Tensor) -> torch.Tensor:
@@ -138,8 +169,19 @@ def piece_positions(shard: ShardSpec | None, local_idx: torch.Tensor) -> torch.T
     return shard.global_positions(local_idx)
 
 
+def piece_sums(values: torch.Tensor, shard: ShardSpec | None, start: int) -> torch.Tensor:
+    """:func:`piece_checksum` of device values, left on the device (see :func:`read_sums`)."""
+    if shard is None or shard.is_contiguous:
+        return region_sums(values, start + (shard.global_start if shard is not None else 0))
+    local = torch.arange(start, start + values.numel(), dtype=torch.int64, device=values.device)
+    x = int_view(values.contiguous()).to(torch.int64)
+    return torch.stack((x.sum(), (x * (shard.global_positions(local) + 1)).sum()))
+
+
 def piece_checksum(values: torch.Tensor, shard: ShardSpec | None, start: int) -> Checksum:
     """Checksum of a piece: ``values`` at shard-local flat range starting at ``start``."""
+    if values.is_cuda:
+        return read_sums([piece_sums(values, shard, start)])[0]
     if shard is None:
         return region_checksum(values, start)
     if shard.is_contiguous:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
+import msgspec
 import numpy as np
 import torch
 
@@ -182,6 +183,7 @@ class WeightSender:
         revertible = kind == "delta"
         num_elements = num_changed = 0
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
+        pending: list[tuple[int, tuple, torch.Tensor]] = []  # device checksums not yet read back
         for name, tensor, shard in _iter_named(named_tensors):
             if self.dedup_tied and tensor.numel():
                 alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
@@ -211,11 +213,17 @@ class WeightSender:
                     bucket, offset, view = writer.reserve(count * itemsize, src.device)
                     new = view.view(dtype)
                     new.copy_(piece)  # cast straight into the payload
-                    checksum = cks.piece_checksum(new, shard, start)
+                    if new.is_cuda:  # read back with the others after the loop: one wait on the device
+                        pending.append((len(entries), sum_key, cks.piece_sums(new, shard, start)))
+                        checksum = (0, 0)
+                    else:
+                        checksum = cks.piece_checksum(new, shard, start)
                     entries.append(TensorEntry(**common, encoding="raw", num_changed=count, bucket=bucket,
                                                offset=offset, nbytes=count * itemsize, checksum=checksum))
                     prev[start : start + count].copy_(new)
                     num_changed += count
+                    if new.is_cuda:
+                        continue
                 else:
                     old = prev[start : start + count]
                     found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key],
@@ -229,6 +237,9 @@ class WeightSender:
                     num_changed += entry.num_changed
                     checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
+        for (i, sum_key, _), checksum in zip(pending, cks.read_sums([p[2] for p in pending])):
+            entries[i] = msgspec.structs.replace(entries[i], checksum=checksum)
+            self._prev_sums[sum_key] = checksum
         writer.flush()
         manifest = Manifest(
             version=version,

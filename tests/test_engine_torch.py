@@ -4,6 +4,8 @@ plus what is particular to it: a preallocated KV cache, the factory."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +85,11 @@ def test_prompts_that_do_not_fit_are_a_clear_error(engine_factory, tiny_models):
         async with running(engine_factory, path, max_model_len=16) as engine:
             with pytest.raises(ValueError, match="max_model_len"):
                 await engine.generate(req("big", list(range(20)), 4))
+            # an id outside the vocabulary is refused here, not by a device-side assert
+            vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+            for bad in (vocab, -1):
+                with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+                    await engine.generate(req("oov", [1, bad, 2], 4))
             # a response that runs into max_model_len ends with "length"
             return await engine.generate(req("edge", list(range(10)), 50))
 

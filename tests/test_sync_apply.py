@@ -33,7 +33,7 @@ def _model(seed: int = 0) -> dict[str, torch.Tensor]:
 def _step(w: dict[str, torch.Tensor], frac: float = 0.05, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
     for t in w.values():
-        mask = torch.rand(t.shape, generator=g) < frac
+        mask = (torch.rand(t.shape, generator=g) < frac).to(t.device)
         t[mask] += 0.05
 
 
@@ -256,3 +256,47 @@ def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk:
         assert _same(engine, {k: v.bfloat16() for k, v in w.items()})
     finally:
         codec_np.APPLY_CHUNK, codec_np.NUM_THREADS = saved, saved_threads
+
+
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("shard", [False, True])
+def test_updates_on_a_device_are_exact_and_a_corrupt_one_changes_nothing(device: str, shard: bool) -> None:
+    """On the GPU the checksums of a whole update are read back together:
+    full and delta stay bit-exact, a flipped payload bit is still refused."""
+    w = {k: v.to(device) for k, v in _model().items()}
+    if shard:  # columns 4..11 of the embedding: a slice that is not contiguous in the full tensor
+        spec = ShardSpec(full_shape=(64, 16), dim=1, offset=4, length=8)
+        named = [(k, v, None) for k, v in w.items() if "embed" not in k]
+        named.append(("model.embed_tokens.weight", w["model.embed_tokens.weight"][:, 4:12].contiguous(), spec))
+    sender = WeightSender(mode="delta", bucket_bytes=512)
+    engine = {k: v.to(torch.bfloat16) * 0 for k, v in w.items()}
+    src = (lambda: named) if shard else (lambda: w)
+    version = apply_update(engine, sender.encode(src(), 1), 0)
+    for v in (2, 3):
+        _step(w)
+        if shard:
+            named[-1] = (named[-1][0], w["model.embed_tokens.weight"][:, 4:12].contiguous(), spec)
+        update = sender.encode(src(), v)
+        assert update.manifest.kind == "delta"
+        version = apply_update(engine, update, version, verify="full")
+    expect = {k: t.to(torch.bfloat16) for k, t in w.items()}
+    if shard:
+        assert torch.equal(engine["model.embed_tokens.weight"][:, 4:12], expect["model.embed_tokens.weight"][:, 4:12])
+        expect.pop("model.embed_tokens.weight")
+    assert all(torch.equal(engine[k], t) for k, t in expect.items())
+    sender.force_full()
+    _step(w)
+    if shard:
+        named[-1] = (named[-1][0], w["model.embed_tokens.weight"][:, 4:12].contiguous(), spec)
+    update = sender.encode(src(), 4)
+    bucket = bucket_tensor(update.buckets[0]).clone()
+    bucket[update.manifest.entries[0].nbytes // 2] ^= 0x10
+    update.buckets[0] = bucket
+    before = _snapshot(engine)
+    with pytest.raises(ChecksumError):
+        apply_update(engine, update, version)
+    assert _same(engine, before)

@@ -174,7 +174,7 @@ def test_torch_and_numpy_checksums_agree(n: int) -> None:
         x = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int64).to(dtype)
         if dtype == torch.int32:
             x = x * 65_537  # large values: products wrap past 2**63
-        s0, sj = _weighted_torch(x)
+        s0, sj = _weighted_torch(x).tolist()
         assert (s0 % 2**64, sj % 2**64) == tuple(v % 2**64 for v in _weighted_np(x.numpy()))
         idx = torch.arange(n)
         assert _dot_torch(x, idx) == (s0, sj)

@@ -170,6 +170,11 @@ class TorchEngine(RolloutEngine):
         if n >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r}: prompt of {n} tokens does not fit "
                              f"max_model_len={self.max_model_len}")
+        vocab = self._core.cfg.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
+            raise ValueError(f"request {request.request_id!r}: prompt token id {bad} is outside the "
+                             f"model's vocabulary [0, {vocab})")
         sp = request.sampling
         if sp.temperature < 0 or not 0.0 < sp.top_p <= 1.0 or sp.top_k < 0:
             raise ValueError(f"request {request.request_id!r}: bad sampling params {sp}")
