@@ -49,9 +49,10 @@ class RunConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    type: Literal["local", "ray"] = "local"
+    type: Literal["local", "process", "ray"] = "local"
     """``local``: actors live in this process, each with one worker thread.
-    ``ray``: each actor is a Ray actor."""
+    ``process``: each actor in a child process of its own (no Ray needed; the
+    actors' Python no longer shares one GIL). ``ray``: each actor is a Ray actor."""
     address: str | None = None
     """Ray only. ``auto`` joins a running cluster (never shut down by us);
     ``None`` starts a local cluster for the run and stops it at the end."""
@@ -172,7 +173,8 @@ class SyncConfig(_Section):
     transport: Literal["inproc", "broadcast"] = "inproc"
     """How the payload moves: ``inproc`` through the driver (any runtime);
     ``broadcast``: torch.distributed from the trainer's process to every
-    rollout actor's (gloo on CPU, NCCL on GPU; needs ``runtime.type=ray``)."""
+    rollout actor's (gloo on CPU, NCCL on GPU; needs one process per actor:
+    ``runtime.type`` ``process`` or ``ray``)."""
     backend: Literal["gloo", "nccl"] = "gloo"
     """torch.distributed backend of ``transport=broadcast``."""
 
@@ -302,8 +304,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
             f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
-    if cfg.sync.transport == "broadcast" and cfg.runtime.type != "ray":
-        raise ConfigError("sync.transport: 'broadcast' needs runtime.type=ray (one process per actor)")
+    if cfg.sync.transport == "broadcast" and cfg.runtime.type == "local":
+        raise ConfigError("sync.transport: 'broadcast' needs one process per actor (runtime.type=process or ray)")
     if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":

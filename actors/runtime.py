@@ -1,4 +1,5 @@
-"""Where actors live: in this process (``local``) or as Ray actors (``ray``).
+"""Where actors live: in this process (``local``), each in a child process
+of its own (``process``), or as Ray actors (``ray``).
 
 The same actor classes run under both. An actor class subclasses
 :class:`Actor`: its constructor takes data only, heavy setup happens in
@@ -8,24 +9,42 @@ thread so the event loop never stalls.
 
 A :class:`Handle` is a thin client: ``await handle.method(*args)`` calls one
 actor; :meth:`Runtime.call_all` calls a list of them. Under ``local`` the
-call is a coroutine on the driver's loop; under ``ray`` it is a Ray actor
-call awaited on the driver's loop.
+call is a coroutine on the driver's loop; under ``process`` and ``ray`` it
+is a message to the actor's process, awaited on the driver's loop.
+
+``process`` needs no cluster: each actor gets a ``multiprocessing`` child
+(spawn start method, so CUDA initialises cleanly there) running its own
+loop, and calls travel over a pipe as pickles (arguments and results by
+value; a CUDA tensor goes through host memory, as under Ray). Use it when
+one process would make the actors' Python share one GIL: a trainer's step
+and an engine's scheduler then run side by side instead of taking turns.
+As with any spawn-based multiprocessing, a script that starts a run must
+guard its entry point with ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import concurrent.futures
 import functools
 import inspect
+import itertools
+import multiprocessing
+import multiprocessing.util  # its exit hook joins child processes: registered before ours, it runs after
 import os
+import pickle
+import threading
+import traceback
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import loop as global_loop
 
-__all__ = ["quiet_transformers", "Actor", "Handle", "Runtime", "LocalRuntime", "RayRuntime", "make_runtime"]
+__all__ = ["quiet_transformers", "Actor", "ActorDiedError", "Handle", "Runtime", "LocalRuntime", "ProcessRuntime",
+           "RayRuntime", "make_runtime"]
 
 T = TypeVar("T")
 
@@ -143,6 +162,212 @@ class LocalRuntime(Runtime):
         await asyncio.gather(*(a.close() for a in reversed(actors)), return_exceptions=True)
 
 
+class ActorDiedError(RuntimeError):
+    """The actor's process ended (crashed, killed, or shut down) while a call was pending or made."""
+
+
+_STOP = "__stop__"
+
+
+def _error_payload(exc: BaseException, name: str) -> bytes:
+    """``exc`` pickled, or a RuntimeError with its text when it would not
+    survive the trip (unpicklable, or a constructor pickle cannot call)."""
+    try:
+        data = pickle.dumps(exc, protocol=5)
+        pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001
+        err = RuntimeError(f"{type(exc).__name__}: {exc}")
+        err.__notes__ = list(getattr(exc, "__notes__", []))
+        return pickle.dumps(err, protocol=5)
+
+
+async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+    try:
+        if isinstance(actor, BaseException):  # the constructor failed: every call gets its error
+            raise actor
+        value = await getattr(actor, method)(*args, **kwargs)
+        try:
+            ok, payload = True, pickle.dumps(value, protocol=5)
+        except Exception as exc:
+            raise TypeError(f"the result of {method}() cannot be sent back: {exc!r}") from exc
+    except Exception as exc:
+        exc.add_note(f"(raised in actor {name!r}, process {os.getpid()}:\n{traceback.format_exc().rstrip()})")
+        ok, payload = False, _error_payload(exc, name)
+    conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
+
+
+async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
+    """The child's main coroutine: build the actor, answer calls (each a task,
+    so they overlap like Ray's async actor calls) until told to stop or orphaned."""
+    ev = asyncio.get_running_loop()
+    inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def read() -> None:  # a blocking reader thread feeds the loop
+        while True:
+            try:
+                msg: bytes | None = conn.recv_bytes()
+            except (EOFError, OSError):  # the driver is gone: end this process
+                msg = None
+            ev.call_soon_threadsafe(inbox.put_nowait, msg)
+            if msg is None:
+                return
+
+    threading.Thread(target=read, name="asyncrl-actor-inbox", daemon=True).start()
+    try:
+        actor: Any = cls(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported to the first call (setup)
+        actor = exc
+    tasks: set[asyncio.Task] = set()
+    while (msg := await inbox.get()) is not None:
+        call_id, method, call_args, call_kwargs = pickle.loads(msg)
+        if method == _STOP:
+            break
+        task = ev.create_task(_answer(conn, actor, name, call_id, method, call_args, call_kwargs))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
+    try:
+        global_loop.run(_serve_async(conn, cls, name, args, kwargs))
+    finally:
+        global_loop.shutdown()
+
+
+_live_handles: weakref.WeakSet[_ProcessHandle] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_children() -> None:
+    """A driver that exits without shutting its runtime down still ends its actors:
+    closing the pipe ends a child's loop; one that does not end in time is killed."""
+    for handle in list(_live_handles):
+        handle._conn.close()
+        handle.proc.join(5)
+        if handle.proc.is_alive():
+            handle.proc.kill()
+
+
+class _ProcessHandle(Handle):
+    """Client of an actor in a child process: calls are pickles over a pipe,
+    answered in any order; a reader thread resolves the waiting futures."""
+
+    def __init__(self, name: str, cls: type, proc: Any, conn: Any) -> None:
+        self.name, self.cls, self.proc, self._conn = name, cls, proc, conn
+        self._loop = asyncio.get_running_loop()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        _live_handles.add(self)
+        threading.Thread(target=self._read, name=f"asyncrl-{name}-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, ok, payload = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            try:
+                value = pickle.loads(payload)
+            except Exception as exc:  # noqa: BLE001 - e.g. a class this process cannot import
+                ok, value = False, TypeError(f"actor {self.name!r}: its reply cannot be read here: {exc!r}")
+            self._loop.call_soon_threadsafe(self._settle, call_id, ok, value)
+        self.proc.join(1)  # the pipe closes as the process exits: let it be reaped for its exit code
+        code = self.proc.exitcode
+        self._loop.call_soon_threadsafe(self._fail_all, "its process ended" + (f" (exit code {code})" if code else ""))
+
+    def _settle(self, call_id: int, ok: bool, value: Any) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut is None or fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def _fail_all(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(ActorDiedError(f"actor {self.name!r}: {why}"))
+
+    def _send(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            msg = pickle.dumps((call_id, method, args, kwargs), protocol=5)
+        except Exception as exc:
+            raise TypeError(f"actor {self.name!r}.{method}: arguments cannot be sent to its process: {exc!r}") from exc
+        self._conn.send_bytes(msg)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._dead is not None:
+            raise ActorDiedError(f"actor {self.name!r}: {self._dead}")
+        call_id = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[call_id] = fut
+        try:
+            self._send(call_id, method, args, kwargs)
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
+        return await fut
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the actor, end its process (killed if it does not end in time)."""
+        if self._dead is None:
+            try:
+                await asyncio.wait_for(self.call("close"), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - a dead or stuck actor is ended below anyway
+                pass
+            try:
+                self._send(-1, _STOP, (), {})
+            except (OSError, ValueError):
+                pass
+        ev = asyncio.get_running_loop()
+        await ev.run_in_executor(None, self.proc.join, timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            await ev.run_in_executor(None, self.proc.join, timeout_s)
+        self._conn.close()
+        _live_handles.discard(self)
+
+
+class ProcessRuntime(Runtime):
+    """Each actor in its own child process (no cluster; see the module docstring)."""
+
+    type = "process"
+
+    def __init__(self) -> None:
+        self._handles: list[_ProcessHandle] = []
+        self._ctx = multiprocessing.get_context("spawn")
+
+    async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
+                    num_gpus: float = 0, **kwargs: Any) -> Handle:
+        parent, child = self._ctx.Pipe(duplex=True)
+        # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
+        proc = self._ctx.Process(target=_serve, args=(child, cls, name, args, kwargs), name=f"asyncrl-{name}")
+        await asyncio.get_running_loop().run_in_executor(None, proc.start)
+        child.close()
+        handle = _ProcessHandle(name, cls, proc, parent)
+        self._handles.append(handle)
+        try:
+            await handle.call("setup")
+        except BaseException:
+            self._handles.remove(handle)
+            await handle.stop()
+            raise
+        return handle
+
+    async def shutdown(self) -> None:
+        handles, self._handles = self._handles, []
+        await asyncio.gather(*(h.stop() for h in reversed(handles)), return_exceptions=True)
+
+
 def _adopting(cls: type[Actor]) -> type[Actor]:
     """Subclass whose setup adopts Ray's actor loop as this process's loop."""
 
@@ -209,6 +434,8 @@ def make_runtime(type: str, *, address: str | None = None, num_cpus: int | None 
     """The runtime named by ``runtime.type`` in the config."""
     if type == "local":
         return LocalRuntime()
+    if type == "process":
+        return ProcessRuntime()
     if type == "ray":
         return RayRuntime(address=address, num_cpus=num_cpus)
-    raise ValueError(f"runtime.type: unknown runtime {type!r} (expected local or ray)")
+    raise ValueError(f"runtime.type: unknown runtime {type!r} (expected local, process or ray)")

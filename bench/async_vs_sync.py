@@ -6,8 +6,12 @@
 Every policy runs the same task, model, engine, trainer, batch size and
 number of trainer steps (so the same sample budget), one after the other in
 this process, seed by seed (every policy runs seed 0, then seed 1, ...),
-after an untimed short warm-up run of each policy. Prints one JSON object: per policy the wall time of training
-(setup excluded), samples/s, trainer and rollout idle ratios and the final
+each run first taking ``--warmup-steps`` trainer steps untimed: one-time costs (CUDA
+context, kernels JIT-compiled or graphs captured per shape, first use of each prefill
+shape) land there in whichever processes the actors live, and every policy is timed in
+steady state (fully-async starts the timed window with its pipeline full and ends it with
+work in flight alike). Prints one JSON object: per policy the wall time of the timed
+steps (setup excluded), samples/s, trainer and rollout idle ratios and the final
 reward (mean over the last 10% of steps), each as mean and spread over seeds,
 and the speedup of each policy over sync. ``fully_async`` syncs weights after
 every trainer step like the baselines; ``fully_async_k2`` every second step.
@@ -43,7 +47,7 @@ POLICIES = {
 
 def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     overrides = [
-        f"run.seed={seed}", f"run.total_steps={args.steps}", "run.progress=false",
+        f"run.seed={seed}", f"run.total_steps={args.warmup_steps + args.steps}", "run.progress=false",
         f"run.output_dir={args.output_dir}", f"task.type={args.task}",
         f"rollout.max_response_tokens={args.max_response_tokens}",
         f"rollout.engine.max_model_len={args.task_max_len + args.max_response_tokens + 16}",
@@ -64,18 +68,25 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
     run = launch(ROOT / "fully_async.yaml", *overrides)
     with run:
+        warm = run.train(args.warmup_steps)  # untimed: one-time costs of the actors' processes land here
         t0 = time.perf_counter()
         hist = run.train(args.steps)
         wall_s = time.perf_counter() - t0
         engine = loop.run(run.policy.rollouts[0].statistics())
     k = max(1, len(hist) // 10)
     last = hist[-1]
+    start = warm[-1] if warm else {"trained": 0, "elapsed_s": 0.0, "trainer_idle_ratio": 0.0,
+                                   "rollout_idle_ratio": 0.0}
+
+    def idle(key: str) -> float:  # over the timed steps (the policy's counters run from its start)
+        busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
+        return 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"])
     return {
         "wall_s": wall_s,
-        "samples_per_s": last["trained"] / wall_s,
+        "samples_per_s": (last["trained"] - start["trained"]) / wall_s,
         "tokens_per_s": sum(m["response_len_mean"] for m in hist) * run.cfg.batch_size / wall_s,
-        "trainer_idle_ratio": last["trainer_idle_ratio"],
-        "rollout_idle_ratio": last["rollout_idle_ratio"],
+        "trainer_idle_ratio": idle("trainer_idle_ratio"),
+        "rollout_idle_ratio": idle("rollout_idle_ratio"),
         "final_reward": sum(m["reward"] for m in hist[-k:]) / k,
         "first_reward": sum(m["reward"] for m in hist[:k]) / k,
         "staleness_max": max(m["staleness_max"] for m in hist),
@@ -116,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
                    help="disaggregated: trainer and engine in separate processes (on GPU: cuda:0 "
-                        "and cuda:1), weights by torch.distributed broadcast (needs Ray)")
+                        "and cuda:1), weights by torch.distributed broadcast (runtime process or ray)")
     p.add_argument("--runtime", default=None,
-                   help="local | ray (default: ray on CPU, so rollout and trainer get a core each; "
-                        "local on GPU)")
+                   help="local | process | ray (default: ray on CPU, so rollout and trainer get a core "
+                        "each; local on GPU). process: one child process per actor, no Ray")
     p.add_argument("--free-kv", action="store_true",
                    help="sleep(1)/wake_up the engine's KV cache around every push (colocated memory "
                         "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async,fully_async_k2")
-    p.add_argument("--warmup-steps", type=int, default=3, help="an untimed short run of each policy first (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="trainer steps each run takes untimed before the timed --steps (0: none)")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
@@ -154,11 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     policies = args.policies.split(",")
-    # One-time costs (CUDA context, imports, and kernels JIT-compiled per shape, e.g. Triton
-    # decode kernels for the batch sizes a policy reaches) land here, untimed: one short run
-    # of every policy, since fully-async reaches batch sizes sync never does.
-    for policy in policies if args.warmup_steps > 0 else []:
-        _one(policy, 0, argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}))
     runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         for policy in policies:

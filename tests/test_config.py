@@ -27,7 +27,7 @@ def test_the_shipped_config_loads_into_typed_structs():
         ("trainer.lr=fast", "trainer.lr: expected float, got str"),
         ("trainer.lr=-1", "trainer.lr: expected float > 0.0"),
         ("rollout.n=2.5", "rollout.n: expected int, got float"),
-        ("runtime.type=slurm", "runtime.type: invalid enum value 'slurm' (expected one of: local, ray)"),
+        ("runtime.type=slurm", "runtime.type: invalid enum value 'slurm' (expected one of: local, process, ray)"),
         ("sync.mode=fast", "sync.mode: invalid enum value 'fast'"),
         ("nosuch.key=1", "nosuch: unknown key"),
         ("trainer=3", "trainer: expected object, got int"),

@@ -1,4 +1,5 @@
-"""Trainer and rollout in separate processes (Ray actors), weights over a
+"""Trainer and rollout in separate processes (Ray actors, or the process
+runtime's children), weights over a
 torch.distributed broadcast (gloo): a fully-async run with delta pushes whose
 engine weights are bit-identical to the trainer's after every sync."""
 
@@ -13,11 +14,11 @@ from actors.launch import launch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.ray
-def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path):
+@pytest.mark.parametrize("runtime", [pytest.param("ray", marks=pytest.mark.ray), "process"])
+def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime):
     import loop
 
-    run = launch(ROOT / "fully_async.yaml", "runtime.type=ray", "sync.transport=broadcast",
+    run = launch(ROOT / "fully_async.yaml", f"runtime.type={runtime}", "sync.transport=broadcast",
                  "sync.backend=gloo", "rollout.num_actors=2", "rollout.engine.dtype=bfloat16",
                  "trainer.lr=1e-5", "trainer.batch_prompts=2", "rollout.n=4",
                  "rollout.max_response_tokens=8", "run.progress=false", f"run.output_dir={tmp_path}")

@@ -89,3 +89,67 @@ async def test_ray_runtime_never_shuts_down_a_cluster_it_joined():
 def test_unknown_runtime_is_a_clear_error():
     with pytest.raises(ValueError, match="runtime.type"):
         make_runtime("slurm")
+
+
+class FlakyActor(Actor):
+    """Test actor for the process runtime: errors, overlapping calls, dying."""
+
+    async def fail(self) -> None:
+        raise KeyError("no such sample")
+
+    async def slow(self, x: int, delay_s: float) -> int:
+        await asyncio.sleep(delay_s)
+        return x
+
+    async def die(self) -> None:
+        os._exit(3)
+
+    async def unpicklable(self) -> object:
+        return threading.Lock()
+
+
+class BrokenActor(Actor):
+    def __init__(self) -> None:
+        raise ValueError("engine.max_num_seqs: expected int >= 1, got 0")
+
+
+@pytest.mark.asyncio
+async def test_process_runtime_runs_each_actor_in_its_own_process():
+    out = await _exercise("process")
+    assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
+    assert len(out["threads"]) == 1 and not out["same_process"]
+
+
+@pytest.mark.asyncio
+async def test_process_runtime_errors_overlap_and_death_are_reported():
+    from actors.runtime import ActorDiedError
+
+    rt = make_runtime("process")
+    try:
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            await rt.spawn(BrokenActor, name="broken")
+        a = await rt.spawn(FlakyActor, name="flaky")
+        with pytest.raises(KeyError, match="no such sample") as info:
+            await a.fail()
+        assert any("raised in actor 'flaky'" in n for n in info.value.__notes__)
+        with pytest.raises(TypeError, match="cannot be sent back"):
+            await a.unpicklable()
+        with pytest.raises(TypeError, match="cannot be sent"):
+            await a.slow(threading.Lock(), 0)
+        # calls overlap: the short one answers first
+        done = []
+        await asyncio.gather(*(_note(done, a.slow(x, d)) for x, d in ((1, 0.3), (2, 0.0))))
+        assert done == [2, 1]
+        pending = asyncio.ensure_future(a.slow(5, 30))
+        with pytest.raises(ActorDiedError, match="exit code 3"):
+            await a.die()
+        with pytest.raises(ActorDiedError):
+            await pending
+        with pytest.raises(ActorDiedError):
+            await a.slow(1, 0)
+    finally:
+        await rt.shutdown()
+
+
+async def _note(done: list, call) -> None:
+    done.append(await call)
