@@ -164,6 +164,23 @@ class WeightUpdate(msgspec.Struct, kw_only=True):
     def nbytes(self) -> int:
         return self.manifest.payload_bytes
 
+    def __reduce__(self) -> tuple:
+        """Pickled for another process (a Ray or process-runtime actor call),
+        device buckets travel as host arrays: the receiver's ``apply_update``
+        moves each piece to its weights' device, and a process in between
+        (the driver running the sync sequence) never touches the GPU."""
+        return (_rebuild_update, (self.manifest, [_to_host(b) for b in self.buckets]))
+
+
+def _to_host(bucket: Any) -> Any:
+    if isinstance(bucket, torch.Tensor) and bucket.device.type != "cpu":
+        return bucket.cpu().numpy()
+    return bucket
+
+
+def _rebuild_update(manifest: Manifest, buckets: list[Any]) -> WeightUpdate:
+    return WeightUpdate(manifest=manifest, buckets=buckets)
+
 
 def merge_updates(updates: list[WeightUpdate]) -> WeightUpdate:
     """Combine the updates each trainer rank encoded for its own shards into

@@ -300,3 +300,22 @@ def test_updates_on_a_device_are_exact_and_a_corrupt_one_changes_nothing(device:
     with pytest.raises(ChecksumError):
         apply_update(engine, update, version)
     assert _same(engine, before)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_a_pickled_update_carries_host_buckets_and_applies_on_the_device(device: str) -> None:
+    """Another process (the driver between trainer and engine actors) gets
+    the payload in host memory; the engine's apply moves it to its device."""
+    import pickle
+
+    w = {k: v.to(device) for k, v in _model().items()}
+    sender = WeightSender(mode="delta", bucket_bytes=512)
+    engine = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in w.items()}
+    version = 0
+    for v in (1, 2):
+        update = pickle.loads(pickle.dumps(sender.encode(w, v)))
+        assert all(not isinstance(b, torch.Tensor) or b.device.type == "cpu" for b in update.buckets)
+        version = apply_update(engine, update, version)
+        assert _same(engine, {k: t.to(torch.bfloat16) for k, t in w.items()})
+        _step(w)
+    assert update.manifest.kind == "delta" and version == 2
