@@ -80,7 +80,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     def idle(key: str) -> float:  # over the timed steps (the policy's counters run from its start)
         busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
-        return 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"])
+        return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"])))
     return {
         "wall_s": wall_s,
         "samples_per_s": (last["trained"] - start["trained"]) / wall_s,
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
                    help="disaggregated: trainer and engine in separate processes (on GPU: cuda:0 "
                         "and cuda:1), weights by torch.distributed broadcast (runtime process or ray)")
-    p.add_argument("--runtime", default=None,
-                   help="local | process | ray (default: ray on CPU, so rollout and trainer get a core "
-                        "each; local on GPU). process: one child process per actor, no Ray")
+    p.add_argument("--runtime", default="process", choices=["process", "ray", "local"],
+                   help="process (default: one child process per actor, so rollout and trainer get a "
+                        "core and a GIL each, no Ray) | ray | local (one process, one GIL)")
     p.add_argument("--free-kv", action="store_true",
                    help="sleep(1)/wake_up the engine's KV cache around every push (colocated memory "
                         "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
@@ -150,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
-    args.runtime = args.runtime or ("ray" if args.device == "cpu" or args.placement == "disaggregated"
-                                    else "local")
     result: dict[str, Any] = {
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
         "runtime": args.runtime, "free_kv": args.free_kv,
