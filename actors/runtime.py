@@ -1,7 +1,7 @@
 """Where actors live: in this process (``local``), each in a child process
 of its own (``process``), or as Ray actors (``ray``).
 
-The same actor classes run under both. An actor class subclasses
+The same actor classes run under all three. An actor class subclasses
 :class:`Actor`: its constructor takes data only, heavy setup happens in
 ``async setup()``, and blocking work (a forward pass, an optimizer step) goes
 through :meth:`Actor.blocking`, which runs it on the actor's one worker
@@ -169,7 +169,7 @@ class ActorDiedError(RuntimeError):
 _STOP = "__stop__"
 
 
-def _error_payload(exc: BaseException, name: str) -> bytes:
+def _error_payload(exc: BaseException) -> bytes:
     """``exc`` pickled, or a RuntimeError with its text when it would not
     survive the trip (unpicklable, or a constructor pickle cannot call)."""
     try:
@@ -193,7 +193,7 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
             raise TypeError(f"the result of {method}() cannot be sent back: {exc!r}") from exc
     except Exception as exc:
         exc.add_note(f"(raised in actor {name!r}, process {os.getpid()}:\n{traceback.format_exc().rstrip()})")
-        ok, payload = False, _error_payload(exc, name)
+        ok, payload = False, _error_payload(exc)
     conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
 
 
