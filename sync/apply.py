@@ -6,8 +6,9 @@
              positions; check that the old values sum to the base's there and
              base checksum + (new - old) equals the target checksum (on CPU a
              sparse piece is decoded, checked, written and summed in one pass
-             over its changed positions by the C kernel of sync.native, or by
-             numpy without a compiler, so it is checked just after it is written)
+             over its changed positions by the C kernel of sync.native, all
+             such pieces at once on its thread pool, or by numpy without a
+             compiler, so it is checked just after it is written)
     failure  write the kept old values back in reverse order and raise
 
 Extra memory is one decoded piece (<= a bucket) plus, for a delta, the old
@@ -154,12 +155,6 @@ def _check_blob(piece: _Piece, blob: torch.Tensor) -> None:
         raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
 
 
-def _raise_first(results: list) -> None:
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-
-
 def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
     """Phase 1. CPU payloads are checked on the sync.native thread pool (the
     numpy passes release the GIL); device ones on this thread's stream, their
@@ -179,7 +174,9 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
     for (e, want, _), got in zip(on_device, cks.read_sums([d[2] for d in on_device])):
         if got != tuple(want or ()):
             raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
-    _raise_first(native.run_each(on_cpu))
+    for r in native.run_each(on_cpu):
+        if isinstance(r, Exception):
+            raise r
 
 
 def _apply_native(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor],
