@@ -108,6 +108,18 @@ class FlakyActor(Actor):
         return threading.Lock()
 
 
+class StuckActor(Actor):
+    """Test actor whose close never returns and whose loop is blocked."""
+
+    async def close(self) -> None:
+        await asyncio.sleep(3600)
+
+    async def block(self) -> None:
+        import time
+
+        time.sleep(3600)  # holds the actor's loop: not even a stop message gets through
+
+
 class BrokenActor(Actor):
     def __init__(self) -> None:
         raise ValueError("engine.max_num_seqs: expected int >= 1, got 0")
@@ -153,3 +165,19 @@ async def test_process_runtime_errors_overlap_and_death_are_reported():
 
 async def _note(done: list, call) -> None:
     done.append(await call)
+
+
+@pytest.mark.asyncio
+async def test_process_runtime_ends_an_actor_that_does_not_close():
+    rt = make_runtime("process")
+    a = await rt.spawn(StuckActor, name="stuck")
+    b = await rt.spawn(StuckActor, name="blocked")
+    blocked = asyncio.ensure_future(b.block())
+    await asyncio.sleep(0.2)
+    await asyncio.gather(a.stop(timeout_s=0.5), b.stop(timeout_s=0.5))
+    assert not a.proc.is_alive() and not b.proc.is_alive()
+    from actors.runtime import ActorDiedError
+
+    with pytest.raises(ActorDiedError):
+        await blocked
+    await rt.shutdown()
