@@ -275,10 +275,16 @@ class _ProcessHandle(Handle):
                 value = pickle.loads(payload)
             except Exception as exc:  # noqa: BLE001 - e.g. a class this process cannot import
                 ok, value = False, TypeError(f"actor {self.name!r}: its reply cannot be read here: {exc!r}")
-            self._loop.call_soon_threadsafe(self._settle, call_id, ok, value)
+            self._post(self._settle, call_id, ok, value)
         self.proc.join(1)  # the pipe closes as the process exits: let it be reaped for its exit code
         code = self.proc.exitcode
-        self._loop.call_soon_threadsafe(self._fail_all, "its process ended" + (f" (exit code {code})" if code else ""))
+        self._post(self._fail_all, "its process ended" + (f" (exit code {code})" if code else ""))
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the driver's loop is closed (interpreter exit): nobody is waiting
+            pass
 
     def _settle(self, call_id: int, ok: bool, value: Any) -> None:
         fut = self._pending.pop(call_id, None)
