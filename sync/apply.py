@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -142,17 +142,25 @@ def _raw_values(blob: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
-def _check_blob(piece: _Piece, blob: torch.Tensor) -> None:
+def _payload_sum(piece: _Piece, blob: torch.Tensor, on_device: bool) -> tuple[Any, Any]:
+    """(the checksum the manifest promises for this blob, the blob's own): a
+    Checksum, or with ``on_device`` sums left on the device for one read-back."""
     e = piece.entry
     if e.encoding == "raw":
-        got = cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start)
-        want = e.checksum
-    elif e.encoding == "sparse":
-        got, want = cks.bytes_checksum(blob), e.payload_checksum
-    else:
-        raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
-    if got != want:
+        sums = cks.piece_sums if on_device else cks.piece_checksum
+        return e.checksum, sums(_raw_values(blob, piece), e.shard, e.start)
+    if e.encoding == "sparse":
+        return e.payload_checksum, (cks.bytes_sums if on_device else cks.bytes_checksum)(blob)
+    raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
+
+
+def _compare(e: TensorEntry, want: Any, got: cks.Checksum) -> None:
+    if got != tuple(want or ()):
         raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+
+
+def _check_cpu_blob(piece: _Piece, blob: torch.Tensor) -> None:
+    _compare(piece.entry, *_payload_sum(piece, blob, on_device=False))
 
 
 def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
@@ -161,19 +169,13 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
     sums read back together (one wait on the device per update)."""
     on_cpu, on_device = [], []
     for piece in pieces:
-        e = piece.entry
-        blob = _blob(update, e, buckets)
+        blob = _blob(update, piece.entry, buckets)
         if blob.device.type == "cpu":
-            on_cpu.append(partial(_check_blob, piece, blob))
-        elif e.encoding == "raw":
-            on_device.append((e, e.checksum, cks.piece_sums(_raw_values(blob, piece), e.shard, e.start)))
-        elif e.encoding == "sparse":
-            on_device.append((e, e.payload_checksum, cks.bytes_sums(blob)))
+            on_cpu.append(partial(_check_cpu_blob, piece, blob))
         else:
-            raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
+            on_device.append((piece.entry, *_payload_sum(piece, blob, on_device=True)))
     for (e, want, _), got in zip(on_device, cks.read_sums([d[2] for d in on_device])):
-        if got != tuple(want or ()):
-            raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+        _compare(e, want, got)
     for r in native.run_each(on_cpu):
         if isinstance(r, Exception):
             raise r

@@ -108,9 +108,14 @@ def positions_checksum(values: torch.Tensor, positions: torch.Tensor) -> Checksu
     """Checksum of values at arbitrary flat ``positions`` (int64, same length)."""
     if not values.is_cuda:
         return _np_weighted(int_view(values.contiguous()).numpy(), positions.cpu().to(torch.int64).numpy())
+    return read_sums([positions_sums(values, positions)])[0]
+
+
+def positions_sums(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`positions_checksum` of device values, left on the device (see :func:`read_sums`)."""
     x = int_view(values.contiguous()).to(torch.int64)
     p = positions.to(device=x.device, dtype=torch.int64)
-    return int(x.sum()) & MASK64, int((x * (p + 1)).sum()) & MASK64
+    return torch.stack((x.sum(), (x * (p + 1)).sum()))
 
 
 def delta_checksum(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> Checksum:
@@ -174,8 +179,7 @@ def piece_sums(values: torch.Tensor, shard: ShardSpec | None, start: int) -> tor
     if shard is None or shard.is_contiguous:
         return region_sums(values, start + (shard.global_start if shard is not None else 0))
     local = torch.arange(start, start + values.numel(), dtype=torch.int64, device=values.device)
-    x = int_view(values.contiguous()).to(torch.int64)
-    return torch.stack((x.sum(), (x * (shard.global_positions(local) + 1)).sum()))
+    return positions_sums(values, shard.global_positions(local))
 
 
 def piece_checksum(values: torch.Tensor, shard: ShardSpec | None, start: int) -> Checksum:

@@ -213,7 +213,7 @@ class WeightSender:
                     bucket, offset, view = writer.reserve(count * itemsize, src.device)
                     new = view.view(dtype)
                     new.copy_(piece)  # cast straight into the payload
-                    if new.is_cuda:  # read back with the others after the loop: one wait on the device
+                    if new.is_cuda:  # filled in after the loop, read back with the others: one wait on the device
                         pending.append((len(entries), sum_key, cks.piece_sums(new, shard, start)))
                         checksum = (0, 0)
                     else:
@@ -222,8 +222,6 @@ class WeightSender:
                                                offset=offset, nbytes=count * itemsize, checksum=checksum))
                     prev[start : start + count].copy_(new)
                     num_changed += count
-                    if new.is_cuda:
-                        continue
                 else:
                     old = prev[start : start + count]
                     found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key],

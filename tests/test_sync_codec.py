@@ -283,3 +283,21 @@ def test_numpy_varint_decoder_agrees_with_torch_or_refuses(data: list[int], coun
         assert count_delta != 0 or (buf.size and buf[-1] >= 0x80)
         return
     assert torch.equal(torch.from_numpy(got), varint_decode(torch.from_numpy(buf.copy()), count))
+
+
+@pytest.mark.parametrize("shard", [None, "contiguous", "strided"])
+def test_device_sums_read_back_together_equal_the_host_checksums(shard) -> None:
+    """The GPU path's deferred sums (torch ops, run here on CPU tensors) give
+    the numpy path's checksums for pieces, byte payloads and sharded pieces."""
+    from sync.checksum import bytes_checksum, bytes_sums, piece_checksum, piece_sums, read_sums
+    from sync.manifest import ShardSpec
+
+    spec = {None: None, "contiguous": ShardSpec(full_shape=(40, 8), dim=0, offset=10, length=20),
+            "strided": ShardSpec(full_shape=(40, 8), dim=1, offset=2, length=4)}[shard]
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(64, generator=g).bfloat16()
+    payload = torch.randint(0, 256, (77,), dtype=torch.uint8, generator=g)
+    pieces = [(values, 0), (values[:50], 13)] if spec is None or spec.is_contiguous else [(values[:60], 20)]
+    want = [piece_checksum(v, spec, start) for v, start in pieces] + [bytes_checksum(payload)]
+    got = read_sums([piece_sums(v, spec, start) for v, start in pieces] + [bytes_sums(payload)])
+    assert got == want
