@@ -247,9 +247,7 @@ def _end_children() -> None:
     closing the pipe ends a child's loop; one that does not end in time is killed."""
     for handle in list(_live_handles):
         handle._conn.close()
-        handle.proc.join(5)
-        if handle.proc.is_alive():
-            handle.proc.kill()
+        handle._end_process(5)
 
 
 class _ProcessHandle(Handle):
@@ -262,6 +260,9 @@ class _ProcessHandle(Handle):
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._dead: str | None = None
+        # Waiting on the process from two threads at once can lose its reaping (a
+        # concurrent waitpid fails and is_alive() reads True): one thread at a time.
+        self._proc_lock = threading.Lock()
         _live_handles.add(self)
         threading.Thread(target=self._read, name=f"asyncrl-{name}-replies", daemon=True).start()
 
@@ -276,8 +277,9 @@ class _ProcessHandle(Handle):
             except Exception as exc:  # noqa: BLE001 - e.g. a class this process cannot import
                 ok, value = False, TypeError(f"actor {self.name!r}: its reply cannot be read here: {exc!r}")
             self._post(self._settle, call_id, ok, value)
-        self.proc.join(1)  # the pipe closes as the process exits: let it be reaped for its exit code
-        code = self.proc.exitcode
+        with self._proc_lock:  # the pipe closes as the process exits: let it be reaped for its exit code
+            self.proc.join(1)
+            code = self.proc.exitcode
         self._post(self._fail_all, "its process ended" + (f" (exit code {code})" if code else ""))
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
@@ -334,13 +336,17 @@ class _ProcessHandle(Handle):
                 self._send(-1, _STOP, (), {})
             except (OSError, ValueError):
                 pass
-        ev = asyncio.get_running_loop()
-        await ev.run_in_executor(None, self.proc.join, timeout_s)
-        if self.proc.is_alive():
-            self.proc.kill()
-            await ev.run_in_executor(None, self.proc.join, timeout_s)
+        await asyncio.get_running_loop().run_in_executor(None, self._end_process, timeout_s)
         self._conn.close()
         _live_handles.discard(self)
+
+    def _end_process(self, timeout_s: float) -> None:
+        """Wait for the process to end; kill it if it does not in time."""
+        with self._proc_lock:
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout_s)
 
 
 class ProcessRuntime(Runtime):
