@@ -95,7 +95,9 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "dropped": last["dropped"],
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
         # where a sync's time goes: encode (trainer), transfer, apply (engine), and the
-        # rest of the sequence (pause, abort, version checks, resume: engine round trips)
+        # rest of the sequence (pause, abort, version checks, resume: engine round trips);
+        # paused: how long the engines stood still (the encode runs before the pause
+        # unless the KV cache is freed for the push)
         "sync_parts_ms_mean": _sync_parts(hist),
         "engine": engine,
     }
@@ -105,7 +107,8 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     syncs = [m for m in hist if "sync/total_ms" in m]
     if not syncs:
         return {}
-    parts = {k: statistics.fmean(m[f"sync/{k}_ms"] for m in syncs) for k in ("encode", "transfer", "apply", "total")}
+    parts = {k: statistics.fmean(m[f"sync/{k}_ms"] for m in syncs)
+             for k in ("encode", "transfer", "apply", "total", "paused")}
     parts["sequence"] = parts["total"] - parts["encode"] - parts["transfer"] - parts["apply"]
     parts = {k: round(v, 2) for k, v in parts.items()}
     parts["kinds"] = dict(collections.Counter(m["sync/kind"] for m in syncs))

@@ -12,7 +12,9 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     pushes, a full retry included). ``changed_fraction``: elements that differ
     from the base version (1.0 for full). Times in milliseconds: ``encode_ms``
     on the trainer, ``transfer_ms`` publishing through the transport,
-    ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` pause to resume."""
+    ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` the whole
+    sequence, ``paused_ms`` the part of it the engines did not generate (pause to
+    resume: without ``colocated`` the encode runs before the pause)."""
 
     version: int
     kind: Literal["full", "delta"]
@@ -22,6 +24,7 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     transfer_ms: float
     apply_ms: float
     total_ms: float = 0.0
+    paused_ms: float = 0.0
     num_engines: int = 0
     num_full_retries: int = 0
     num_aborted: int = 0

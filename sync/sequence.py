@@ -1,13 +1,19 @@
 """The weight-sync sequence, driven by the policy on the global loop.
 
+    [not colocated: versions + encode while the engines still generate]
     pause all ─► abort in-flight (keep partials) ─► sleep(1) if colocated
-        ─► get the update from the source (full | delta)
+        ─► [colocated: versions + encode now, with the KV cache freed]
         ─► versions check: a delta only goes to engines at its base, others refuse ─► full
         ─► push to every engine concurrently, each verifies checksums in apply_update
+           and reports the version it now holds, which must be the target
         ─► an engine that refused or failed gets one full retry
         ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
-        ─► verify every engine reports the target version
     finally: wake_up(kv_cache) ─► reset_prefix_cache ─► resume
+
+Encoding before the pause is safe: only a push changes an engine's weights or
+version, and the caller does not step the trainer while it syncs. It keeps the
+engines generating through the trainer's encode; colocated, the encode waits for
+``sleep(1)`` so its payload never shares the device with the KV cache.
 
 An engine here is anything with the ``RolloutEngine`` surface (``pause``,
 ``resume``, ``abort``, ``sleep``, ``wake_up``, ``update_weights``,
@@ -111,16 +117,16 @@ async def sync_weights(
     transport = transport or InProcessTransport()
     src = _Source(source, weights, version)
     t0 = time.perf_counter()
+    if not colocated:
+        before, update = await _prepare(engines, src)
+    t_pause = time.perf_counter()
     await asyncio.gather(*(e.pause() for e in engines))
     try:
         aborted = list(await asyncio.gather(*(e.abort(None) for e in engines)))
         if colocated:
             await asyncio.gather(*(e.sleep(1) for e in engines))
-        before = list(await asyncio.gather(*(engine_version(e) for e in engines)))
-        update = await src.update()
-        kind, target = update.manifest.kind, update.manifest.version
-        if kind == "delta" and any(v != update.manifest.base_version for v in before) and src.can_retry:
-            update = await src.update(full=True)  # someone missed the base: everyone gets full
+            before, update = await _prepare(engines, src)
+        target = update.manifest.version
         metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
                               changed_fraction=update.manifest.changed_fraction, encode_ms=0.0,
                               transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
@@ -135,10 +141,6 @@ async def sync_weights(
             i, err = min(errors.items())
             versions = list(await asyncio.gather(*(engine_version(e) for e in engines)))
             raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
-        after = list(await asyncio.gather(*(engine_version(e) for e in engines)))
-        bad = [i for i, v in enumerate(after) if v != target]
-        if bad:
-            raise SyncFailed(f"engines report versions {after} after a push to {target}", bad[0], after)
         metrics.encode_ms = src.encode_ms
         await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     finally:
@@ -147,8 +149,19 @@ async def sync_weights(
             await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
         await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
         await asyncio.gather(*(e.resume() for e in engines))
+    metrics.paused_ms = (time.perf_counter() - t_pause) * 1e3
     metrics.total_ms = (time.perf_counter() - t0) * 1e3
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
+
+
+async def _prepare(engines: list[Any], src: _Source) -> tuple[list[int], WeightUpdate]:
+    """The engines' versions and the update for them: a delta only when every
+    engine holds its base (when the source can re-encode), else full for all."""
+    before = list(await asyncio.gather(*(engine_version(e) for e in engines)))
+    update = await src.update()
+    if update.manifest.kind == "delta" and any(v != update.manifest.base_version for v in before) and src.can_retry:
+        update = await src.update(full=True)  # someone missed the base: everyone gets full
+    return before, update
 
 
 async def _push(engines: list[Any], which: list[int], update: WeightUpdate, transport: Transport,

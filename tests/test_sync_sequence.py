@@ -175,6 +175,35 @@ class TrainerLike:
         return self.sender.revert_update()
 
 
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_encode_runs_before_the_pause_unless_colocated(colocated: bool) -> None:
+    """Without colocation the engines keep generating while the trainer
+    encodes; colocated, the encode waits until sleep(1) has freed the KV cache."""
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    trainer = TrainerLike(w, mode="delta")
+
+    async def logged_update() -> WeightUpdate:
+        log.append("encode:t")
+        return trainer.sender.encode(trainer.w, trainer.version)
+
+    trainer.weight_update = logged_update  # type: ignore[method-assign]
+    for v in (1, 2):
+        trainer.version = v
+        _step(w, v)
+        log.clear()
+        result = await sync_weights(engines, trainer, colocated=colocated)
+        steps = [entry.split(":")[0] for entry in log]
+        first = [x for i, x in enumerate(steps) if x not in steps[:i]]
+        kind = "update_full" if v == 1 else "update_delta"
+        if colocated:
+            assert first == ["pause", "abort", "sleep1", "encode", kind, "wake_up", "reset_prefix_cache", "resume"]
+        else:
+            assert first == ["encode", "pause", "abort", kind, "reset_prefix_cache", "resume"]
+        assert all(e.version == v and _holds(e, w) for e in engines)
+        assert 0 < result.metrics.paused_ms <= result.metrics.total_ms
+
+
 async def test_actor_like_source_with_async_endpoints() -> None:
     w, log = _trainer(), []
     engines = _fleet(w, 2, log)
