@@ -167,16 +167,17 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
     """Phase 1. CPU payloads are checked on the sync.native thread pool (the
     numpy passes release the GIL); device ones on this thread's stream, their
     sums read back together (one wait on the device per update)."""
-    on_cpu, on_device = [], []
+    on_cpu, cpu_sizes, on_device = [], [], []
     for piece in pieces:
         blob = _blob(update, piece.entry, buckets)
         if blob.device.type == "cpu":
             on_cpu.append(partial(_check_cpu_blob, piece, blob))
+            cpu_sizes.append(piece.entry.count)
         else:
             on_device.append((piece.entry, *_payload_sum(piece, blob, on_device=True)))
     for (e, want, _), got in zip(on_device, cks.read_sums([d[2] for d in on_device])):
         _compare(e, want, got)
-    for r in native.run_each(on_cpu):
+    for r in native.run_each(on_cpu, cpu_sizes):
         if isinstance(r, Exception):
             raise r
 
@@ -196,7 +197,7 @@ def _apply_native(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int,
         blob = _blob(update, e, buckets).cpu().numpy()
         jobs.append((i, flat, blob, partial(native.apply_piece, flat, blob, e.parts, e.index_codec or "",
                                             e.value_codec or "", e.count, e.num_changed)))
-    results = native.run_each([job[-1] for job in jobs])
+    results = native.run_each([job[-1] for job in jobs], [pieces[job[0]].entry.num_changed for job in jobs])
     for (i, flat, blob, _), r in zip(jobs, results):
         if not isinstance(r, Exception):
             e = pieces[i].entry

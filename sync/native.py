@@ -29,7 +29,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -169,21 +169,35 @@ def _run(fns: list) -> list:
     return [first] + [f.result() for f in futures]
 
 
-def run_each(fns: list) -> list:
+def _call(f) -> Any:
+    try:
+        return f()
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+        return exc
+
+
+def run_each(fns: list, sizes: list[int] | None = None) -> list:
     """Call every thunk on the shared pool (this thread waits) and return, in
     order, each one's result or the exception it raised: independent pieces
-    run at once, and one bad piece does not hide what the others did."""
-    if len(fns) <= 1 or NUM_THREADS <= 1:
-        out = []
-        for f in fns:
-            try:
-                out.append(f())
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                out.append(exc)
-        return out
+    run at once, and one bad piece does not hide what the others did.
+    ``sizes`` (elements per thunk) groups consecutive small thunks into tasks
+    of at least ``MIN_PART`` elements: a hand-off to the pool costs more than
+    a small piece's work, so a small model's update runs on this thread."""
+    if sizes is None:
+        tasks = [[f] for f in fns]
+    else:
+        tasks, work = [[]], 0
+        for f, n in zip(fns, sizes, strict=True):
+            if work >= MIN_PART:
+                tasks.append([])
+                work = 0
+            tasks[-1].append(f)
+            work += n
+    if len(tasks) <= 1 or NUM_THREADS <= 1:
+        return [_call(f) for f in fns]
     pool = _shared_pool()
-    futures = [pool.submit(f) for f in fns]
-    return [f.exception() or f.result() for f in futures]
+    futures = [pool.submit(lambda group=group: [_call(f) for f in group]) for group in tasks]
+    return [r for fut in futures for r in fut.result()]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:

@@ -4,6 +4,7 @@ torch does, refuse malformed streams without writing, and undo exactly."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -217,3 +218,25 @@ def test_non_contiguous_shard_on_the_kernels() -> None:
     assert update.manifest.kind == "delta"
     apply_update(engine, update, version, verify="full")
     assert torch.equal(engine["w"][:, 4:9], shard.bfloat16())
+
+
+@pytest.mark.parametrize("sizes", [None, [10] * 6, [native.MIN_PART] * 6, [1, native.MIN_PART, 1, 1, native.MIN_PART, 5]])
+def test_run_each_keeps_order_and_isolates_failures(sizes, monkeypatch) -> None:
+    """Small thunks share a task (or run on this thread), large ones get their
+    own; either way every result comes back in order, a raise as its exception."""
+    monkeypatch.setattr(native, "NUM_THREADS", 2)
+    threads: list[str] = []
+
+    def job(i: int):
+        def run() -> int:
+            threads.append(threading.current_thread().name)
+            if i == 3:
+                raise ValueError("piece 3")
+            return i * i
+        return run
+
+    out = native.run_each([job(i) for i in range(6)], sizes)
+    assert [r for i, r in enumerate(out) if i != 3] == [0, 1, 4, 16, 25]
+    assert isinstance(out[3], ValueError) and str(out[3]) == "piece 3"
+    on_pool = {name for name in threads if name.startswith("sync-native")}
+    assert bool(on_pool) == (sizes != [10] * 6)
