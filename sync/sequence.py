@@ -142,7 +142,6 @@ async def sync_weights(
             versions = list(await asyncio.gather(*(engine_version(e) for e in engines)))
             raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
         metrics.encode_ms = src.encode_ms
-        await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     finally:
         # whatever happened, engines must run again, and never on caches of other weights
         if colocated:
@@ -150,6 +149,7 @@ async def sync_weights(
         await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
         await asyncio.gather(*(e.resume() for e in engines))
     metrics.paused_ms = (time.perf_counter() - t_pause) * 1e3
+    await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     metrics.total_ms = (time.perf_counter() - t0) * 1e3
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
 
