@@ -35,6 +35,7 @@ import multiprocessing
 import multiprocessing.util  # its exit hook joins child processes: registered before ours, it runs after
 import os
 import pickle
+import sys
 import threading
 import traceback
 import weakref
@@ -197,6 +198,18 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
     conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
 
 
+# An actor's process runs its loop beside worker threads (the engine's step thread,
+# a trainer's blocking calls) that hold the GIL for most of each step. At CPython's
+# default 5 ms switch interval every hop of a call (inbox reader -> loop -> engine
+# thread -> loop) can wait that long for the GIL, so a sync's pause / abort / resume
+# round trips to a busy engine took several ms each. The process is the actor's own.
+ACTOR_SWITCH_INTERVAL_S = 0.0005
+
+
+def _actor_process_settings() -> None:
+    sys.setswitchinterval(ACTOR_SWITCH_INTERVAL_S)
+
+
 async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
     """The child's main coroutine: build the actor, answer calls (each a task,
     so they overlap like Ray's async actor calls) until told to stop or orphaned."""
@@ -232,6 +245,7 @@ async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwar
 
 
 def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
+    _actor_process_settings()
     try:
         global_loop.run(_serve_async(conn, cls, name, args, kwargs))
     finally:
@@ -386,6 +400,7 @@ def _adopting(cls: type[Actor]) -> type[Actor]:
     class _RayActor(cls):  # type: ignore[misc, valid-type]
         async def setup(self) -> None:
             global_loop.adopt()
+            _actor_process_settings()
             await super().setup()
 
     _RayActor.__name__ = _RayActor.__qualname__ = cls.__name__

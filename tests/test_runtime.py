@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 
 import pytest
 
-from actors.runtime import Actor, make_runtime
+from actors.runtime import ACTOR_SWITCH_INTERVAL_S, Actor, make_runtime
 
 
 class EchoActor(Actor):
@@ -35,6 +36,9 @@ class EchoActor(Actor):
     async def pid(self) -> int:
         return os.getpid()
 
+    async def switch_interval(self) -> float:
+        return sys.getswitchinterval()
+
 
 async def _exercise(runtime_type: str) -> dict:
     rt = make_runtime(runtime_type, num_cpus=2)
@@ -46,7 +50,7 @@ async def _exercise(runtime_type: str) -> dict:
         with pytest.raises(Exception, match="model.path"):
             await rt.spawn(EchoActor, name="bad", num_cpus=0.5, scale=1, fail_setup=True)
         return {"results": results, "both": both, "threads": await a.worker_threads(),
-                "same_process": await a.pid() == os.getpid()}
+                "same_process": await a.pid() == os.getpid(), "switch_interval": await a.switch_interval()}
     finally:
         await rt.shutdown()
 
@@ -56,6 +60,7 @@ async def test_local_runtime_runs_actors_in_process_with_one_worker_thread_each(
     out = await _exercise("local")
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and out["same_process"]
+    assert out["switch_interval"] == sys.getswitchinterval()  # the user's process is left as it is
 
 
 @pytest.mark.ray
@@ -67,6 +72,7 @@ async def test_ray_runtime_gives_the_same_results_in_other_processes():
     out = await _exercise("ray")
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and not out["same_process"]
+    assert out["switch_interval"] == ACTOR_SWITCH_INTERVAL_S  # loop answers within 0.5 ms of a busy thread
     assert not ray.is_initialized()  # the cluster it started is stopped
 
 
@@ -130,6 +136,7 @@ async def test_process_runtime_runs_each_actor_in_its_own_process():
     out = await _exercise("process")
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and not out["same_process"]
+    assert out["switch_interval"] == ACTOR_SWITCH_INTERVAL_S
 
 
 @pytest.mark.asyncio
