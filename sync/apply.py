@@ -142,25 +142,43 @@ def _raw_values(blob: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
-def _payload_sum(piece: _Piece, blob: torch.Tensor, on_device: bool) -> tuple[Any, Any]:
-    """(the checksum the manifest promises for this blob, the blob's own): a
-    Checksum, or with ``on_device`` sums left on the device for one read-back."""
-    e = piece.entry
+def _promised(e: TensorEntry) -> Any:
+    """The checksum the manifest promises for a piece's payload."""
     if e.encoding == "raw":
-        sums = cks.piece_sums if on_device else cks.piece_checksum
-        return e.checksum, sums(_raw_values(blob, piece), e.shard, e.start)
+        return e.checksum
     if e.encoding == "sparse":
-        return e.payload_checksum, (cks.bytes_sums if on_device else cks.bytes_checksum)(blob)
+        return e.payload_checksum
     raise ManifestMismatch(f"{e.name}: unknown encoding {e.encoding!r}")
 
 
-def _compare(e: TensorEntry, want: Any, got: cks.Checksum) -> None:
-    if got != tuple(want or ()):
+def _compare(e: TensorEntry, got: cks.Checksum) -> None:
+    if got != tuple(_promised(e) or ()):
         raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
 
 
 def _check_cpu_blob(piece: _Piece, blob: torch.Tensor) -> None:
-    _compare(piece.entry, *_payload_sum(piece, blob, on_device=False))
+    e = piece.entry
+    _promised(e)  # an unknown encoding is refused before its bytes are read
+    if e.encoding == "raw":
+        _compare(e, cks.piece_checksum(_raw_values(blob, piece), e.shard, e.start))
+    else:
+        _compare(e, cks.bytes_checksum(blob))
+
+
+def _device_payload_sums(items: list[tuple[_Piece, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each device blob's sums, left on the device; raw pieces summed together."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    raw = []
+    for i, (piece, blob) in enumerate(items):
+        e = piece.entry
+        _promised(e)
+        if e.encoding == "raw":
+            raw.append((i, (_raw_values(blob, piece), e.shard, e.start)))
+        else:
+            out[i] = cks.bytes_sums(blob)
+    for (i, _), sums in zip(raw, cks.pieces_sums([r[1] for r in raw])):
+        out[i] = sums
+    return out  # type: ignore[return-value]
 
 
 def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int, torch.Tensor]) -> None:
@@ -174,9 +192,9 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
             on_cpu.append(partial(_check_cpu_blob, piece, blob))
             cpu_sizes.append(piece.entry.count)
         else:
-            on_device.append((piece.entry, *_payload_sum(piece, blob, on_device=True)))
-    for (e, want, _), got in zip(on_device, cks.read_sums([d[2] for d in on_device])):
-        _compare(e, want, got)
+            on_device.append((piece, blob))
+    for (piece, _), got in zip(on_device, cks.read_sums(_device_payload_sums(on_device))):
+        _compare(piece.entry, got)
     for r in native.run_each(on_cpu, cpu_sizes):
         if isinstance(r, Exception):
             raise r

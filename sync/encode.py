@@ -214,7 +214,7 @@ class WeightSender:
                     new = view.view(dtype)
                     new.copy_(piece)  # cast straight into the payload
                     if new.is_cuda:  # filled in after the loop, read back with the others: one wait on the device
-                        pending.append((len(entries), sum_key, cks.piece_sums(new, shard, start)))
+                        pending.append((len(entries), sum_key, (new, shard, start)))
                         checksum = (0, 0)
                     else:
                         checksum = cks.piece_checksum(new, shard, start)
@@ -235,7 +235,7 @@ class WeightSender:
                     num_changed += entry.num_changed
                     checksum = entry.checksum
                 self._prev_sums[sum_key] = checksum
-        for (i, sum_key, _), checksum in zip(pending, cks.read_sums([p[2] for p in pending])):
+        for (i, sum_key, _), checksum in zip(pending, cks.read_sums(cks.pieces_sums([p[2] for p in pending]))):
             entries[i] = msgspec.structs.replace(entries[i], checksum=checksum)
             self._prev_sums[sum_key] = checksum
         writer.flush()

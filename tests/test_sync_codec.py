@@ -301,3 +301,26 @@ def test_device_sums_read_back_together_equal_the_host_checksums(shard) -> None:
     want = [piece_checksum(v, spec, start) for v, start in pieces] + [bytes_checksum(payload)]
     got = read_sums([piece_sums(v, spec, start) for v, start in pieces] + [bytes_sums(payload)])
     assert got == want
+
+
+@pytest.mark.parametrize("group_elems", [1 << 22, 100])
+def test_pieces_summed_together_equal_each_alone(group_elems, monkeypatch) -> None:
+    """The segmented pass over many small pieces (one group, or several when
+    the group size is small) gives every piece's own checksum: mixed dtypes,
+    strided and contiguous shards, empty and large pieces, positions past 2**32."""
+    from sync import checksum as cks
+    from sync.manifest import ShardSpec
+
+    monkeypatch.setattr(cks, "_GROUP_ELEMS", group_elems)
+    g = torch.Generator().manual_seed(2)
+    contiguous = ShardSpec(full_shape=(40, 8), dim=0, offset=10, length=20)
+    strided = ShardSpec(full_shape=(40, 8), dim=1, offset=2, length=4)
+    items = []
+    for i in range(30):
+        dtype = (torch.bfloat16, torch.float32, torch.float16)[i % 3]
+        n = int(torch.randint(0, 300, (1,), generator=g))
+        items.append((torch.randn(n, generator=g).to(dtype), None, int(torch.randint(0, 1 << 40, (1,), generator=g))))
+    items += [(torch.randn(160).bfloat16(), contiguous, 0), (torch.randn(60).bfloat16(), strided, 20),
+              (torch.randn(150).float()[::2], None, 7)]
+    got = cks.read_sums(cks.pieces_sums(items))
+    assert got == [cks.piece_checksum(v, spec, start) for v, spec, start in items]
