@@ -32,15 +32,18 @@ def _weight_sync_fn(cfg: Config) -> Any:
     from actors.weight_group import ActorBroadcast
     from sync.sequence import sync_weights
 
-    async def weight_sync(rollouts: list[Any], trainer: Any) -> Any:
+    async def weight_sync(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None) -> Any:
         if cfg.sync.transport == "broadcast":
+            # the trainer sends the payload itself: it is free to step only once that is done
             transport = ActorBroadcast(trainer)
             try:
                 return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated,
                                           transport=transport)
             finally:
                 await transport.wait()
-        return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated)
+                if released is not None:
+                    released.set()
+        return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated, released=released)
 
     return weight_sync
 
@@ -159,11 +162,15 @@ class Run:
 
             bar = tqdm(total=len(self.history) + steps, initial=len(self.history), unit="step",
                        dynamic_ncols=True, file=sys.stderr)
-        out = []
+        out: list[dict[str, Any]] = []
+        unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
         try:
             for _ in range(steps):
                 (m,) = await self.policy.train(1)
-                self._metrics_file.write(json.dumps(m) + "\n")
+                if unwritten is not None:
+                    await self.policy.settle(unwritten["step"])  # its push (if still running) fills it in
+                    self._metrics_file.write(json.dumps(unwritten) + "\n")
+                unwritten = m
                 self.history.append(m)
                 out.append(m)
                 every = self.cfg.trainer.checkpoint_every
@@ -173,7 +180,10 @@ class Run:
                     bar.set_postfix(reward=f"{m['reward']:.3f}", stale=f"{m['staleness_mean']:.2f}",
                                     sps=f"{m['samples_per_s']:.1f}", refresh=False)
                     bar.update(1)
+            await self.policy.settle()  # the last push ends before this loop stops
         finally:
+            if unwritten is not None:
+                self._metrics_file.write(json.dumps(unwritten) + "\n")
             if bar is not None:
                 bar.close()
         return out

@@ -36,7 +36,9 @@ class PolicyBase(abc.ABC):
     def __init__(self, cfg: Any, *, rollouts: list[Any], trainer: Any, queue: Any, task: Any,
                  weight_sync: Any) -> None:
         self.cfg, self.rollouts, self.trainer, self.queue, self.task = cfg, rollouts, trainer, queue, task
-        self.weight_sync = weight_sync  # coroutine fn: (rollouts, trainer) -> dict of sync metrics
+        # coroutine fn: (rollouts, trainer, released=None) -> dict of sync metrics; sets ``released``
+        # (an asyncio.Event) once the trainer may step again (see sync.sequence.sync_weights)
+        self.weight_sync = weight_sync
         self.rng = random.Random(cfg.run.seed)
         self.step = 0  # trainer steps done == trainer weight version
         self.produced = 0
@@ -47,7 +49,8 @@ class PolicyBase(abc.ABC):
         self.dropped: Counter[str] = Counter()
         self._t_start = time.perf_counter()
         self._t_trainer_busy_s = 0.0
-        self.last_sync: dict[str, Any] = {}
+        self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
+        self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
         self._books = asyncio.Lock()
 
     # -- prompts and groups -------------------------------------------------
@@ -144,10 +147,23 @@ class PolicyBase(abc.ABC):
     async def _start_background(self) -> None:
         """Start whatever runs beside the trainer loop (nothing by default)."""
 
-    async def sync_weights(self) -> None:
-        t0 = time.perf_counter()
-        self.last_sync = dict(await self.weight_sync(self.rollouts, self.trainer))
-        self.last_sync["sync_s"] = time.perf_counter() - t0
+    async def sync_weights(self, released: asyncio.Event | None = None) -> None:
+        """Push this step's weights to the engines; its metrics go into this
+        step's record (filled in later if the sync outlives the step)."""
+        step, t0 = self.step, time.perf_counter()
+        extra = {} if released is None else {"released": released}
+        result = dict(await self.weight_sync(self.rollouts, self.trainer, **extra))
+        result["sync_s"] = time.perf_counter() - t0
+        if self._record is not None and self._record[0] == step:
+            self._record[1].update({f"sync/{k}": v for k, v in result.items()})
+        else:
+            self.last_sync = result
+
+    async def settle(self, step: int | None = None) -> None:
+        """Wait for work that outlives a step (a weight push still running),
+        only that of steps up to ``step`` if given: call it before this loop
+        stops, so no engine stays paused meanwhile, and before reading a
+        step's record as final."""
 
     async def train(self, num_steps: int) -> list[dict[str, Any]]:
         """Run ``num_steps`` trainer steps; returns one metrics dict per step."""
@@ -164,13 +180,14 @@ class PolicyBase(abc.ABC):
             self.trained += len(samples)
             self.step += 1
             t2 = time.perf_counter()
-            self.last_sync = {}
             await self._after_step()
             t3 = time.perf_counter()
             self._t_trainer_busy_s += t2 - t1
             pending = await self.check_accounting()
-            out.append(self._step_metrics(samples, lags, train_metrics, pending, wait_s=t1 - t0,
-                                          train_s=t2 - t1, after_s=t3 - t2))
+            record = self._step_metrics(samples, lags, train_metrics, pending, wait_s=t1 - t0,
+                                        train_s=t2 - t1, after_s=t3 - t2)
+            self.last_sync, self._record = {}, (self.step, record)
+            out.append(record)
         return out
 
     def _step_metrics(self, samples: list[Sample], lags: list[int], train: dict[str, float],

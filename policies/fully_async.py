@@ -7,12 +7,14 @@
                   │                                     │ drops (counted) + admission.release│ tq.ack
                   ▼                                     ▼                                   │ every K steps:
                                                                                             ▼
-    weight sync (sync.sequence): pause rollouts → abort (partials kept) → [sleep] → push full|delta
+    weight sync (sync.sequence): encode → pause rollouts → abort (partials kept) → [sleep] → push full|delta
                                   → verify version → wake → reset caches → resume; admission.open_window
+                                  (a task: the trainer's next step starts once the encode is done)
 
 Feeder and group tasks run in the background for the life of the policy; the
 trainer loop runs inside :meth:`train` so a notebook can call ``train(steps=10)``
-repeatedly. A background task that dies re-raises in :meth:`train`.
+repeatedly (``settle()`` before the loop stops: the last push must not be left
+half way). A background task that dies re-raises in :meth:`train`.
 Accounting invariant, checked every step: produced == trained + dropped + pending.
 """
 
@@ -45,6 +47,8 @@ class FullyAsyncPolicy(PolicyBase):
         self._groups: set[asyncio.Task[None]] = set()
         self._load = Counter[int]()
         self._failure: asyncio.Future[None] | None = None
+        self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
+        self._sync_step = 0  # ... and the step whose weights it pushes
 
     async def _start_background(self) -> None:
         if self._feeder is None:
@@ -100,16 +104,42 @@ class FullyAsyncPolicy(PolicyBase):
         return get.result()
 
     async def _after_step(self) -> None:
+        """Every K steps, push the weights. The trainer waits only until they
+        are encoded: the push (engines paused, apply, resume) runs on while it
+        takes its next step. One push at a time: the next waits for this one."""
         if self.step % self.cfg.policy.trigger_parameter_sync_step == 0:
-            await self.sync_weights()
+            await self.settle()
+            released = asyncio.Event()
+            self._sync = asyncio.create_task(self._sync_and_open(released), name=f"sync-{self.step}")
+            self._sync_step = self.step
+            encoded = asyncio.create_task(released.wait())
+            await asyncio.wait([encoded, self._sync], return_when=asyncio.FIRST_COMPLETED)
+            encoded.cancel()
+            if self._sync.done():
+                await self.settle()  # finished already, or failed: raise here
+
+    async def _sync_and_open(self, released: asyncio.Event) -> None:
+        try:
+            await self.sync_weights(released)
             await self.admission.open_window(await self.outstanding())
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self._fail(err)  # a trainer waiting for a batch hears of it too
+            raise
+
+    async def settle(self, step: int | None = None) -> None:
+        if self._sync is None or (step is not None and self._sync_step > step):
+            return
+        task, self._sync = self._sync, None
+        await task
 
     async def _on_drop_after_queue(self, n: int) -> None:
         await self.admission.release(n)
 
     async def close(self) -> None:
         await self.admission.close()
-        tasks = [t for t in [self._feeder, *self._groups] if t is not None]
+        tasks = [t for t in [self._feeder, self._sync, *self._groups] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)

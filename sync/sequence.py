@@ -57,15 +57,17 @@ async def engine_version(engine: Any) -> int:
 class _Source:
     """Uniform view of the three kinds of source."""
 
-    def __init__(self, source: Any, weights: Any, version: int | None) -> None:
-        self.source, self.weights, self.version = source, weights, version
+    def __init__(self, source: Any, weights: Any, version: int | None,
+                 released: asyncio.Event | None = None) -> None:
+        self.source, self.weights, self.version, self.released = source, weights, version, released
         self.encode_ms = 0.0
         if isinstance(source, WeightSender) and (weights is None or version is None):
             raise ValueError("sync_weights with a WeightSender needs weights= and version=")
 
     @property
     def can_retry(self) -> bool:
-        return not isinstance(self.source, WeightUpdate)
+        # once released, the source's weights may already be a later version's
+        return not isinstance(self.source, WeightUpdate) and not (self.released and self.released.is_set())
 
     def _weights(self) -> Any:
         return self.weights() if callable(self.weights) and not isinstance(self.weights, Mapping) else self.weights
@@ -105,8 +107,14 @@ async def sync_weights(
     weights: Any = None,
     version: int | None = None,
     transport: Transport | None = None,
+    released: asyncio.Event | None = None,
 ) -> SyncResult:
     """Bring every engine to the source's next version, safely.
+
+    ``released`` is set as soon as the update is encoded: from then on the
+    source's weights are not read again, so a trainer may take its next step
+    while the push runs. A failed push is then not retried with a fresh full
+    encode (it would read the newer weights); engines are reverted instead.
 
     Returns a :class:`SyncResult` with the partial outputs of the aborted
     requests (per engine) and the :class:`SyncMetrics`. On failure raises
@@ -115,7 +123,7 @@ async def sync_weights(
     the source can revert (a ``WeightSender``), else ``versions`` says where each is.
     """
     transport = transport or InProcessTransport()
-    src = _Source(source, weights, version)
+    src = _Source(source, weights, version, released)
     t0 = time.perf_counter()
     if not colocated:
         before, update = await _prepare(engines, src)
@@ -161,6 +169,8 @@ async def _prepare(engines: list[Any], src: _Source) -> tuple[list[int], WeightU
     update = await src.update()
     if update.manifest.kind == "delta" and any(v != update.manifest.base_version for v in before) and src.can_retry:
         update = await src.update(full=True)  # someone missed the base: everyone gets full
+    if src.released is not None:
+        src.released.set()
     return before, update
 
 

@@ -109,3 +109,51 @@ def test_train_works_from_a_notebook_whose_thread_runs_a_loop(tmp_path):
             run.close()
 
     assert asyncio.run(cell()) == [1, 2]
+
+
+def test_fully_async_trains_its_next_step_while_the_weights_are_pushed(tmp_path):
+    """The trainer waits for the encode only: a push still running when the
+    next step starts is finished before its record is written, and before
+    train() returns (no engine is left paused when the loop stops)."""
+    import asyncio
+
+    import loop
+
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}")
+    with run:
+        policy, push, train_step = run.policy, run.policy.weight_sync, run.policy.trainer.train_step
+        steps_begun: list[int] = []
+        overlapped: list[bool] = []
+
+        async def counting_train_step(samples):
+            steps_begun.append(policy.step + 1)
+            return await train_step(samples)
+
+        async def held_push(rollouts, trainer, released=None):
+            """The real push, held open until the trainer has begun its next step."""
+            task = asyncio.ensure_future(push(rollouts, trainer, released=released))
+            await released.wait()
+            step = policy.step
+            for _ in range(200):  # 2 s: the last push of train() has no next step
+                if step + 1 in steps_begun:
+                    break
+                await asyncio.sleep(0.01)
+            overlapped.append(step + 1 in steps_begun)
+            return await task
+
+        policy.trainer.train_step, policy.weight_sync = counting_train_step, held_push
+        records = run.train(steps=3)
+        assert overlapped == [True, True, False]
+        assert [m["sync/version"] for m in records] == [1, 2, 3]
+        assert all(loop.run(r.get_version()) == 3 for r in policy.rollouts)
+    lines = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sync/version"] for m in lines] == [1, 2, 3]
+
+
+def test_a_push_every_second_step_is_in_its_own_steps_record(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.trigger_parameter_sync_step=2",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=4)
+    lines = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("sync/version") for m in lines] == [None, 2, None, 4]
