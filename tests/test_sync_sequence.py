@@ -236,3 +236,25 @@ async def test_failed_full_push_reports_the_split_it_cannot_undo() -> None:
         await sync_weights(engines, trainer, colocated=False)
     assert info.value.engine_index == 0 and info.value.versions == [1, 2]
     assert not any(e.paused for e in engines)
+
+
+async def test_released_source_is_not_re_encoded_a_failed_push_is_reverted() -> None:
+    """Once ``released`` is set the trainer may already hold newer weights: a
+    push that fails is not retried from them; the engines that moved go back."""
+    w, log = _trainer(), []
+    engines = _fleet(w, 2, log)
+    trainer = TrainerLike(w, mode="delta")
+    trainer.version = 1
+    released = asyncio.Event()
+    await sync_weights(engines, trainer, colocated=False, released=released)
+    assert released.is_set() and [e.version for e in engines] == [1, 1]
+
+    engines[1].corrupt = True
+    trainer.version = 2
+    _step(w, 2)
+    released = asyncio.Event()
+    log.clear()
+    with pytest.raises(SyncFailed) as info:
+        await sync_weights(engines, trainer, colocated=False, released=released)
+    assert released.is_set() and "update_full:1" not in log  # no full retry
+    assert info.value.versions == [1, 1] and not any(e.paused for e in engines)
