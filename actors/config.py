@@ -148,6 +148,12 @@ class PolicyConfig(_Section):
     """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
     reward_timeout_s: PosFloat = 30.0
     """A reward call slower than this counts as an error for its sample."""
+    overlap_push: bool | None = None
+    """Fully-async: the trainer takes its next step while a weight push is
+    applied (it waits only for the encode). ``null`` (auto): true when the
+    trainer's device is none of the engines' (the push then costs the trainer
+    nothing), false when they share one, where the push would compete with the
+    train step for that device (measured on one H200: bench/results/async_vs_sync_h200.json)."""
 
 
 class QueueConfig(_Section):

@@ -103,11 +103,25 @@ class FullyAsyncPolicy(PolicyBase):
             self._failure.result()  # re-raises the background error here
         return get.result()
 
+    @property
+    def overlap_push(self) -> bool:
+        if self.cfg.policy.overlap_push is not None:
+            return self.cfg.policy.overlap_push
+
+        def index(d: str) -> str:  # "cuda" is the first GPU: the same as "cuda:0"
+            return d if ":" in d or d == "cpu" else f"{d}:0"
+        return index(self.cfg.trainer.device) != index(self.cfg.rollout.engine.device)
+
     async def _after_step(self) -> None:
-        """Every K steps, push the weights. The trainer waits only until they
-        are encoded: the push (engines paused, apply, resume) runs on while it
-        takes its next step. One push at a time: the next waits for this one."""
-        if self.step % self.cfg.policy.trigger_parameter_sync_step == 0:
+        """Every K steps, push the weights. With ``overlap_push`` the trainer
+        waits only until they are encoded: the push (engines paused, apply,
+        resume) runs on while it takes its next step. One push at a time."""
+        if self.step % self.cfg.policy.trigger_parameter_sync_step != 0:
+            return
+        if not self.overlap_push:
+            await self.sync_weights()
+            await self.admission.open_window(await self.outstanding())
+        else:
             await self.settle()
             released = asyncio.Event()
             self._sync = asyncio.create_task(self._sync_and_open(released), name=f"sync-{self.step}")

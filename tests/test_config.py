@@ -102,3 +102,17 @@ def test_cli_missing_model_path_is_one_line():
     res = _cli("fully_async.yaml", "model.path=/nonexistent/model", "run.output_dir=/tmp/asyncrl-test-runs")
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "/nonexistent/model" in res.stderr
+
+
+@pytest.mark.parametrize(("trainer", "engine", "setting", "overlap"), [
+    ("cpu", "cpu", "null", False), ("cuda", "cuda:0", "null", False), ("cuda:0", "cuda:1", "null", True),
+    ("cuda:0", "cuda:0", "true", True), ("cuda:0", "cuda:1", "false", False),
+])
+def test_fully_async_overlaps_a_push_with_training_only_off_the_engines_device(trainer, engine, setting, overlap):
+    from types import SimpleNamespace
+
+    from policies.fully_async import FullyAsyncPolicy
+
+    cfg = load_config(None, [f"trainer.device={trainer}", f"rollout.engine.device={engine}",
+                             f"policy.overlap_push={setting}"])
+    assert FullyAsyncPolicy.overlap_push.fget(SimpleNamespace(cfg=cfg)) is overlap

@@ -119,8 +119,9 @@ def test_fully_async_trains_its_next_step_while_the_weights_are_pushed(tmp_path)
 
     import loop
 
-    run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}")
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.overlap_push=true", f"run.output_dir={tmp_path}")
     with run:
+        assert run.policy.overlap_push
         policy, push, train_step = run.policy, run.policy.weight_sync, run.policy.trainer.train_step
         steps_begun: list[int] = []
         overlapped: list[bool] = []
@@ -150,10 +151,12 @@ def test_fully_async_trains_its_next_step_while_the_weights_are_pushed(tmp_path)
     assert [m["sync/version"] for m in lines] == [1, 2, 3]
 
 
-def test_a_push_every_second_step_is_in_its_own_steps_record(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_push_every_second_step_is_in_its_own_steps_record(overlap, tmp_path):
     run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.trigger_parameter_sync_step=2",
-                 f"run.output_dir={tmp_path}")
+                 f"policy.overlap_push={str(overlap).lower()}", f"run.output_dir={tmp_path}")
     with run:
+        assert run.policy.overlap_push == overlap  # auto (null) on one CPU would be false
         run.train(steps=4)
     lines = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("sync/version") for m in lines] == [None, 2, None, 4]
