@@ -153,7 +153,7 @@ class PolicyConfig(_Section):
     applied (it waits only for the encode). ``null`` (auto): true when the
     trainer's device is none of the engines' (the push then costs the trainer
     nothing), false when they share one, where the push would compete with the
-    train step for that device (measured on one H200: bench/results/async_vs_sync_h200.json)."""
+    train step for that device (measured on one H200: bench/results/async_vs_sync_h200_process*.json)."""
 
 
 class QueueConfig(_Section):

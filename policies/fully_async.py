@@ -9,7 +9,8 @@
                                                                                             ▼
     weight sync (sync.sequence): encode → pause rollouts → abort (partials kept) → [sleep] → push full|delta
                                   → verify version → wake → reset caches → resume; admission.open_window
-                                  (a task: the trainer's next step starts once the encode is done)
+                                  (with overlap_push, a task: the trainer's next step starts once
+                                   the encode is done)
 
 Feeder and group tasks run in the background for the life of the policy; the
 trainer loop runs inside :meth:`train` so a notebook can call ``train(steps=10)``

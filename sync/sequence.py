@@ -11,9 +11,10 @@
     finally: wake_up(kv_cache) ─► reset_prefix_cache ─► resume
 
 Encoding before the pause is safe: only a push changes an engine's weights or
-version, and the caller does not step the trainer while it syncs. It keeps the
-engines generating through the trainer's encode; colocated, the encode waits for
-``sleep(1)`` so its payload never shares the device with the KV cache.
+version, and the source's weights are read only until the update is encoded
+(``released``). It keeps the engines generating through the trainer's encode;
+colocated, the encode waits for ``sleep(1)`` so its payload never shares the
+device with the KV cache.
 
 An engine here is anything with the ``RolloutEngine`` surface (``pause``,
 ``resume``, ``abort``, ``sleep``, ``wake_up``, ``update_weights``,
