@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    _plot(result, out.with_suffix(".png"))
+    try:
+        _plot(result, out.with_suffix(".png"))
+    except ImportError:  # the JSON above is the result; the picture is optional
+        print("[staleness] no plot: matplotlib is not installed (pip install -e \".[plot]\")", file=sys.stderr)
     print(json.dumps(result))
     return 0
 
