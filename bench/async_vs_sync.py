@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies:
             runs[policy].append(_one(policy, seed, args))
             print(f"[async_vs_sync] seed {seed} {policy}: {runs[policy][-1]['wall_s']:.2f} s", file=sys.stderr)
+            if args.out:  # every finished run is kept, should the invocation be cut short
+                pathlib.Path(args.out).write_text(json.dumps({**result, "partial": True, "runs_so_far": runs}, indent=1))
     result["policies"] = {policy: _summarise(r) for policy, r in runs.items()}
     pol = result["policies"]
     for name in pol:
