@@ -160,3 +160,27 @@ def test_a_push_every_second_step_is_in_its_own_steps_record(overlap, tmp_path):
         run.train(steps=4)
     lines = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("sync/version") for m in lines] == [None, 2, None, 4]
+
+
+def test_an_overlapped_push_that_fails_stops_training_with_its_error(tmp_path):
+    """A push running beside the next step that fails is raised by train(),
+    not lost and not a hang (the trainer may be waiting for a batch meanwhile)."""
+    import asyncio
+
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.overlap_push=true", f"run.output_dir={tmp_path}")
+    with run:
+        policy, push = run.policy, run.policy.weight_sync
+        calls = [0]
+
+        async def failing_second_push(rollouts, trainer, released=None):
+            calls[0] += 1
+            if calls[0] == 2:
+                released.set()
+                await asyncio.sleep(0.05)
+                raise RuntimeError("link down during push 2")
+            return await push(rollouts, trainer, released=released)
+
+        policy.weight_sync = failing_second_push
+        with pytest.raises(RuntimeError, match="link down during push 2"):
+            run.train(steps=4)
+        assert calls[0] == 2
