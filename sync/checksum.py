@@ -194,9 +194,11 @@ def pieces_sums(items: list[tuple[torch.Tensor, ShardSpec | None, int]]) -> list
     sync. Large and strided-shard pieces take :func:`piece_sums` alone."""
     out: list[torch.Tensor | None] = [None] * len(items)
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor, int]]] = {}
+    sizes: dict[tuple[torch.device, torch.dtype], int] = {}  # elements per open group
 
     def flush(key: tuple[torch.device, torch.dtype]) -> None:
         group = groups.pop(key)
+        del sizes[key]
         sums = _segment_sums([x for _, x, _ in group], [first for _, _, first in group])
         for row, (i, _, _) in enumerate(group):
             out[i] = sums[row]
@@ -207,9 +209,9 @@ def pieces_sums(items: list[tuple[torch.Tensor, ShardSpec | None, int]]) -> list
             continue
         x = int_view(values.contiguous())
         key = (x.device, x.dtype)
-        group = groups.setdefault(key, [])
-        group.append((i, x, start + (shard.global_start if shard is not None else 0) + 1))
-        if sum(g[1].numel() for g in group) >= _GROUP_ELEMS:
+        groups.setdefault(key, []).append((i, x, start + (shard.global_start if shard is not None else 0) + 1))
+        sizes[key] = sizes.get(key, 0) + x.numel()
+        if sizes[key] >= _GROUP_ELEMS:
             flush(key)
     for key in list(groups):
         flush(key)

@@ -183,7 +183,7 @@ class WeightSender:
         revertible = kind == "delta"
         num_elements = num_changed = 0
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
-        pending: list[tuple[int, tuple, torch.Tensor]] = []  # device checksums not yet read back
+        pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
         for name, tensor, shard in _iter_named(named_tensors):
             if self.dedup_tied and tensor.numel():
                 alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)

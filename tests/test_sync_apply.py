@@ -123,6 +123,22 @@ def test_unknown_name_is_refused_before_anything_is_written() -> None:
     assert _same(engine, before)
 
 
+@pytest.mark.parametrize("index", [0, 2])
+def test_unknown_encoding_is_refused_and_nothing_is_written(index: int) -> None:
+    import msgspec
+
+    w = _model()
+    engine = _engine(w)
+    update = WeightSender(mode="full").encode(w, 1)
+    entries = list(update.manifest.entries)
+    entries[index] = msgspec.structs.replace(entries[index], encoding="zstd")
+    update = msgspec.structs.replace(update, manifest=msgspec.structs.replace(update.manifest, entries=entries))
+    before = _snapshot(engine)
+    with pytest.raises(ManifestMismatch, match="unknown encoding 'zstd'"):
+        apply_update(engine, update, 0)
+    assert _same(engine, before)
+
+
 def test_fp32_receiver_holds_the_bf16_weights_exactly() -> None:
     w, sender = _model(), WeightSender(mode="delta", dtype=torch.bfloat16)
     engine = _engine(w, dtype=torch.float32)
