@@ -112,6 +112,10 @@ class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    master_dtype: Literal["float32", "bfloat16"] | None = "float32"
+    """Dtype of the optimizer's main params when ``dtype`` is lower (fp32 main params,
+    Megatron-style: AdamW steps them, the model keeps ``dtype`` copies, which the weight
+    sync reads). ``null``: step the model params in ``dtype`` as they are."""
     lr: PosFloat = 1e-5
     """AdamW learning rate."""
     weight_decay: NonNegFloat = 0.0
@@ -246,12 +250,19 @@ def _friendly(err: msgspec.ValidationError) -> str:
         key = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return f"{key}: required key is missing"
     if what.startswith("Invalid enum value"):
-        allowed = typing.get_args(_field_type(path))
+        allowed = _choices(_field_type(path))
         if allowed:
-            what += f" (expected one of: {', '.join(map(str, allowed))})"
+            what += f" (expected one of: {', '.join(allowed)})"
     what = re.sub(r"`([^`]*)`", r"\1", what)
     what = what[0].lower() + what[1:] if what else what
     return f"{path or '<root>'}: {what}"
+
+
+def _choices(tp: Any) -> list[str]:
+    """The values a Literal field takes, ``null`` for an optional one (``Literal[...] | None``)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(a) for a in typing.get_args(tp)]
+    return [c for a in typing.get_args(tp) for c in (["null"] if a is type(None) else _choices(a))]
 
 
 def _field_type(path: str) -> Any:

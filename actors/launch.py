@@ -100,7 +100,8 @@ class Run:
         trainer = await self.runtime.spawn(
             TrainerActor, name="trainer", num_cpus=1, num_gpus=trainer_gpus,
             backend=t.backend, model_path=model_path,
-            backend_kwargs=dict(device=trainer_device, dtype=t.dtype, lr=t.lr, weight_decay=t.weight_decay,
+            backend_kwargs=dict(device=trainer_device, dtype=t.dtype, master_dtype=t.master_dtype, lr=t.lr,
+                                weight_decay=t.weight_decay,
                                 grad_clip=t.grad_clip, loss=t.loss,
                                 loss_kwargs=_loss_kwargs(cfg), seed=cfg.run.seed,
                                 micro_batch_tokens=t.micro_batch_tokens),

@@ -28,6 +28,7 @@ def test_the_shipped_config_loads_into_typed_structs():
         ("trainer.lr=-1", "trainer.lr: expected float > 0.0"),
         ("rollout.n=2.5", "rollout.n: expected int, got float"),
         ("runtime.type=slurm", "runtime.type: invalid enum value 'slurm' (expected one of: local, process, ray)"),
+        ("trainer.master_dtype=fp8", "trainer.master_dtype: invalid enum value 'fp8' (expected one of: float32, bfloat16, null)"),
         ("sync.mode=fast", "sync.mode: invalid enum value 'fast'"),
         ("nosuch.key=1", "nosuch: unknown key"),
         ("trainer=3", "trainer: expected object, got int"),
@@ -54,6 +55,11 @@ def test_overrides_parse_scientific_floats_and_nested_keys():
     assert cfg.runtime.type == "ray"
     assert cfg.rollout.engine.dtype == "bfloat16"
     assert cfg.run.progress is False
+
+
+def test_master_dtype_defaults_to_fp32_main_params_and_null_turns_them_off():
+    assert load_config(None, ["trainer.dtype=bfloat16"]).trainer.master_dtype == "float32"
+    assert load_config(None, ["trainer.master_dtype=null"]).trainer.master_dtype is None
 
 
 def test_malformed_override_and_yaml_are_config_errors(tmp_path):
