@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import loop
-from actors.engines import GenerateRequest, SamplingParams
+from actors.engines import GenerateRequest, SamplingParams, triton_kernels, triton_layers
 from actors.engines.torch_engine import TorchEngine
 
 SHAPES = {
@@ -128,9 +128,31 @@ def microbench(core, batch: int, iters: int = 30) -> dict:
         torch.cuda.synchronize()
         return round(start.elapsed_time(end) / iters, 4)
 
-    out = {"batch": batch}
+    out = {"batch": batch, "triton_layers": core.model.triton_layers and batch <= triton_layers.MAX_ROWS}
     if core.graphs is not None:
         out["forward_graph_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
+        if out["triton_layers"] and triton_layers.pdl(dev):  # the same step without programmatic dependent launch
+            triton_layers.PDL = False
+            core.graphs.reset()
+            out["forward_graph_no_pdl_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
+            triton_layers.PDL = None
+            core.graphs.reset()
+        # decode attention splitting keys only below half a program per SM (fewer splits)
+        variants = [("forward_graph_attention_split_below_half_sm_ms", triton_kernels, "_SPLIT_BELOW", 0.5)]
+        for key, module, name, value in variants if out["triton_layers"] else []:
+            kept = getattr(module, name)
+            setattr(module, name, value)
+            core.graphs.reset()
+            out[key] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
+            setattr(module, name, kept)
+            core.graphs.reset()
+        if out["triton_layers"]:  # the same step with cuBLAS matmuls and compiled elementwise halves
+            core.model.triton_layers = False
+            core.graphs.reset()
+            out["forward_graph_torch_layers_ms"] = timeit(
+                lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
+            core.model.triton_layers = True
+            core.graphs.reset()
     out["forward_eager_ms"] = timeit(lambda: core.model.decode(core.weights, core.kv, tokens, positions))
     if core.model.fused_attention:  # the same eager step with cache writes + SDPA instead of the kernel
         core.model.fused_attention = False

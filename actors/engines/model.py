@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.engines import triton_kernels
+from actors.engines import triton_kernels, triton_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -224,6 +224,10 @@ class Model:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # decode attention (cache write + attention) as one Triton kernel on CUDA; SDPA elsewhere
         self.fused_attention = triton_kernels.attention_supported(device, cfg.head_dim)
+        # decode steps of <= 64 rows: Triton matmuls with the norms, SwiGLU and residuals fused
+        # (six launches a layer); ASYNCRL_TRITON_LAYERS=0 keeps the cuBLAS path
+        self.triton_layers = (self.fused_attention and triton_layers.supported(device, dtype) and not cfg.qk_norm
+                              and os.environ.get("ASYNCRL_TRITON_LAYERS", "1") != "0")
 
     def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None):
         """h [..., hidden] -> q [..., Hq, D], k/v [..., Hkv, D] with RoPE applied."""
@@ -269,6 +273,8 @@ class Model:
         logits [B, V]. Shapes depend on B only (CUDA-graph friendly)."""
         cfg = self.cfg
         B = tokens.shape[0]
+        if self.triton_layers and B <= triton_layers.MAX_ROWS:
+            return self._decode_triton_layers(weights, kv, tokens, positions)
         fused = self.fused_attention
         cos = sin = None  # fused: the attention kernel applies RoPE
         if not fused:
@@ -293,3 +299,24 @@ class Model:
                     attn_mask=mask, scale=self.scale)  # [B, Hkv, G, D]
             h = self._mlp_residual(layer, h, a.reshape(B, cfg.num_heads * cfg.head_dim), post)
         return self._logits(weights, h)
+
+    def _decode_triton_layers(self, weights, kv, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` in six launches a layer (``triton_layers``): the residual ``h`` is
+        updated in place, and each norm adds the partial sums of the matmul before it."""
+        cfg, eps, B = self.cfg, self.cfg.rms_norm_eps, tokens.shape[0]
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        layers = weights.layers
+        h = F.embedding(tokens, weights.embed)
+        x = triton_layers.add_rms_norm(None, h, layers[0].input_norm, eps)
+        for n, layer in enumerate(layers):
+            qkv = triton_layers.linear(x, layer.qkv_w, layer.qkv_b)
+            q = qkv[:, :nq].view(B, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, nq : nq + nkv].view(B, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, nq + nkv :].view(B, cfg.num_kv_heads, cfg.head_dim)
+            a = triton_kernels.decode_attention(q, k, v, kv.k[n], kv.v[n], positions, self.scale, self.cos, self.sin)
+            x = triton_layers.add_rms_norm(triton_layers.linear_partials(a.view(B, nq), layer.o_w), h,
+                                           layer.post_norm, eps)
+            act = triton_layers.gate_up_silu(x, layer.gate_up_w)
+            norm = layers[n + 1].input_norm if n + 1 < len(layers) else weights.final_norm
+            x = triton_layers.add_rms_norm(triton_layers.linear_partials(act, layer.down_w), h, norm, eps)
+        return F.linear(x, weights.lm_head)
