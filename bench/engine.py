@@ -137,8 +137,8 @@ def microbench(core, batch: int, iters: int = 30) -> dict:
             out["forward_graph_no_pdl_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
             triton_layers.PDL = None
             core.graphs.reset()
-        # decode attention splitting keys only below half a program per SM (fewer splits)
-        variants = [("forward_graph_attention_split_below_half_sm_ms", triton_kernels, "_SPLIT_BELOW", 0.5)]
+        # decode attention splitting keys below two programs per SM (3 splits at batch 64)
+        variants = [("forward_graph_attention_split_below_2_per_sm_ms", triton_kernels, "_SPLIT_BELOW", 2.0)]
         for key, module, name, value in variants if out["triton_layers"] else []:
             kept = getattr(module, name)
             setattr(module, name, value)

@@ -226,10 +226,10 @@ def _target_programs(device: torch.device) -> int:
     return int(_SM_COUNT[index] * _SPLIT_BELOW)
 
 
-# Split keys when (row, KV head) programs are fewer than this many per SM. With programmatic
-# dependent launch the merge launch costs little: on an H200 at batch 64 (128 programs, 3 splits)
-# a Qwen2.5-0.5B step took 1.000 ms against 1.025 ms unsplit (bench.engine's micro A/B).
-_SPLIT_BELOW = 2.0
+# Split keys when (row, KV head) programs are fewer than this many per SM. On an H200 at batch 64
+# (128 programs) splitting them in 3 measured 1.000 vs 1.025 ms a Qwen2.5-0.5B step in one run and
+# 0.897 vs 0.881 ms in the next (bench.engine's micro A/B): no gain, so only near-idle GPUs split.
+_SPLIT_BELOW = 0.5
 
 
 _CHUNKS = 8  # pieces per row (at most): B * 8 programs keep the GPU busy at small B
