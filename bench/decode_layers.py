@@ -13,7 +13,8 @@ replays. The four ops, torch path vs Triton path:
     gate_up   silu(g) * u of F.linear(x, Wgu)             gate_up_silu
     down_norm h + F.linear(act, Wd); rms_norm             linear_partials + add_rms_norm
 
-Every tiling in the sweep is checked against the torch path (``max_rel_err``).
+Then the decode attention kernel per (BLOCK_N, warps, stages). Every variant in a
+sweep is checked against the default (``rel_err``).
 Prints one JSON object: per rows and op, the torch time, the default tiling's time,
 and the best tiling with its time.
 """

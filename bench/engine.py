@@ -131,28 +131,23 @@ def microbench(core, batch: int, iters: int = 30) -> dict:
     out = {"batch": batch, "triton_layers": core.model.triton_layers and batch <= triton_layers.MAX_ROWS}
     if core.graphs is not None:
         out["forward_graph_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
-        if out["triton_layers"] and triton_layers.pdl(dev):  # the same step without programmatic dependent launch
-            triton_layers.PDL = False
-            core.graphs.reset()
-            out["forward_graph_no_pdl_ms"] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
-            triton_layers.PDL = None
-            core.graphs.reset()
-        # decode attention splitting keys below two programs per SM (3 splits at batch 64)
-        variants = [("forward_graph_attention_split_below_2_per_sm_ms", triton_kernels, "_SPLIT_BELOW", 2.0)]
-        for key, module, name, value in variants if out["triton_layers"] else []:
-            kept = getattr(module, name)
-            setattr(module, name, value)
+
+        def variant(key: str, owner, name: str, value) -> None:
+            """The graph step with ``owner.name = value``, re-captured; then restored."""
+            kept = getattr(owner, name)
+            setattr(owner, name, value)
             core.graphs.reset()
             out[key] = timeit(lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
-            setattr(module, name, kept)
+            setattr(owner, name, kept)
             core.graphs.reset()
-        if out["triton_layers"]:  # the same step with cuBLAS matmuls and compiled elementwise halves
-            core.model.triton_layers = False
-            core.graphs.reset()
-            out["forward_graph_torch_layers_ms"] = timeit(
-                lambda: core.graphs.decode(core.weights, core.kv, tokens, positions))
-            core.model.triton_layers = True
-            core.graphs.reset()
+
+        if out["triton_layers"]:
+            if triton_layers.pdl(dev):
+                variant("forward_graph_no_pdl_ms", triton_layers, "PDL", False)
+            # decode attention splitting keys below two programs per SM (3 splits at batch 64)
+            variant("forward_graph_attention_split_below_2_per_sm_ms", triton_kernels, "_SPLIT_BELOW", 2.0)
+            # cuBLAS matmuls and compiled elementwise halves
+            variant("forward_graph_torch_layers_ms", core.model, "triton_layers", False)
     out["forward_eager_ms"] = timeit(lambda: core.model.decode(core.weights, core.kv, tokens, positions))
     if core.model.fused_attention:  # the same eager step with cache writes + SDPA instead of the kernel
         core.model.fused_attention = False
