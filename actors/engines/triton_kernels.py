@@ -210,7 +210,6 @@ _ATT_BLOCK_N = 64
 _ATT_WARPS = 4
 _ATT_STAGES = 3  # Triton's default on this path (``bench.decode_layers`` sweeps these three)
 _MAX_SPLITS = 16
-_SM_COUNT: dict[int, int] = {}
 
 
 def _target_programs(device: torch.device) -> int:
@@ -220,10 +219,7 @@ def _target_programs(device: torch.device) -> int:
     interpreter in tests): 8."""
     if device.type != "cuda":
         return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return int(_SM_COUNT[index] * _SPLIT_BELOW)
+    return int(triton_layers.sm_count(device) * _SPLIT_BELOW)
 
 
 # Split keys when (row, KV head) programs are fewer than this many per SM. On an H200 at batch 64

@@ -162,29 +162,23 @@ def pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (8 elsewhere: the Triton interpreter in tests)."""
     if device.type != "cuda":
-        return 8  # the interpreter, in tests
+        return 8
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
 
 
-# (n, k, gated, split) -> Tiling measured best on this GPU (``bench.decode_layers --tune`` fills it)
-TUNED: dict[tuple[int, int, bool, bool], Tiling] = {}
-
-
 def default_tiling(n: int, k: int, device: torch.device, gated: bool = False, split: bool = True) -> Tiling:
-    """About one program per SM or more: narrow column tiles, then K pieces when the
-    columns alone leave SMs idle (only where the caller adds partials: ``split``)."""
-    tuned = TUNED.get((n, k, gated, split))
-    if tuned is not None:
-        return tuned
+    """Narrow column tiles, then K cut into pieces (only where the caller adds partials:
+    ``split``) until about one program per SM."""
     # From the H200 sweep of ``bench.decode_layers`` (Qwen2.5-0.5B shapes, 64 rows): long K
     # streams best in 256-wide steps; the gated MLP in 64-column tiles (two weight tiles a step);
     # split GEMMs in about one program per SM.
-    sms = _sms(device)
+    sms = sm_count(device)
     if gated:
         return Tiling(64, 128 if k >= 128 else 64, 1)
     block_k = 256 if k >= 2048 or (not split and k >= 512) else 128 if k >= 128 else 64
