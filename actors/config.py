@@ -88,8 +88,10 @@ class EngineConfig(_Section):
     cuda_graphs: bool = True
     """Built-in engine on CUDA: replay decode steps as CUDA graphs."""
     compile_decode: bool = False
-    """Built-in engine on CUDA: fuse decode elementwise work with torch.compile
-    (compiles once per batch-size bucket: pays off in long runs)."""
+    """Built-in engine on CUDA, decode batches over 64 rows: fuse their elementwise work
+    with torch.compile (compiles once per batch-size bucket: pays off in long runs).
+    Batches of up to 64 rows run the fused Triton decode layers where those apply
+    (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
 
 
 class RolloutConfig(_Section):
