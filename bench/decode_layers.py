@@ -63,7 +63,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def ops(m: int, dev: str):
-    """name -> (torch fn(layer), triton fn(layer, tiling), reference output fn, triton output fn, n, k, gated, split)."""
+    """name -> (torch fn(layer), triton fn(layer, tiling, fresh), n, k, gated, split) at ``m`` rows."""
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape, scale=0.02):

@@ -45,7 +45,7 @@ except ImportError:  # CPU installs: the SDPA path is used
     triton = None
 
 if triton is not None:
-    from actors.engines.triton_layers import _pdl_start
+    from actors.engines.triton_layers import pdl_start
 
 
 def attention_supported(device: torch.device, head_dim: int) -> bool:
@@ -67,8 +67,8 @@ if triton is not None:
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # reads and writes all come after the previous kernel finished (triton_layers._pdl_start)
-            _pdl_start()
+        if PDL:  # reads and writes all come after the previous kernel finished (triton_layers.pdl_start)
+            pdl_start()
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
@@ -141,7 +141,7 @@ if triton is not None:
     def _decode_attention_merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh, splits,
                                        D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
         if PDL:
-            _pdl_start()
+            pdl_start()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)

@@ -48,7 +48,7 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _pdl_start():
+    def pdl_start():
         """Programmatic dependent launch: let the next kernel's programs get resident now,
         then wait until the previous kernel has finished and its writes are visible. Every
         read and write of this kernel comes after the wait, so the overlap hides only the
@@ -74,7 +74,7 @@ if triton is not None:
         n_ok = rn < N
         k_lo = piece * k_split  # k_split: a multiple of BLOCK_K
         if PDL:
-            _pdl_start()
+            pdl_start()
         x_at = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
         w_at = w_ptr + rn[:, None] * stride_wn + (k_lo + rk)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -119,7 +119,7 @@ if triton is not None:
                              BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
         """Row m: h += round(sum of the pieces' partials) (ADD), then x = rms_norm(h) * w."""
         if PDL:
-            _pdl_start()
+            pdl_start()
         m = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < N
@@ -198,20 +198,23 @@ def _block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
+def _split(k: int, tiling: Tiling, partial: bool) -> tuple[int, int]:
+    """(elements of K per piece, a multiple of BLOCK_K; number of pieces)."""
+    k_split = triton.cdiv(triton.cdiv(k, tiling.pieces if partial else 1), tiling.block_k) * tiling.block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
 def _launch(x, w, bias, out, n, tiling: Tiling, gated: bool, partial: bool) -> None:
     m, k = x.shape
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("triton_layers: x and w need a unit last stride")
-    pieces = tiling.pieces if partial else 1
-    k_split = triton.cdiv(triton.cdiv(k, pieces), tiling.block_k) * tiling.block_k
-    pieces = triton.cdiv(k, k_split)
-    even_k = k % k_split == 0 and k_split % tiling.block_k == 0
+    k_split, pieces = _split(k, tiling, partial)
     grid = (triton.cdiv(n, tiling.block_n), pieces)
     on = pdl(x.device)
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, out, m, n, k, k_split,
         x.stride(0), w.stride(0), out.stride(-2), out.stride(0) if partial else 0,
-        BLOCK_M=_block_m(m), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, EVEN_K=even_k,
+        BLOCK_M=_block_m(m), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, EVEN_K=k % k_split == 0,
         HAS_BIAS=bias is not None, GATED=gated, PARTIAL=partial, IEEE=x.dtype == torch.float32, PDL=on,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=on,
     )
@@ -241,8 +244,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, tiling: Tiling | None = No
     m, k = x.shape
     n = w.shape[0]
     tiling = tiling or default_tiling(n, k, x.device)
-    k_split = triton.cdiv(triton.cdiv(k, tiling.pieces), tiling.block_k) * tiling.block_k
-    out = torch.empty((triton.cdiv(k, k_split), m, n), device=x.device, dtype=torch.float32)
+    out = torch.empty((_split(k, tiling, True)[1], m, n), device=x.device, dtype=torch.float32)
     _launch(x, w, None, out, n, tiling, gated=False, partial=True)
     return out
 
