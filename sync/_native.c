@@ -246,3 +246,38 @@ done:                                                                           
 
 DEFINE_APPLY(apply_u16, uint16_t, int16_t)
 DEFINE_APPLY(apply_u32, uint32_t, int32_t)
+
+/* sync.checksum.bytes_checksum of buf[0, n): its 8-byte little-endian words
+ * w_j at positions j + 1, then its last n % 8 bytes b_t at nw + t + 1;
+ * out = (sum w + sum b, sum pos * w + sum pos * b), wrapping mod 2**64.
+ * The sparse payload's checksum: numpy's row/column-sum trick costs several
+ * passes and a call per piece, this one pass over data usually still in cache. */
+void bytes_sums(const uint8_t *restrict buf, int64_t n, int64_t *out) {
+    int64_t nw = n / 8;
+    uint64_t s0 = 0, s1 = 0;
+    for (int64_t j = 0; j < nw; j++) {
+        uint64_t w;
+        memcpy(&w, buf + 8 * j, 8);
+        s0 += w;
+        s1 += (uint64_t)(j + 1) * w;
+    }
+    for (int64_t t = 0; t < n % 8; t++) {
+        uint64_t b = buf[8 * nw + t];
+        s0 += b;
+        s1 += (uint64_t)(nw + t + 1) * b;
+    }
+    out[0] = (int64_t)s0;
+    out[1] = (int64_t)s1;
+}
+
+/* Copy num chunks (srcs[c], lens[c] bytes) one after another into dst, then
+ * bytes_sums of what was written: a sparse piece's streams become its
+ * payload and payload checksum in one call. */
+void pack_bytes(uint8_t *restrict dst, const int64_t *srcs, const int64_t *lens, int64_t num, int64_t *out) {
+    int64_t at = 0;
+    for (int64_t c = 0; c < num; c++) {
+        memcpy(dst + at, (const void *)(intptr_t)srcs[c], (size_t)lens[c]);
+        at += lens[c];
+    }
+    bytes_sums(dst, at, out);
+}

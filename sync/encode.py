@@ -346,17 +346,21 @@ def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: to
         parts = tuple(sum(c.numel() if isinstance(c, torch.Tensor) else c.size for c in s) for s in chunks)
         bucket, offset, blob = writer.reserve(sum(parts), old.device)
         dst = blob.numpy() if not blob.is_cuda else None
-        at = 0
-        for s in chunks:  # straight into the bucket, no concatenated copy
-            for c in s:
-                num = c.numel() if isinstance(c, torch.Tensor) else c.size
-                if dst is not None:  # numpy copies: no torch worker threads woken per small stream
-                    np.copyto(dst[at : at + num], c.numpy() if isinstance(c, torch.Tensor) else c)
-                else:
-                    blob[at : at + num].copy_(c)
-                at += num
+        if found is not None:  # the kernel's streams: copied and summed in one call
+            payload_checksum = native.pack_bytes(dst, [c for s in chunks for c in s])
+        else:
+            at = 0
+            for s in chunks:  # straight into the bucket, no concatenated copy
+                for c in s:
+                    num = c.numel() if isinstance(c, torch.Tensor) else c.size
+                    if dst is not None:  # numpy copies: no torch worker threads woken per small stream
+                        np.copyto(dst[at : at + num], c.numpy() if isinstance(c, torch.Tensor) else c)
+                    else:
+                        blob[at : at + num].copy_(c)
+                    at += num
+            payload_checksum = cks.bytes_checksum(blob)
         extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
-                     parts=parts, payload_checksum=cks.bytes_checksum(blob), changed_base_checksum=old_sum)
+                     parts=parts, payload_checksum=payload_checksum, changed_base_checksum=old_sum)
     entry = TensorEntry(**common, **extra, num_changed=k, bucket=bucket, offset=offset,
                         nbytes=blob.numel(), checksum=checksum, base_checksum=base)
     if found is not None:

@@ -104,6 +104,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         app = getattr(lib, f"apply_{w}")
         app.restype = _I
         app.argtypes = [_P, _I, _P, _I, ctypes.c_int, _I, _P, _P, _I, _P, ctypes.c_int, _P, _P]
+    lib.bytes_sums.restype = None
+    lib.bytes_sums.argtypes = [_P, _I, _P]
+    lib.pack_bytes.restype = None
+    lib.pack_bytes.argtypes = [_P, _P, _P, _I, _P]
     return lib
 
 
@@ -333,6 +337,27 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
     if not overflow:
         index["varint"], index_size["varint"] = vchunks, vsize
     return NativeDelta(k, nesc, index, index_size, d8, vals, esc, olds, (sums[0], sums[1]), (sums[2], sums[3]))
+
+
+def bytes_sums(buf: np.ndarray) -> tuple[int, int]:
+    """:func:`sync.checksum.bytes_checksum` of a 1-D contiguous uint8 array in one pass."""
+    assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
+    out = np.empty(2, np.int64)
+    _lib.bytes_sums(_ptr(buf), buf.size, _ptr(out))
+    return int(out[0]) & _MASK64, int(out[1]) & _MASK64
+
+
+def pack_bytes(dst: np.ndarray, chunks: list[np.ndarray]) -> tuple[int, int]:
+    """Copy 1-D contiguous uint8 ``chunks`` one after another into ``dst``
+    (exactly their total size) and return :func:`bytes_sums` of ``dst``:
+    a sparse piece's payload and its checksum in one call."""
+    assert dst.dtype == np.uint8 and dst.flags.c_contiguous and dst.size == sum(c.size for c in chunks)
+    assert all(c.dtype == np.uint8 and c.flags.c_contiguous for c in chunks)
+    srcs = np.array([_ptr(c) for c in chunks], np.int64)
+    lens = np.array([c.size for c in chunks], np.int64)
+    out = np.empty(2, np.int64)
+    _lib.pack_bytes(_ptr(dst), _ptr(srcs), _ptr(lens), len(chunks), _ptr(out))
+    return int(out[0]) & _MASK64, int(out[1]) & _MASK64
 
 
 _CODEC = {"varint": 0, "bitmask": 1}

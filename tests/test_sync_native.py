@@ -240,3 +240,19 @@ def test_run_each_keeps_order_and_isolates_failures(sizes, monkeypatch) -> None:
     assert isinstance(out[3], ValueError) and str(out[3]) == "piece 3"
     on_pool = {name for name in threads if name.startswith("sync-native")}
     assert bool(on_pool) == (sizes != [10] * 6)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 4096 * 8 + 3, 100_003])
+def test_payload_checksum_kernel_is_the_numpy_checksum(n: int) -> None:
+    """bytes_sums and pack_bytes (copy + sum) give sync.checksum's numpy answer."""
+    from sync import checksum as cks
+
+    buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = (0, 0)
+    for region, first in cks._bytes_regions(torch.from_numpy(buf)):
+        want = cks.add(want, cks.region_checksum(region, first))
+    assert native.bytes_sums(buf) == want
+    assert cks.bytes_checksum(torch.from_numpy(buf)) == want
+    dst = np.full(n, 0xAB, np.uint8)
+    assert native.pack_bytes(dst, [buf[: n // 3], buf[n // 3 : n // 2], buf[n // 2 :]]) == want
+    assert np.array_equal(dst, buf)
