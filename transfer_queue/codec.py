@@ -1,17 +1,23 @@
 """Sample <-> storage rows, and rows <-> msgpack for the trip to a storage actor.
 
 A *row* is one sample's data in a storage unit: ``{"uid", "group_id"}`` plus any
-subset of the sample fields below, as the ``Sample`` holds them (token fields
-are Python lists). In-process a row holds copies of the lists (a producer may
-keep appending to its sample); no numpy on the way in or out, because turning
-1k-token lists into arrays and back costs more than everything else a put/get
-does.
+subset of the sample fields below, as the ``Sample`` holds them. A token field
+is a Python list or a 1-D numpy array (what an engine hands over), and stays
+what it was: in-process a row holds a copy of it (a producer may keep
+appending to its sample); a list is never turned into an array nor an array
+into a list on the way in, because for 1k-token fields that conversion costs
+more than everything else a put/get does.
 
 Across processes (Ray) the rows of one storage unit travel as *one* msgpack
-buffer (msgspec encodes ``list[int]`` at C speed). The storage actor keeps each
-field as ``msgspec.Raw`` (a slice of that buffer, never parsed into Python
-ints) and answers a read with one buffer of the requested rows, which the
-consumer decodes straight into ``Sample`` structs (``decode_samples``).
+buffer: a list as a msgpack array (msgspec encodes ``list[int]`` at C speed),
+an array as msgpack ``bin`` holding its little-endian bytes in the field's
+dtype (``TOKEN_FIELDS``), so no Python object per token exists on either side.
+The storage actor keeps each field as ``msgspec.Raw`` (a slice of that buffer,
+never parsed) and answers a read with one buffer of the requested rows.
+``Batch.samples`` decodes it into ``Sample`` structs whose token fields are
+Python lists, whichever way they travelled (``decode_samples``);
+``Batch.column`` gives one field as numpy arrays, those that travelled as
+``bin`` read in place from the buffer (``decode_field``).
 """
 
 from __future__ import annotations
@@ -86,18 +92,27 @@ def mask_fields(mask: int) -> tuple[str, ...]:
     return tuple(name for name in ALL_FIELDS if mask & _BIT[name])
 
 
-def _as_list(value: Any) -> list:
-    # A list is copied (ints and floats are immutable, so a shallow copy is a full
-    # one, ~4 us per 1k tokens); an array an engine handed over as is becomes one.
-    return value.tolist() if isinstance(value, np.ndarray) else list(value)
+def _token_copy(value: Any, name: str) -> list | np.ndarray:
+    """A copy of token field ``name``: a list stays a list (ints and floats are immutable,
+    so a shallow copy is a full one, ~4 us per 1k tokens); a numpy array (or a torch
+    tensor on the CPU) becomes a contiguous little-endian array of the field's dtype."""
+    if isinstance(value, list):
+        return list(value)
+    if not isinstance(value, np.ndarray) and hasattr(value, "numpy"):
+        value = value.numpy()  # a CPU torch tensor (a CUDA one raises here: move it first)
+    dtype = np.dtype(TOKEN_FIELDS[name]).newbyteorder("<")
+    array = np.array(value, dtype=dtype, copy=True)
+    if array.ndim != 1:
+        raise ValueError(f"token field {name!r} must be a list or a 1-D array; got shape {array.shape}")
+    return array
 
 
 def sample_to_row(sample: Sample, fields: Sequence[str]) -> dict[str, Any]:
-    """The named fields of ``sample`` as a storage row (token fields as fresh lists)."""
+    """The named fields of ``sample`` as a storage row (token fields copied, see ``_token_copy``)."""
     row: dict[str, Any] = {"uid": sample.uid, "group_id": sample.group_id}
     for name in fields:
         value = getattr(sample, name)
-        row[name] = _as_list(value) if name in TOKEN_FIELDS else value
+        row[name] = _token_copy(value, name) if name in TOKEN_FIELDS else value
     return row
 
 
@@ -109,29 +124,38 @@ def tags_of(row: dict[str, Any], mask: int) -> SampleTags:
         uid=row["uid"],
         group_id=row["group_id"],
         mask=mask,
-        min_version=_min(versions) if versions else -1,
-        max_version=_max(versions) if versions else -1,
+        min_version=_min(versions) if versions is not None and len(versions) else -1,
+        max_version=_max(versions) if versions is not None and len(versions) else -1,
         num_prompt_tokens=-1 if prompt is None else len(prompt),
         num_response_tokens=-1 if response is None else len(response),
     )
 
 
-def _min(values: list) -> Any:
+def _min(values: list | np.ndarray) -> Any:
+    if isinstance(values, np.ndarray):
+        return int(values.min())
     # One weight version throughout is the common case; count() is a C loop, min() is not.
     return values[0] if values.count(values[0]) == len(values) else min(values)
 
 
-def _max(values: list) -> Any:
+def _max(values: list | np.ndarray) -> Any:
+    if isinstance(values, np.ndarray):
+        return int(values.max())
     return values[0] if values.count(values[0]) == len(values) else max(values)
 
 
+def _as_list(value: Any) -> list:
+    # A stored list is copied (the row may be redelivered); an array becomes one.
+    return value.tolist() if isinstance(value, np.ndarray) else list(value)
+
+
 def row_to_sample(row: dict[str, Any]) -> Sample:
-    """A ``Sample`` from an in-process row (lists copied: the row may be redelivered);
-    fields the row lacks keep the Sample defaults."""
+    """A ``Sample`` from an in-process row (token fields as new lists: the row may be
+    redelivered); fields the row lacks keep the Sample defaults."""
     kwargs: dict[str, Any] = {"uid": row["uid"], "group_id": row["group_id"]}
     for name, value in row.items():
         if name in TOKEN_FIELDS:
-            kwargs[name] = list(value)
+            kwargs[name] = _as_list(value)
         elif name in _BIT:
             kwargs[name] = value
     kwargs.setdefault("prompt_ids", [])
@@ -146,10 +170,52 @@ class _Identity(msgspec.Struct):
     group_id: str
 
 
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(value: Any) -> Any:
+    # A token array of a row (``sample_to_row`` made it contiguous, little-endian, in
+    # the field's dtype) travels as its bytes: msgpack ``bin``, one memcpy.
+    if isinstance(value, np.ndarray):
+        return memoryview(value)
+    raise TypeError(f"a sample field of type {type(value).__name__} cannot be stored")
+
+
+# Token fields of a row decoded as they travelled: a msgpack array as a list, a ``bin`` as a
+# memoryview into the buffer (no copy). ``Sample`` has the same fields, token ones list-typed.
+_WIRE_TOKEN_TYPES = {name: list[float if dtype is np.float32 else int] | memoryview for name, dtype in TOKEN_FIELDS.items()}
+_SAMPLE_FIELDS = msgspec.structs.fields(Sample)
+
+
+def _wire_field(f: msgspec.structs.FieldInfo) -> tuple:
+    kind = _WIRE_TOKEN_TYPES.get(f.name, f.type)
+    if f.default_factory is not msgspec.NODEFAULT:
+        return (f.name, kind, msgspec.field(default_factory=f.default_factory))
+    if f.default is not msgspec.NODEFAULT:
+        return (f.name, kind, f.default)
+    return (f.name, kind)
+
+
+_WireSample = msgspec.defstruct("_WireSample", [_wire_field(f) for f in _SAMPLE_FIELDS], kw_only=True)
+_LE_DTYPES = {name: np.dtype(dtype).newbyteorder("<") for name, dtype in TOKEN_FIELDS.items()}
+
+
+def _token_list(name: str, value: Any) -> Any:
+    """A token field as it decoded -> the list ``Sample`` holds (``bin``: its little-endian values)."""
+    if isinstance(value, (memoryview, bytes)):
+        return np.frombuffer(value, _LE_DTYPES[name]).tolist()
+    return value
+
+
+def _sample_from_wire(w: Any) -> Sample:
+    kwargs = {f.name: getattr(w, f.name) for f in _SAMPLE_FIELDS}
+    for name in TOKEN_FIELDS:
+        kwargs[name] = _token_list(name, kwargs[name])
+    return Sample(**kwargs)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _raw_rows_decoder = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
 _raw_row_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _samples_decoder = msgspec.msgpack.Decoder(list[Sample])
+_wire_samples_decoder = msgspec.msgpack.Decoder(list[_WireSample])
 _rows_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
 _identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
 
@@ -174,8 +240,8 @@ def encode_new_rows(samples: Sequence[Sample]) -> tuple[bytearray, list[int], li
 
     A ``Sample`` encodes as the same map as its full row, so the common case (token
     fields are lists) skips ``sample_to_row``'s copies: encoding is the copy. A sample
-    holding numpy arrays goes through ``sample_to_row``. The row ends let a storage
-    unit keep each row as a slice without parsing it.
+    holding numpy arrays goes through ``sample_to_row`` (its arrays travel as ``bin``).
+    The row ends let a storage unit keep each row as a slice without parsing it.
     """
     body = bytearray()
     ends: list[int] = []
@@ -223,14 +289,23 @@ def decode_raw_rows(buf: bytes) -> list[dict[str, msgspec.Raw]]:
 
 
 def decode_samples(buf: bytes, mask: int) -> list[Sample]:
-    """The ``Sample`` of each row of ``buf``, which carries the fields of ``mask``.
+    """The ``Sample`` of each row of ``buf``, which carries the fields of ``mask``; token
+    fields are Python lists, whether they travelled as lists or as arrays.
 
-    Rows with the prompt decode straight into Sample structs (C speed, validated);
-    rows without it go through dicts, the missing fields keeping their defaults.
+    Rows with the prompt and list token fields decode straight into Sample structs
+    (C speed, validated); a buffer where some field travelled as ``bin`` goes through
+    ``_WireSample``, and rows without the prompt through dicts, the missing fields
+    keeping their defaults.
     """
     if mask & _BIT["prompt_ids"]:
-        return _samples_decoder.decode(buf)
-    return [Sample(**{"prompt_ids": [], **row}) for row in _rows_decoder.decode(buf)]
+        try:
+            return _samples_decoder.decode(buf)
+        except msgspec.ValidationError:  # some token field is a bin (an array was put), or bad data
+            return [_sample_from_wire(w) for w in _wire_samples_decoder.decode(buf)]
+    return [
+        Sample(**{"prompt_ids": [], **{k: _token_list(k, v) if k in TOKEN_FIELDS else v for k, v in row.items()}})
+        for row in _rows_decoder.decode(buf)
+    ]
 
 
 _tags_decoder = msgspec.msgpack.Decoder(list[SampleTags])
@@ -247,15 +322,20 @@ def decode_tags(buf: bytes) -> list[SampleTags]:
 _field_decoders: dict[str, msgspec.msgpack.Decoder] = {}
 
 
-def decode_field(buf: bytes, name: str) -> list[list]:
-    """Token field ``name`` of each row of ``buf`` as a Python list, the other fields skipped
-    unparsed (no Sample, no Python object for their tokens)."""
+def decode_field(buf: bytes, name: str) -> list[np.ndarray]:
+    """Token field ``name`` of each row of ``buf`` as a numpy array, the other fields skipped
+    unparsed (no Sample, no Python object for their tokens). A field that travelled as
+    ``bin`` is read in place (a read-only view of ``buf``); a list is converted."""
     dec = _field_decoders.get(name)
     if dec is None:
-        item = float if TOKEN_FIELDS[name] is np.float32 else int
-        row = msgspec.defstruct(f"_Only_{name}", [(name, list[item], msgspec.field(default_factory=list))])
+        row = msgspec.defstruct(f"_Only_{name}", [(name, _WIRE_TOKEN_TYPES[name], msgspec.field(default_factory=list))])
         dec = _field_decoders[name] = msgspec.msgpack.Decoder(list[row])
-    return [getattr(r, name) for r in dec.decode(buf)]
+    dtype, le = TOKEN_FIELDS[name], _LE_DTYPES[name]
+    out = []
+    for r in dec.decode(buf):
+        value = getattr(r, name)
+        out.append(np.frombuffer(value, le) if type(value) is memoryview else np.array(value, dtype))
+    return out
 
 
 def decode_identities(buf: bytes) -> list[tuple[str, str]]:

@@ -1,31 +1,33 @@
 """The Ray deployment: the controller and each storage unit are Ray actors.
 
-    put         client ─put_new(indices, msgpack tags, msgpack rows)─► StorageActor u
-                        (stores the rows, then) ─reserve_new─► ControllerActor   one client call
-    put_fields  client ─reserve─► controller;  client ─put_commit(rows)─► StorageActor ─commit─► controller
-    get         client ─get_batch─► controller (lease);  client ─get(indices)─► each StorageActor: one buffer
-    ack         client ─ack─► controller ─delete(indices), fire and forget─► StorageActors
+    put         client ─put_new(indices, msgpack tags, msgpack rows)─► storage unit u
+                        (stores the rows, then) ─reserve_new─► controller   one client call
+    put_fields  client ─reserve─► controller;  client ─put_commit(rows)─► storage unit ─commit─► controller
+    get         client ─get_batch─► controller (lease);  client ─get(indices)─► each storage unit: one buffer
+    ack         client ─ack─► controller ─delete(indices), fire and forget─► storage units
 
-Sample data never passes through the controller: the client encodes the rows of
-each write as one msgpack buffer (msgspec: C speed over ``list[int]``), the
+Ray places, starts and kills the actors; the calls above go over direct sockets
+(``rpc.py``: a Ray actor call costs ~1 ms of CPU at each end on a small host, a
+socket message tens of microseconds). Sample data never passes through the
+controller: the client encodes the rows of each write as one msgpack buffer
+(``codec.py``: token lists as msgpack arrays, token arrays as their bytes), the
 storage unit keeps each new row whole as an unparsed slice of it (the client
 sends the row lengths; a row is split into field slices only when fields are
 added to it or a read asks for some fields) and answers a read with one buffer,
-which the consumer decodes straight into ``Sample`` structs when it reads
-``batch.samples`` (or one field of each, for ``batch.column``). Ray pickles a
-bytes object with one copy, so no Python object per token is pickled.
+which the consumer decodes when it reads ``batch.samples`` (or one field of
+each, ``batch.column``). Buffers travel out of band: never pickled per token.
 
-A put of new samples is one call from the client, since on a small host each
-Ray call costs about a millisecond of CPU at both ends, more than the bytes:
-the client takes global indices from a block the controller allocated to it
-(``Controller.allocate``) and sends rows and tags to a storage unit, which
-stores the rows and then has the controller register and commit them (the
-controller alone still decides capacity, duplicate uids, closed and dead
-groups). The unit answers once the controller did, so a put that returns is
-readable, and a put that raises registered nothing (its rows are deleted).
-The controller learns of a row only after its unit holds it, so a read or a
-delete never overtakes a row. The client (a TransferQueue holding actor
-handles) pickles, so rollout and trainer actors in other processes can share one queue.
+A put of new samples is one call from the client: the client takes global
+indices from a block the controller allocated to it (``Controller.allocate``)
+and sends rows and tags to a storage unit, which stores the rows and then has
+the controller register and commit them (the controller alone still decides
+capacity, duplicate uids, closed and dead groups). The unit answers once the
+controller did, so a put that returns is readable, and a put that raises
+registered nothing (its rows are deleted; a unit that died raises
+``ConnectionError``). The controller learns of a row only after its unit holds
+it, so a read or a delete never overtakes a row. The client (a TransferQueue
+holding actor handles and addresses) pickles, so rollout and trainer actors in
+other processes share one queue; each process opens its own connections.
 
 Ray is imported only when this deployment is chosen, and must already be
 initialized: the queue joins the running Ray, it never starts (or stops) one.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,10 +52,17 @@ from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
 from transfer_queue.rows import EncodedRows
+from transfer_queue.rpc import RpcClient, RpcServer, oob
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 
 __all__ = ["RayDeployment"]
+
+Address = tuple[str, int]
+
+
+def _node_address() -> str:
+    return ray.util.get_node_ip_address()
 
 
 @ray.remote
@@ -65,27 +75,35 @@ class StorageActor:
     read or delete, so a write's round trip is only the transfer.
     """
 
-    def __init__(self, unit_id: int) -> None:
+    SERVED = ("put_new", "put_commit", "put", "get", "delete", "num_rows")
+
+    def __init__(self, unit_id: int, secret: bytes) -> None:
         self._unit = StorageUnit(unit_id)
-        self._controller: Any = None
-        self._unparsed: collections.deque[tuple[list[int], tuple[bytes, ...]]] = collections.deque()
+        self._secret = secret
+        self._controller: RpcClient | None = None
+        self._unparsed: collections.deque[tuple[list[int], bytes]] = collections.deque()
         # Rows of new samples kept whole (a msgpack slice of their write, never parsed): a
         # read of whole rows copies them out as they are. Parsed into ``_unit`` (field ->
         # slice) only when fields are added to them or a read asks for some fields.
         self._whole: dict[int, msgspec.Raw] = {}
 
-    def ready(self, controller: Any) -> int:
-        self._controller = controller
+    async def serve(self) -> Address:
+        loop.adopt()  # Ray's loop is this process's one loop
+        self._server = RpcServer(self, self.SERVED, self._secret)
+        return await self._server.start(_node_address())
+
+    def connect(self, controller: Address) -> int:
+        self._controller = RpcClient(controller, self._secret, "the TransferQueue controller")
         return self._unit.unit_id
 
-    def put(self, indices: list[int], *chunks: bytes) -> None:
-        self._unparsed.append((indices, chunks))
+    def put(self, indices: list[int], buf: bytes) -> None:
+        self._unparsed.append((indices, buf))
 
     def _parse(self) -> None:
         while self._unparsed:
-            indices, chunks = self._unparsed.popleft()
+            indices, buf = self._unparsed.popleft()
             self._unwhole(indices)  # fields added to a whole row: parse it first, then merge
-            self._unit.put_rows(indices, decode_raw_rows(chunks[0] if len(chunks) == 1 else b"".join(chunks)))
+            self._unit.put_rows(indices, decode_raw_rows(buf))
 
     def _unwhole(self, indices: Sequence[int]) -> None:
         if self._whole:
@@ -102,19 +120,19 @@ class StorageActor:
         row_lengths: list[int],
         wait: bool,
         timeout_s: float | None,
-        *chunks: bytes,
+        buf: bytes,
     ) -> list[int]:
         """Store new samples' rows (msgpack maps back to back, ``row_lengths`` bytes each), then
         have the controller register and commit them (``Controller.reserve``); returns its
         placement (-1: dropped on arrival). A refusal (QueueFull, a bad uid, closed, timeout)
         deletes the rows and raises ``ReserveRefused``: nothing was registered."""
-        view = memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        view = memoryview(buf)
         start = 0
         for index, n in zip(indices, row_lengths, strict=True):
             self._whole[index] = msgspec.Raw(view[start : start + n])
             start += n
         try:
-            placed = await _unwrap(self._controller.reserve_new.remote(partition, tags_buf, indices, wait, timeout_s))
+            placed = await self._controller.call("reserve_new", partition, tags_buf, indices, wait, timeout_s)
         except Exception as e:
             self.delete(indices)
             raise ReserveRefused(e) from None
@@ -123,14 +141,13 @@ class StorageActor:
             self.delete(dead)
         return placed
 
-    async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], *chunks: bytes) -> None:
+    async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], buf: bytes) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
-        self.put(indices, *chunks)
-        await self._controller.commit_after.remote(all_indices, tags)
+        self.put(indices, buf)
+        await self._controller.call("call", "commit", all_indices, tags)
 
     def get(self, indices: list[int], fields: Sequence[str] | None) -> np.ndarray:
-        """The rows as one msgpack buffer, as a uint8 array: a reply over ~100 KiB goes through
-        the object store, where an array is read in place (the reader decodes it without a copy)."""
+        """The rows as one msgpack buffer, as a uint8 array (it travels out of band)."""
         self._parse()
         if fields is None:
             try:  # whole rows as they came: one copy into the reply
@@ -156,13 +173,19 @@ class ControllerActor:
     """The controller in its own process (an async actor: waiting gets and puts
     each hold a coroutine, not a thread)."""
 
-    def __init__(self, cfg: TransferQueueConfig, units: list[Any]) -> None:
-        self._cfg, self._units = cfg, units
-        self._controller: Controller | None = None
+    SERVED = ("call", "reserve_new")
 
-    async def setup(self) -> None:
+    def __init__(self, cfg: TransferQueueConfig, secret: bytes) -> None:
+        self._cfg, self._secret = cfg, secret
+        self._controller: Controller | None = None
+        self._units: list[RpcClient] = []
+
+    async def setup(self, units: list[Address]) -> Address:
         loop.adopt()  # Ray's loop is this process's one loop
+        self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}") for i, a in enumerate(units)]
         self._controller = Controller(self._cfg, free=self._free)
+        self._server = RpcServer(self, self.SERVED, self._secret)
+        return await self._server.start(_node_address())
 
     async def call(self, method: str, *args: Any) -> Any:
         result = getattr(self._controller, method)(*args)
@@ -174,26 +197,27 @@ class ControllerActor:
         self, partition: str, tags_buf: bytes, indices: list[int], wait: bool, timeout_s: float | None
     ) -> list[int]:
         """``reserve`` + commit of whole new samples at the client's ``indices``; tags as msgpack
-        (Ray pickles a list of Structs one object at a time: ~10x the bytes' cost)."""
+        (pickling a list of Structs goes one object at a time: ~10x the bytes' cost)."""
         return await self._controller.reserve(partition, decode_tags(tags_buf), True, wait, timeout_s, indices, True)
-
-    async def commit_after(self, indices: list[int], tags: list[Any], *_written: None) -> None:
-        """commit, once the storage writes passed in (as ObjectRefs) are done: Ray
-        resolves them before this runs, so the client waits on one reply, not N+1."""
-        await self._controller.commit(indices, tags)
 
     async def _free(self, indices: list[int]) -> None:
         # Fire and forget: global indices are never reused, so a late delete can
         # never hit a newer row, and ack need not wait for the storage round trip.
         for unit, (idx, _) in _shard(indices, indices, len(self._units)).items():
-            self._units[unit].delete.remote(idx)
+            try:
+                await self._units[unit].send("delete", idx)
+            except ConnectionError:
+                pass  # that unit is gone, and its rows with it
 
 
 class RayDeployment:
-    """Client side of the Ray deployment: actor handles only, so it pickles."""
+    """Client side of the Ray deployment: actor handles and addresses only, so it pickles."""
 
-    def __init__(self, controller: Any, units: list[Any], owner: bool) -> None:
+    def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes) -> None:
         self._controller, self.units, self._owner = controller, units, owner
+        self._addresses, self._secret = addresses, secret
+        self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller")
+        self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}") for i, a in enumerate(addresses[1:])]
         self._next_unit = 0
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
 
@@ -201,16 +225,19 @@ class RayDeployment:
     async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
         if not ray.is_initialized():
             raise RuntimeError("deployment='ray' joins a running Ray; call ray.init(...) first")
-        units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i) for i in range(cfg.num_storage_units)]
-        controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, units)
-        await _unwrap(asyncio.gather(controller.setup.remote(), *(u.ready.remote(controller) for u in units)))
-        return cls(controller, units, owner=True)
+        secret = secrets.token_bytes(32)
+        units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret) for i in range(cfg.num_storage_units)]
+        controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, secret)
+        unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote() for u in units)))
+        address = await _unwrap(controller.setup.remote(unit_addresses))
+        await _unwrap(asyncio.gather(*(u.connect.remote(address) for u in units)))
+        return cls(controller, units, True, [address, *unit_addresses], secret)
 
-    def __reduce__(self) -> tuple:
-        return (RayDeployment, (self._controller, self.units, False))  # copies never kill the actors
+    def __reduce__(self) -> tuple:  # copies never kill the actors
+        return (RayDeployment, (self._controller, self.units, False, self._addresses, self._secret))
 
     async def call(self, method: str, *args: Any) -> Any:
-        return await _unwrap(self._controller.call.remote(method, *args))
+        return await self._rpc.call("call", method, *args)
 
     async def put_new(
         self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[Any], wait: bool, timeout_s: float | None
@@ -221,7 +248,7 @@ class RayDeployment:
 
         Returns once they are committed (readable). ``ReserveRefused`` if the
         controller refused (nothing registered, the rows deleted); any other error
-        (the unit died) leaves nothing readable of them.
+        (the unit died: ``ConnectionError``) leaves nothing readable of them.
         """
         unit = self._next_unit
         self._next_unit = (unit + 1) % len(self.units)
@@ -229,9 +256,9 @@ class RayDeployment:
         lengths = []
         for _, ends in bodies:
             lengths += [end - start for start, end in zip([0, *ends], ends)]
-        chunks = _chunks(bodies[0][0] if len(bodies) == 1 else b"".join(body for body, _ in bodies))
-        return await _unwrap(
-            self.units[unit].put_new.remote(partition, encode_tags(tags), indices, lengths, wait, timeout_s, *chunks)
+        buf = bodies[0][0] if len(bodies) == 1 else b"".join(body for body, _ in bodies)
+        return await self._unit_rpc[unit].call(
+            "put_new", partition, encode_tags(tags), indices, lengths, wait, timeout_s, oob(buf)
         )
 
     async def _take_indices(self, unit: int, n: int) -> list[int]:
@@ -251,16 +278,15 @@ class RayDeployment:
         shards = _shard(indices, rows, len(self.units))
         if len(shards) == 1:  # the usual case: a put's new samples share one unit
             ((u, (idx, part)),) = shards.items()
-            await _unwrap(self.units[u].put_commit.remote(idx, all_indices, tags, *_chunks(encode_rows(part))))
+            await self._unit_rpc[u].call("put_commit", idx, all_indices, tags, oob(encode_rows(part)))
             return
-        puts = [self.units[u].put.remote(idx, *_chunks(encode_rows(part))) for u, (idx, part) in shards.items()]
-        await _unwrap(self._controller.commit_after.remote(all_indices, tags, *puts))
+        await asyncio.gather(*(self._unit_rpc[u].call("put", idx, oob(encode_rows(part))) for u, (idx, part) in shards.items()))
+        await self.call("commit", all_indices, tags)
 
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> EncodedRows:
         shards = _shard(range(len(indices)), indices, len(self.units), key=indices)
         fields = list(fields) if fields is not None else None
-        reads = (self.units[u].get.remote(idx, fields) for u, (_, idx) in shards.items())
-        replies = await _unwrap(asyncio.gather(*reads))
+        replies = await asyncio.gather(*(self._unit_rpc[u].call("get", idx, fields) for u, (_, idx) in shards.items()))
         parts = [(positions, buf) for (positions, _), buf in zip(shards.values(), replies)]
         return EncodedRows(len(indices), parts, fields_mask(fields))
 
@@ -269,25 +295,15 @@ class RayDeployment:
 
     async def shutdown(self) -> None:
         """Kill the actors (only from the client that created them)."""
+        for client in (self._rpc, *self._unit_rpc):
+            client.close()
         if self._owner:
             for actor in (self._controller, *self.units):
                 ray.kill(actor)
 
 
-# Ray passes an argument under ~100 KiB inside the call message and a bigger one
-# through the shared-memory object store, which costs a round trip to the raylet
-# per object (~1 ms of CPU on a small busy box, more than the bytes). So buffers
-# travel as chunks under that size: a 0.5 MB put is one message, no store object.
-_CHUNK_BYTES = 90_000
 # Slots a client takes from the controller at a time (per storage unit), for its puts.
 _BLOCK_SLOTS = 1 << 16
-
-
-def _chunks(buf: bytes | bytearray) -> list[bytes]:
-    if len(buf) <= _CHUNK_BYTES:
-        return [bytes(buf)]
-    view = memoryview(buf)
-    return [bytes(view[i : i + _CHUNK_BYTES]) for i in range(0, len(buf), _CHUNK_BYTES)]
 
 
 async def _unwrap(awaitable: Any) -> Any:

@@ -97,5 +97,5 @@ class EncodedRows:
         dtype = TOKEN_FIELDS[name]
         if samples is not None:
             return [np.array(getattr(s, name), dtype) for s in samples]
-        # Only this field is parsed: its lists, not a whole Sample per row.
-        return [np.array(values, dtype) for values in self._in_order(lambda buf: decode_field(buf, name))]
+        # Only this field is parsed: no whole Sample per row.
+        return self._in_order(lambda buf: decode_field(buf, name))

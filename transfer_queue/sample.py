@@ -16,6 +16,10 @@ class Sample(msgspec.Struct, kw_only=True):
     ``token_versions[i]`` is the weight version that sampled ``response_ids[i]``;
     ``min_version``/``max_version`` summarise it (a resumed partial rollout
     spans several versions). ``reward`` is ``None`` until the sample is scored.
+
+    The four token fields are Python lists; a producer may also put 1-D numpy
+    arrays (or CPU tensors) there, which the TransferQueue carries as their bytes
+    (``Batch.column`` hands them back as arrays, ``Batch.samples`` as lists).
     """
 
     uid: str
@@ -37,11 +41,11 @@ class Sample(msgspec.Struct, kw_only=True):
 
     @property
     def min_version(self) -> int:
-        return min(self.token_versions) if self.token_versions else -1
+        return int(min(self.token_versions)) if len(self.token_versions) else -1
 
     @property
     def max_version(self) -> int:
-        return max(self.token_versions) if self.token_versions else -1
+        return int(max(self.token_versions)) if len(self.token_versions) else -1
 
     @property
     def num_response_tokens(self) -> int:
