@@ -1,7 +1,7 @@
 """TransferQueue benchmark: samples/s and get latency, in-process vs Ray vs ray.util.queue.
 
     python -m bench.transfer_queue [--num-batches 16] [--latency-rounds 60] [--repeats 3]
-                                   [--groups-per-put 1] [--num-storage-units 1] [--out PATH]
+                                   [--groups-per-put 1] [--num-storage-units 2] [--out PATH]
 
 Workload: batches of 256 samples, each a 128-token prompt and a 1,024-token
 response (ids, log-probs and per-token versions), in GRPO groups of 8.
@@ -10,17 +10,22 @@ tasks in this process (the rollout and trainer sides), so every deployment
 pays its own encode / transport / decode costs on the same two cores.
 
     throughput   4 producers put groups of 8; 2 consumers get batches of 256,
-                 read every sample (``batch.samples``: Python lists, like the
-                 Sample objects ray.util.queue hands back) and ack.
+                 read every sample and ack, in two modes:
+                   lists   token fields are Python lists; the consumer reads
+                           ``batch.samples`` (Sample objects with lists, like
+                           the ones ray.util.queue hands back);
+                   arrays  token fields are numpy arrays, as an engine may
+                           hand them over; the consumer reads ``batch.samples``
+                           (Sample objects with read-only arrays), checks their
+                           four token fields are arrays and counts them.
+                 Both queues carry the same Sample objects in each mode, and
+                 their consumers run the same code on the Samples they get.
                  samples/s = samples delivered / wall time. The Ray deployment and
                  ray.util.queue take turns, ``--repeats`` times each, so both see the
                  same load on the shared box; samples_per_s is the median of the
                  turns (``samples_per_s_runs``: every turn, in order).
-                 ``ray_2_units``: the Ray deployment with two storage units
-                 instead of ``--num-storage-units``, one turn after each pair.
-                 ``samples_per_s_arrays``: the same, but the consumer wants token
-                 arrays: ``batch.column(...)`` here (built from the samples), and
-                 ``np.array(list)`` per field on ray.util.queue's Sample objects.
+                 ``ray_1_unit``: the Ray deployment with one storage unit
+                 instead of ``--num-storage-units`` (lists), one turn after each pair.
     latency      one batch of 256 is put and made ready, then ``get`` is timed
                  (``get_ms``, wall clock; ``get_cpu_ms``, this thread's CPU time,
                  which a busy machine's preemptions do not inflate);
@@ -54,10 +59,9 @@ from transfer_queue import EndOfStream, Sample, TransferQueue, TransferQueueConf
 BATCH = 256
 GROUP = 8
 GROUPS_PER_PUT = 1  # --groups-per-put: both queues get the same put granularity
-# --num-storage-units: one on this 2-core host, where a second storage actor (one
-# more process, a read and a delete per unit per batch) costs more than it spreads;
-# ``ray_2_units`` measures the Ray deployment with two in the same run.
-NUM_STORAGE_UNITS = 1
+# --num-storage-units: the queue's default (TransferQueueConfig), two; ``ray_1_unit``
+# measures the Ray deployment with one in the same run.
+NUM_STORAGE_UNITS = TransferQueueConfig().num_storage_units
 PROMPT_TOKENS = 128
 RESPONSE_TOKENS = 1024
 NUM_PRODUCERS = 4
@@ -66,18 +70,22 @@ CAPACITY = 4 * BATCH
 POLL_S = 0.001
 
 
-def make_samples(n: int, tag: str) -> list[Sample]:
-    """``n`` distinct samples sharing token lists (building them is not what we measure)."""
+def make_samples(n: int, tag: str, arrays: bool = False) -> list[Sample]:
+    """``n`` distinct samples (building them is not what we measure): token fields as
+    Python lists sharing the int objects, or (``arrays``) as numpy arrays."""
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 150_000, PROMPT_TOKENS).tolist()
-    response = rng.integers(0, 150_000, RESPONSE_TOKENS).tolist()
-    logprobs = (-rng.random(RESPONSE_TOKENS)).astype(np.float32).tolist()
-    versions = [3] * RESPONSE_TOKENS
-    # Each sample gets its own lists (sharing the int objects): pickle memoizes a
-    # list it has seen, which would flatter ray.util.queue.
+    prompt = rng.integers(0, 150_000, PROMPT_TOKENS).astype(np.int32)
+    response = rng.integers(0, 150_000, RESPONSE_TOKENS).astype(np.int32)
+    logprobs = (-rng.random(RESPONSE_TOKENS)).astype(np.float32)
+    versions = np.full(RESPONSE_TOKENS, 3, np.int32)
+    fields = (prompt, response, logprobs, versions)
+    if not arrays:
+        fields = tuple(f.tolist() for f in fields)
+    # Each sample gets its own lists or arrays: pickle memoizes an object it has seen,
+    # which would flatter ray.util.queue.
     return [
-        Sample(uid=f"{tag}{i}", group_id=f"{tag}g{i // GROUP}", prompt_ids=list(prompt), response_ids=list(response),
-               rollout_logprobs=list(logprobs), token_versions=list(versions), reward=1.0, finish_reason="stop")
+        Sample(uid=f"{tag}{i}", group_id=f"{tag}g{i // GROUP}", prompt_ids=fields[0].copy(), response_ids=fields[1].copy(),
+               rollout_logprobs=fields[2].copy(), token_versions=fields[3].copy(), reward=1.0, finish_reason="stop")
         for i in range(n)
     ]  # fmt: skip
 
@@ -88,13 +96,16 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------- TransferQueue
-def arrays_from_samples(samples: list[Sample]) -> int:
-    """What a trainer does with Sample objects: token lists -> numpy arrays."""
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "token_versions")
+
+
+def count_arrays(samples: list[Sample]) -> int:
+    """The consumer in arrays mode, on either queue: reads the Samples' token arrays
+    (checks they are arrays, counts the responses)."""
     n = 0
     for s in samples:
-        arrays = (np.array(s.prompt_ids, np.int32), np.array(s.response_ids, np.int32),
-                  np.array(s.rollout_logprobs, np.float32), np.array(s.token_versions, np.int32))  # fmt: skip
-        n += arrays[1].size > 0
+        assert all(type(getattr(s, f)) is np.ndarray for f in TOKEN_FIELDS)
+        n += s.response_ids.size > 0
     return n
 
 
@@ -112,9 +123,8 @@ async def tq_throughput(tq: TransferQueue, samples: list[Sample], arrays: bool =
                 batch = await tq.get(f"trainer-{c}", BATCH, sampler="grpo_group", group_size=GROUP)
             except EndOfStream:
                 return
-            if arrays:  # the trainer reads token arrays straight from storage (no lists)
-                delivered[0] += sum(a.size > 0 for a in batch.column("response_ids"))
-                assert len(batch.column("prompt_ids")) == len(batch.column("rollout_logprobs")) == len(batch)
+            if arrays:  # Samples whose token fields are arrays read in place from the reply
+                delivered[0] += count_arrays(batch.samples)
             else:
                 delivered[0] += sum(len(s.response_ids) > 0 for s in batch.samples)
             await tq.ack(batch.batch_id)
@@ -156,28 +166,24 @@ def tq_cfg(deployment: str, num_storage_units: int | None = None) -> TransferQue
     )
 
 
-async def tq_rate(deployment: str, samples: list[Sample], num_storage_units: int | None = None) -> float:
+async def tq_rate(deployment: str, samples: list[Sample], num_storage_units: int | None = None, arrays: bool = False) -> float:
     tq = await TransferQueue.create(tq_cfg(deployment, num_storage_units))
-    rate = await tq_throughput(tq, samples)
+    rate = await tq_throughput(tq, samples, arrays)
     await tq.shutdown()
     return rate
 
 
 async def bench_tq(deployment: str, num_batches: int, rounds: int) -> dict[str, Any]:
-    cfg = tq_cfg(deployment)
-    tq = await TransferQueue.create(cfg)
+    tq = await TransferQueue.create(tq_cfg(deployment))
     latency = await tq_latency(tq, rounds)
     await tq.shutdown()
-    tq = await TransferQueue.create(cfg)
-    await tq_throughput(tq, make_samples(BATCH, "warm-"))  # warm-up: actors, imports, caches
-    await tq.shutdown()
-    tq = await TransferQueue.create(cfg)
-    rate = await tq_throughput(tq, make_samples(num_batches * BATCH, "s"))
-    await tq.shutdown()
-    tq = await TransferQueue.create(cfg)
-    rate_arrays = await tq_throughput(tq, make_samples(num_batches * BATCH, "a"), arrays=True)
-    await tq.shutdown()
-    return {"samples_per_s": round(rate, 1), "samples_per_s_arrays": round(rate_arrays, 1), **latency}
+    for arrays in (False, True):  # warm-up: actors, imports, caches
+        await tq_rate(deployment, make_samples(BATCH, f"warm{arrays}-", arrays), arrays=arrays)
+    return {
+        "samples_per_s": round(await tq_rate(deployment, make_samples(num_batches * BATCH, "s")), 1),
+        "samples_per_s_arrays": round(await tq_rate(deployment, make_samples(num_batches * BATCH, "a", True), arrays=True), 1),
+        **latency,
+    }
 
 
 # ------------------------------------------------------------ ray.util.queue
@@ -206,7 +212,7 @@ async def rq_throughput(samples: list[Sample], arrays: bool = False) -> float:
                 await asyncio.sleep(POLL_S)
                 continue
             if arrays:
-                delivered[0] += arrays_from_samples(batch)
+                delivered[0] += count_arrays(batch)
             else:
                 delivered[0] += sum(len(s.response_ids) > 0 for s in batch)
 
@@ -240,7 +246,7 @@ async def bench_rq(num_batches: int, rounds: int) -> dict[str, Any]:
     latency = await rq_latency(rounds)
     await rq_throughput(make_samples(BATCH, "warm-"))
     rate = await rq_throughput(make_samples(num_batches * BATCH, "s"))
-    rate_arrays = await rq_throughput(make_samples(num_batches * BATCH, "a"), arrays=True)
+    rate_arrays = await rq_throughput(make_samples(num_batches * BATCH, "a", True), arrays=True)
     return {"samples_per_s": round(rate, 1), "samples_per_s_arrays": round(rate_arrays, 1), **latency}
 
 
@@ -274,17 +280,22 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         result["ray"] = await bench_tq("ray", args.num_batches, args.latency_rounds)
         result["ray_util_queue"] = await bench_rq(args.num_batches, args.latency_rounds)
         # The runs above are the first turn; more turns, alternating, so both sides see the same load.
-        runs = {side: [result[side]["samples_per_s"]] for side in ("ray", "ray_util_queue")}
-        runs["ray_2_units"] = []
+        n = args.num_batches * BATCH
+        runs = {f"{side}{mode}": [result[side][f"samples_per_s{mode}"]]
+                for side in ("ray", "ray_util_queue") for mode in ("", "_arrays")}  # fmt: skip
+        runs["ray_1_unit"] = []
         for r in range(args.repeats):
             if r:
-                runs["ray"].append(await tq_rate("ray", make_samples(args.num_batches * BATCH, f"r{r}-")))
-                runs["ray_util_queue"].append(await rq_throughput(make_samples(args.num_batches * BATCH, f"q{r}-")))
-            runs["ray_2_units"].append(await tq_rate("ray", make_samples(args.num_batches * BATCH, f"u{r}-"), 2))
-        result["ray_2_units"] = {}
-        for side, rates in runs.items():
-            result[side]["samples_per_s"] = round(float(np.median(rates)), 1)
-            result[side]["samples_per_s_runs"] = [round(x, 1) for x in rates]
+                runs["ray"].append(await tq_rate("ray", make_samples(n, f"r{r}-")))
+                runs["ray_util_queue"].append(await rq_throughput(make_samples(n, f"q{r}-")))
+                runs["ray_arrays"].append(await tq_rate("ray", make_samples(n, f"ra{r}-", True), arrays=True))
+                runs["ray_util_queue_arrays"].append(await rq_throughput(make_samples(n, f"qa{r}-", True), arrays=True))
+            runs["ray_1_unit"].append(await tq_rate("ray", make_samples(n, f"u{r}-"), 1))
+        result["ray_1_unit"] = {}
+        for key, rates in runs.items():
+            side, mode = (key[: -len("_arrays")], "_arrays") if key.endswith("_arrays") else (key, "")
+            result[side][f"samples_per_s{mode}"] = round(float(np.median(rates)), 1)
+            result[side][f"samples_per_s{mode}_runs"] = [round(x, 1) for x in rates]
     finally:
         if started:
             ray.shutdown()
@@ -293,10 +304,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     result["ratio_ray_vs_ray_util_queue_arrays"] = round(
         result["ray"]["samples_per_s_arrays"] / result["ray_util_queue"]["samples_per_s_arrays"], 2
     )
-    result["ratio_ray_2_units_vs_ray_util_queue"] = round(result["ray_2_units"]["samples_per_s"] / rq_rate, 2)
+    result["ratio_ray_1_unit_vs_ray_util_queue"] = round(result["ray_1_unit"]["samples_per_s"] / rq_rate, 2)
     result["ratio_local_vs_ray_util_queue"] = round(result["local"]["samples_per_s"] / rq_rate, 2)
     result["goals"] = {
         "ray_at_least_5x_ray_util_queue": ray_rate >= 5 * rq_rate,
+        "ray_at_least_5x_ray_util_queue_arrays": result["ratio_ray_vs_ray_util_queue_arrays"] >= 5,
         "local_get_p99_under_1ms": result["local"]["get_ms"]["p99"] < 1.0,
         "local_get_cpu_p99_under_1ms": result["local"]["get_cpu_ms"]["p99"] < 1.0,
     }
@@ -305,25 +317,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     result["notes"] = (
         "All three run with their producers and consumers in this one process on 2 shared cores, so every "
         "figure is CPU-bound and swings with the other jobs' load (see machine, load_average_end); under load "
-        "the samples/s ratio tracks the ratio of CPU spent per sample over all processes. Both Ray sides hand "
-        "the consumer real Sample objects: ray.util.queue unpickles them, TransferQueue decodes one msgpack "
-        "buffer per storage unit (a uint8 array read in place from the object store) straight into Sample "
-        "structs (batch.samples, ~115-185 us per 1k-token sample here: allocating ~2,200 Python ints and "
-        "floats; pickle.loads costs the same, so it is the floor for both); batch.column parses only the asked "
-        "field. Per batch of 256 the TransferQueue client makes ~12 Ray calls: 8 puts (one call each: the "
-        "storage unit keeps the rows whole, unparsed, and has the controller reserve and commit them; the 4 "
-        "producers' concurrent puts share a call, so 32 samples each), get_batch, one read per storage unit, "
-        "ack; ray.util.queue makes ~47 (32 put_nowait_batch, ~15 get_nowait_batch polls). Profiled on this box "
-        "(per-process CPU over 4,096-sample turns; py-spy of the driver; not part of this JSON): a Ray actor "
-        "call costs ~1 ms of CPU at each end with no payload (async actor; ~0.7 ms sync) and ~1.3 ms more per "
-        "end for a 0.5 MB argument; TransferQueue with two storage units ~680-750 us of CPU per sample in all at "
-        "load 2-3 (driver ~330-360, of which decoding Samples and freeing them ~45%, encoding ~10%, Ray call "
-        "submission ~17%, the event loop ~10%; each storage unit ~110-120; controller ~85-110; raylet ~20), with "
-        "one ~590-610 (one process, read and delete fewer: ~25-30% more samples/s here, see ray_2_units), "
-        "ray.util.queue ~1,650-2,200 "
-        "(its queue actor ~725-940, driver ~690-870, raylet ~220-310). The 5x goal needs ~330-440 us of CPU "
-        "per sample in all, ~180-220 of it the floor of encoding and decoding Python lists in the one driver "
-        "process, so it is not reached with Ray calls at ~2 ms of CPU each on these 2 cores."
+        "the samples/s ratio tracks the ratio of CPU spent per sample over all processes. The TransferQueue's "
+        "Ray deployment runs its controller and storage units as Ray actors, but its calls go over direct "
+        "sockets (transfer_queue/rpc.py): a Ray actor call costs ~1 ms of CPU at each end on this box, a socket "
+        "message ~30-50 us. Per batch of 256 the client sends ~12 messages (8 puts: the 4 producers' concurrent "
+        "puts share one, each storage unit asks the controller to register them; get_batch, one read per "
+        "storage unit, ack, a delete); ray.util.queue makes ~47 Ray calls (32 put_nowait_batch, ~15 "
+        "get_nowait_batch polls), each pickling the Samples it carries. Profiled on this box (CPU per process "
+        "over 4,096-sample turns, not part of this JSON): lists mode, TransferQueue ~290 us of CPU per sample in "
+        "all with one storage unit (driver ~240, of which decoding the Samples' Python lists ~45% and the garbage collector's passes over those young lists ~15-30%; storage unit ~30; controller ~20), "
+        "ray.util.queue ~1,570 (queue actor ~790, driver ~580, raylet ~200); in lists mode both consumers pay "
+        "the same floor, building ~2,200 Python ints and floats per sample. Arrays mode skips it: token arrays "
+        "travel as their bytes and come back as read-only arrays over the reply buffer (no copy, no Python "
+        "object per token)."
     )
     return result
 
@@ -335,8 +341,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3, help="turns each of Ray and ray.util.queue take (throughput)")
     parser.add_argument("--groups-per-put", type=int, default=1,
                         help="GRPO groups per put call, for every producer of both queues (default 1)")
-    parser.add_argument("--num-storage-units", type=int, default=1,
-                        help="storage units of both TransferQueue deployments (default 1: see NUM_STORAGE_UNITS)")
+    parser.add_argument("--num-storage-units", type=int, default=NUM_STORAGE_UNITS,
+                        help=f"storage units of both TransferQueue deployments (default {NUM_STORAGE_UNITS}, the queue's)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer_queue_cpu.json"))
     args = parser.parse_args()
     GROUPS_PER_PUT = args.groups_per_put

@@ -71,6 +71,51 @@ def assert_accounting(stats: QueueStats) -> None:
     assert stats.put == stats.delivered + stats.dropped + stats.pending + stats.in_flight, stats
 
 
+def with_arrays(samples: list[Sample]) -> list[Sample]:
+    """The same samples holding numpy arrays as an engine hands them over (int64 ids,
+    float64 log-probs: the queue stores int32 and float32)."""
+    return [
+        msgspec.structs.replace(
+            s, prompt_ids=np.array(s.prompt_ids, np.int64), response_ids=np.array(s.response_ids, np.int64),
+            rollout_logprobs=np.array(s.rollout_logprobs, np.float64), token_versions=np.array(s.token_versions, np.int64),
+        )
+        for s in samples
+    ]  # fmt: skip
+
+
+async def check_array_samples_round_trip(tq: TransferQueue) -> None:
+    """Array samples come back as read-only arrays (int32 / float32) with their values, next to
+    list samples in the same batch, with version tags from the arrays; bad arrays are refused."""
+    lists = make_samples(2, 2, version=3)
+    arrays = with_arrays(make_samples(2, 2, version=3, prefix="a", num_tokens=1000))
+    arrays[0].response_ids[0] = 2**31 - 1  # the largest token id int32 holds
+    await tq.put(lists[:2])
+    await tq.put(arrays[:2])
+    await tq.put(arrays[2:])
+    await tq.put(lists[2:])
+    batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2, current_version=4, max_staleness=1)
+    assert batch.dropped == {}  # tags (min/max version) came from the arrays
+    got = {s.uid: s for s in batch.samples}
+    for want in arrays:
+        s = got[want.uid]
+        assert s.response_ids.dtype == np.int32 and s.rollout_logprobs.dtype == np.float32
+        assert s.response_ids.tolist() == want.response_ids.tolist()
+        assert s.rollout_logprobs.tolist() == want.rollout_logprobs.astype(np.float32).tolist()
+        assert (s.min_version, s.max_version) == (3, 3) and s.reward == want.reward
+        with pytest.raises(ValueError, match="read-only"):
+            s.response_ids[0] = 0  # a redelivery must see what was put
+    for want in lists:
+        assert got[want.uid] == want
+    columns = dict(zip(batch.uids, batch.column("response_ids")))
+    assert all(columns[s.uid].tolist() == list(s.response_ids) for s in (*lists, *arrays))
+    await tq.ack(batch.batch_id)
+    bad = make_samples(1, prefix="bad")
+    bad[0].response_ids = np.zeros((2, 2), np.int32)
+    with pytest.raises(ValueError, match="'response_ids' must be a list or a 1-D array"):
+        await tq.put(bad)
+    assert_accounting(await tq.statistics_async())
+
+
 async def run_producers_consumers(
     tq: TransferQueue, num_producers: int = 4, num_consumers: int = 2, per_producer: int = 64, batch_size: int = 8
 ) -> None:
@@ -140,6 +185,11 @@ async def test_samples_round_trip_as_copies_and_columns_are_numpy(tq: TransferQu
     assert [msgspec.structs.asdict(g) for g in batch.samples] == expected
     await tq.ack(batch.batch_id)
     assert sum(len(u) for u in tq._d.units) == 0  # acked rows are freed
+
+
+@pytest.mark.asyncio
+async def test_array_samples_round_trip_as_read_only_arrays_beside_list_samples(tq: TransferQueue) -> None:
+    await check_array_samples_round_trip(tq)
 
 
 def test_storage_unit_keeps_encoded_rows_unparsed_and_merges_field_writes() -> None:
@@ -462,7 +512,10 @@ def test_new_samples_encode_straight_into_bodies_that_frame_into_one_write() -> 
     encoded = [encode_new_samples(p) for p in parts]
     framed = frame_rows(len(samples), [body for body, _ in encoded])
     samples[5].response_ids = samples[5].response_ids.tolist()
-    assert decode_samples(framed, FULL_MASK) == samples
+    decoded = decode_samples(framed, FULL_MASK)
+    assert decoded[5].response_ids.dtype == np.int32  # an array comes back as one (as int32)
+    decoded[5].response_ids = decoded[5].response_ids.tolist()
+    assert decoded == samples
     assert [t for _, tags in encoded for t in tags] == [tags_of(sample_to_row(s, ALL_FIELDS), FULL_MASK) for s in samples]
     assert decode_samples(frame_rows(0, []), FULL_MASK) == []
 

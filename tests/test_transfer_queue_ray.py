@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.test_transfer_queue import assert_accounting, make_samples, run_producers_consumers
+from tests.test_transfer_queue import assert_accounting, check_array_samples_round_trip, make_samples, run_producers_consumers
 from transfer_queue import EndOfStream, QueueClosed, QueueEmpty, QueueFull, TransferQueue, TransferQueueConfig
 
 ray = pytest.importorskip("ray")
@@ -106,6 +106,13 @@ async def test_ray_large_puts_and_reads_come_back_whole(ray_cluster) -> None:
     assert {c.dtype for c in batch.column("rollout_logprobs")} == {np.dtype(np.float32)}
     assert batch.samples == samples
     await tq.ack(batch.batch_id)
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_array_samples_travel_as_bytes_and_come_back_as_read_only_arrays(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg())
+    await check_array_samples_round_trip(tq)
     await tq.shutdown()
 
 

@@ -14,7 +14,7 @@ __all__ = ["Batch"]
 class Batch:
     """A leased batch: ``batch_id`` to ack/nack, the samples, and what the get dropped.
 
-    ``samples`` are built on first access (``get`` itself only leases and fetches
+    ``samples`` (token fields as they were put: lists, or read-only arrays) are built on first access (``get`` itself only leases and fetches
     the data), then cached. ``dropped`` counts, per reason, the samples this get
     dropped (e.g. ``{"stale": 2}``); they are gone from the queue and in its statistics.
     """
@@ -52,7 +52,8 @@ class Batch:
         return [group_id for _, group_id in self._rows.identities()]
 
     def column(self, name: str) -> list[np.ndarray]:
-        """One token field of every sample as a numpy array (int32 ids and versions, float32 log-probs)."""
+        """One token field of every sample as a numpy array (int32 ids and versions, float32
+        log-probs); a field put as an array comes back without a copy (read-only)."""
         if name not in TOKEN_FIELDS:
             raise ValueError(f"{name!r} is not a token field; token fields are {tuple(TOKEN_FIELDS)}")
         return self._rows.column(name, self._samples)

@@ -15,9 +15,9 @@ dtype (``TOKEN_FIELDS``), so no Python object per token exists on either side.
 The storage actor keeps each field as ``msgspec.Raw`` (a slice of that buffer,
 never parsed) and answers a read with one buffer of the requested rows.
 ``Batch.samples`` decodes it into ``Sample`` structs whose token fields are
-Python lists, whichever way they travelled (``decode_samples``);
-``Batch.column`` gives one field as numpy arrays, those that travelled as
-``bin`` read in place from the buffer (``decode_field``).
+what was put: lists, or read-only arrays read in place from the buffer
+(``decode_samples``); ``Batch.column`` gives one field of each row as a numpy
+array (``decode_field``).
 """
 
 from __future__ import annotations
@@ -94,12 +94,10 @@ def mask_fields(mask: int) -> tuple[str, ...]:
 
 def _token_copy(value: Any, name: str) -> list | np.ndarray:
     """A copy of token field ``name``: a list stays a list (ints and floats are immutable,
-    so a shallow copy is a full one, ~4 us per 1k tokens); a numpy array (or a torch
-    tensor on the CPU) becomes a contiguous little-endian array of the field's dtype."""
+    so a shallow copy is a full one, ~4 us per 1k tokens); anything else (a numpy array)
+    becomes a contiguous little-endian array of the field's dtype."""
     if isinstance(value, list):
         return list(value)
-    if not isinstance(value, np.ndarray) and hasattr(value, "numpy"):
-        value = value.numpy()  # a CPU torch tensor (a CUDA one raises here: move it first)
     dtype = np.dtype(TOKEN_FIELDS[name]).newbyteorder("<")
     array = np.array(value, dtype=dtype, copy=True)
     if array.ndim != 1:
@@ -144,18 +142,22 @@ def _max(values: list | np.ndarray) -> Any:
     return values[0] if values.count(values[0]) == len(values) else max(values)
 
 
-def _as_list(value: Any) -> list:
-    # A stored list is copied (the row may be redelivered); an array becomes one.
-    return value.tolist() if isinstance(value, np.ndarray) else list(value)
+def _handed_out(value: list | np.ndarray) -> list | np.ndarray:
+    # The row may be redelivered: a list is copied, an array handed out as a read-only view.
+    if isinstance(value, list):
+        return list(value)
+    view = value.view()
+    view.flags.writeable = False
+    return view
 
 
 def row_to_sample(row: dict[str, Any]) -> Sample:
-    """A ``Sample`` from an in-process row (token fields as new lists: the row may be
-    redelivered); fields the row lacks keep the Sample defaults."""
+    """A ``Sample`` from an in-process row (its token fields as they were put, see
+    ``_handed_out``); fields the row lacks keep the Sample defaults."""
     kwargs: dict[str, Any] = {"uid": row["uid"], "group_id": row["group_id"]}
     for name, value in row.items():
         if name in TOKEN_FIELDS:
-            kwargs[name] = _as_list(value)
+            kwargs[name] = _handed_out(value)
         elif name in _BIT:
             kwargs[name] = value
     kwargs.setdefault("prompt_ids", [])
@@ -197,17 +199,18 @@ _WireSample = msgspec.defstruct("_WireSample", [_wire_field(f) for f in _SAMPLE_
 _LE_DTYPES = {name: np.dtype(dtype).newbyteorder("<") for name, dtype in TOKEN_FIELDS.items()}
 
 
-def _token_list(name: str, value: Any) -> Any:
-    """A token field as it decoded -> the list ``Sample`` holds (``bin``: its little-endian values)."""
+def _token_value(name: str, value: Any) -> Any:
+    """A token field as it decoded -> what ``Sample`` holds: a list as is, a ``bin`` as a
+    read-only array of its little-endian values (a view of the buffer, no copy)."""
     if isinstance(value, (memoryview, bytes)):
-        return np.frombuffer(value, _LE_DTYPES[name]).tolist()
+        return np.frombuffer(value, _LE_DTYPES[name])
     return value
 
 
 def _sample_from_wire(w: Any) -> Sample:
     kwargs = {f.name: getattr(w, f.name) for f in _SAMPLE_FIELDS}
     for name in TOKEN_FIELDS:
-        kwargs[name] = _token_list(name, kwargs[name])
+        kwargs[name] = _token_value(name, kwargs[name])
     return Sample(**kwargs)
 
 
@@ -289,8 +292,8 @@ def decode_raw_rows(buf: bytes) -> list[dict[str, msgspec.Raw]]:
 
 
 def decode_samples(buf: bytes, mask: int) -> list[Sample]:
-    """The ``Sample`` of each row of ``buf``, which carries the fields of ``mask``; token
-    fields are Python lists, whether they travelled as lists or as arrays.
+    """The ``Sample`` of each row of ``buf``, which carries the fields of ``mask``; a token
+    field is a list, or a read-only array if it was put as one.
 
     Rows with the prompt and list token fields decode straight into Sample structs
     (C speed, validated); a buffer where some field travelled as ``bin`` goes through
@@ -303,7 +306,7 @@ def decode_samples(buf: bytes, mask: int) -> list[Sample]:
         except msgspec.ValidationError:  # some token field is a bin (an array was put), or bad data
             return [_sample_from_wire(w) for w in _wire_samples_decoder.decode(buf)]
     return [
-        Sample(**{"prompt_ids": [], **{k: _token_list(k, v) if k in TOKEN_FIELDS else v for k, v in row.items()}})
+        Sample(**{"prompt_ids": [], **{k: _token_value(k, v) if k in TOKEN_FIELDS else v for k, v in row.items()}})
         for row in _rows_decoder.decode(buf)
     ]
 

@@ -17,9 +17,11 @@ class Sample(msgspec.Struct, kw_only=True):
     ``min_version``/``max_version`` summarise it (a resumed partial rollout
     spans several versions). ``reward`` is ``None`` until the sample is scored.
 
-    The four token fields are Python lists; a producer may also put 1-D numpy
-    arrays (or CPU tensors) there, which the TransferQueue carries as their bytes
-    (``Batch.column`` hands them back as arrays, ``Batch.samples`` as lists).
+    The four token fields are Python lists, or 1-D numpy arrays as an engine
+    may hand them over. The TransferQueue
+    carries an array as its bytes (int32 ids and versions, float32 log-probs)
+    and ``Batch.samples`` hands it back as a read-only array; ``Batch.column``
+    gives any token field of a batch as arrays.
     """
 
     uid: str

@@ -116,7 +116,7 @@ class TorchBackend:
         # sample with prompt length P is scored by the logits at P - 1 + j.
         pos = np.zeros((len(samples), num_resp), dtype=np.int64)
         for i, s in enumerate(samples):
-            if not s.prompt_ids:
+            if len(s.prompt_ids) == 0:  # a list or an array
                 raise ValueError(f"sample {s.uid!r} has an empty prompt")
             p, n = len(s.prompt_ids), len(s.response_ids)
             ids[i, :p] = s.prompt_ids

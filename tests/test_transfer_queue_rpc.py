@@ -1,0 +1,103 @@
+"""The socket transport of the Ray deployment (``transfer_queue/rpc.py``), without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from transfer_queue.errors import QueueFull
+from transfer_queue.rpc import RpcClient, RpcServer, oob
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"s" * 32
+
+
+class Target:
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+        self.release = asyncio.Event()
+
+    def echo(self, *args: object) -> tuple:
+        return args
+
+    async def wait(self) -> str:
+        await self.release.wait()
+        return "released"
+
+    def full(self) -> None:
+        raise QueueFull("no room")
+
+    def note(self, value: object) -> None:
+        self.seen.append(value)
+
+    def hidden(self) -> None:  # not served
+        raise AssertionError("must not run")
+
+
+async def serve(target: Target) -> RpcServer:
+    server = RpcServer(target, ("echo", "wait", "full", "note"), SECRET)
+    server.address = await server.start("127.0.0.1")
+    return server
+
+
+@pytest.mark.asyncio
+async def test_calls_carry_buffers_out_of_band_and_run_concurrently() -> None:
+    target = Target()
+    server = await serve(target)
+    client = RpcClient(server.address, SECRET, "the target")
+    waiting = asyncio.create_task(client.call("wait"))  # holds its call open on the actor
+    array = np.arange(300_000, dtype=np.int32)
+    data = bytearray(b"x" * 1_000_000)
+    got = await client.call("echo", 1, "two", array, oob(data))
+    assert got[:2] == (1, "two")
+    assert np.array_equal(got[2], array) and got[3] == bytes(data)
+    assert not waiting.done()  # the echo was answered while the wait still runs
+    target.release.set()
+    assert await waiting == "released"
+    await client.send("note", 7)  # fire and forget
+    await client.call("echo")  # calls on one connection run in order of arrival
+    assert target.seen == [7]
+    client.close()
+
+
+@pytest.mark.asyncio
+async def test_errors_raise_as_themselves_and_unserved_methods_are_refused() -> None:
+    server = await serve(Target())
+    client = RpcClient(server.address, SECRET, "the target")
+    with pytest.raises(QueueFull, match="no room"):
+        await client.call("full")
+    with pytest.raises(AttributeError, match="serves no method 'hidden'"):
+        await client.call("hidden")
+    assert await client.call("echo", 1) == (1,)  # the connection is still good
+    client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_client_without_the_secret_is_dropped_before_anything_runs() -> None:
+    target = Target()
+    server = await serve(target)
+    intruder = RpcClient(server.address, b"x" * 32, "the target")
+    with pytest.raises(ConnectionError, match="lost the connection to the target"):
+        await intruder.call("note", "intruder")
+    assert target.seen == []
+    intruder.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lost_connection_fails_calls_in_flight_and_later_calls_name_the_actor() -> None:
+    server = await serve(Target())
+    client = RpcClient(server.address, SECRET, "storage unit 3")
+    waiting = asyncio.create_task(client.call("wait"))
+    await client.call("echo")
+    server._server.close()  # the actor dies: its sockets close
+    for task in list(server._tasks):
+        task.cancel()
+    client._conn.writer.transport.abort()
+    with pytest.raises(ConnectionError, match="storage unit 3"):
+        await waiting
+    with pytest.raises(ConnectionError, match="storage unit 3"):
+        await client.call("echo")
+    client.close()
