@@ -2,7 +2,7 @@
 
 Endpoints (all async):
     generate_group(group)      n samples of one prompt, generated, resumed across
-                               weight syncs, and scored
+                               weight syncs, and scored (token fields as numpy arrays)
     pause/abort/sleep/wake_up/update_weights/reset_prefix_cache/resume/get_version
                                the engine surface the weight-sync sequence drives
 
@@ -23,7 +23,7 @@ import msgspec
 from actors.engines.base import GenerateOutput, SamplingParams
 from actors.runtime import Actor, quiet_transformers
 from policies.partial import absorb, next_request
-from transfer_queue.sample import Sample
+from transfer_queue.sample import Sample, pack_tokens
 
 __all__ = ["GroupRequest", "RolloutActor"]
 
@@ -81,7 +81,7 @@ class RolloutActor(Actor):
             for i in range(group.n)
         ]
         await asyncio.gather(*(self._generate_one(s) for s in samples))
-        return samples
+        return [pack_tokens(s) for s in samples]  # finished: token lists become arrays
 
     async def _generate_one(self, sample: Sample) -> None:
         assert self._running is not None, "setup() was not awaited"

@@ -135,10 +135,24 @@ async def test_ray_put_returns_once_stored_and_a_refused_put_leaves_no_rows(ray_
     await tq.shutdown()
 
 
+async def _until_gone(address: tuple[str, int]) -> None:
+    """Wait until the actor serving ``address`` no longer accepts connections (``ray.kill``
+    returns at once, and Ray may call an actor dead while its process still exits)."""
+    for _ in range(200):
+        try:
+            _, writer = await asyncio.open_connection(*address)
+        except OSError:
+            return
+        writer.close()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the actor at {address} still accepts connections")
+
+
 @pytest.mark.asyncio
 async def test_ray_put_to_a_dead_storage_unit_raises_and_registers_nothing(ray_cluster) -> None:
     tq = await TransferQueue.create(_cfg(num_storage_units=1))
     ray.kill(tq._d.units[0])  # the unit dies: the put cannot store its rows
+    await _until_gone(tq._d._addresses[1])
     with pytest.raises(ConnectionError, match="storage unit 0"):
         await tq.put(make_samples(2, 2))
     stats = await tq.statistics_async()

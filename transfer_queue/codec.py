@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transfer_queue.sample import Sample
+from transfer_queue.sample import TOKEN_DTYPES, Sample
 from transfer_queue.wire import SampleTags
 
 __all__ = [
@@ -54,13 +54,8 @@ __all__ = [
     "tags_of",
 ]
 
-# Token fields and the dtype ``Batch.column`` gives them.
-TOKEN_FIELDS: dict[str, type] = {
-    "prompt_ids": np.int32,
-    "response_ids": np.int32,
-    "rollout_logprobs": np.float32,
-    "token_versions": np.int32,
-}
+# Token fields and the dtype they have as arrays (stored, and from ``Batch.column``).
+TOKEN_FIELDS = TOKEN_DTYPES
 SCALAR_FIELDS: tuple[str, ...] = (
     "reward",
     "finish_reason",

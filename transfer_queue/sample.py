@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -43,12 +44,36 @@ class Sample(msgspec.Struct, kw_only=True):
 
     @property
     def min_version(self) -> int:
-        return int(min(self.token_versions)) if len(self.token_versions) else -1
+        v = self.token_versions
+        if len(v) == 0:
+            return -1
+        return int(v.min()) if isinstance(v, np.ndarray) else min(v)
 
     @property
     def max_version(self) -> int:
-        return int(max(self.token_versions)) if len(self.token_versions) else -1
+        v = self.token_versions
+        if len(v) == 0:
+            return -1
+        return int(v.max()) if isinstance(v, np.ndarray) else max(v)
 
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_ids)
+
+
+# Token fields and the dtype they have as arrays (``pack_tokens``, ``Batch.column``).
+TOKEN_DTYPES: dict[str, type] = {
+    "prompt_ids": np.int32,
+    "response_ids": np.int32,
+    "rollout_logprobs": np.float32,
+    "token_versions": np.int32,
+}
+
+
+def pack_tokens(sample: Sample) -> Sample:
+    """Turn ``sample``'s token fields into numpy arrays (``TOKEN_DTYPES``), in place, once
+    it is finished: arrays cross processes and the TransferQueue as their bytes, and the
+    trainer copies them into its batch tensors without a Python object per token."""
+    for name, dtype in TOKEN_DTYPES.items():
+        setattr(sample, name, np.asarray(getattr(sample, name), dtype))
+    return sample
