@@ -35,6 +35,7 @@ from transfer_queue.codec import (
     sample_to_row,
     tags_of,
 )
+from transfer_queue.sample import TOKEN_DTYPES, pack_tokens
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 
@@ -190,6 +191,16 @@ async def test_samples_round_trip_as_copies_and_columns_are_numpy(tq: TransferQu
 @pytest.mark.asyncio
 async def test_array_samples_round_trip_as_read_only_arrays_beside_list_samples(tq: TransferQueue) -> None:
     await check_array_samples_round_trip(tq)
+
+
+def test_pack_tokens_turns_a_finished_sample_into_arrays_with_the_same_values() -> None:
+    (sample,) = make_samples(1, version=2)
+    before = msgspec.structs.asdict(sample)
+    assert pack_tokens(sample) is sample
+    for name, dtype in TOKEN_DTYPES.items():
+        value = getattr(sample, name)
+        assert value.dtype == dtype and value.tolist() == before[name]
+    assert (sample.min_version, sample.max_version) == (2, 2)
 
 
 def test_storage_unit_keeps_encoded_rows_unparsed_and_merges_field_writes() -> None:
