@@ -435,6 +435,18 @@ async def test_save_and_load_keep_pending_in_flight_partial_samples_and_counters
     assert val.samples == make_samples(2, prefix="v")
 
 
+
+@pytest.mark.asyncio
+async def test_save_and_load_keep_array_samples_with_their_values(tq: TransferQueue, tmp_path) -> None:
+    samples = make_samples(2, 2)
+    await tq.put([pack_tokens(s) for s in make_samples(2, 2)])  # as rollout actors hand them over
+    path = str(tmp_path / "queue.tq")
+    await tq.save(path)
+    tq2 = await TransferQueue.load(path, tq.cfg)
+    batch = await tq2.get("trainer", 4, timeout_s=0)
+    assert batch.samples == samples  # saved as lists: same values, lists after load
+    await tq2.shutdown()
+
 # ----------------------------------------------------------------------- close
 @pytest.mark.asyncio
 async def test_close_wakes_waiters_with_end_of_stream_and_put_raises_queue_closed() -> None:

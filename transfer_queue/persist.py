@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from transfer_queue.codec import mask_fields
 from transfer_queue.config import TransferQueueConfig
@@ -63,13 +64,23 @@ async def save(tq: TransferQueue, path: str) -> None:
         snap.dropped_by_reason["unwritten_at_save"] = (
             snap.dropped_by_reason.get("unwritten_at_save", 0) + num_unsettled - num_saved
         )
-    data = msgspec.msgpack.encode(_SavedQueue(format_version=FORMAT_VERSION, counters=snap, runs=runs))
+    data = msgspec.msgpack.encode(
+        _SavedQueue(format_version=FORMAT_VERSION, counters=snap, runs=runs), enc_hook=_arrays_as_lists
+    )
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _arrays_as_lists(value: Any) -> Any:
+    # Token fields put as numpy arrays are saved as lists (the format every version reads):
+    # after load they are lists with the same values.
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot save a sample field of type {type(value).__name__}")
 
 
 async def load(cls: type[TransferQueue], path: str, cfg: TransferQueueConfig) -> TransferQueue:
