@@ -281,3 +281,9 @@ void pack_bytes(uint8_t *restrict dst, const int64_t *srcs, const int64_t *lens,
     }
     bytes_sums(dst, at, out);
 }
+
+/* bytes_sums of num buffers (ptrs[c], lens[c] bytes) into out[2 * c]: the
+ * receiver checks every sparse payload of an update in one call. */
+void bytes_sums_many(const int64_t *ptrs, const int64_t *lens, int64_t num, int64_t *out) {
+    for (int64_t c = 0; c < num; c++) bytes_sums((const uint8_t *)(intptr_t)ptrs[c], lens[c], out + 2 * c);
+}

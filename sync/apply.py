@@ -184,18 +184,26 @@ def _check_payload(update: WeightUpdate, pieces: list[_Piece], buckets: dict[int
     """Phase 1. CPU payloads are checked on the sync.native thread pool (the
     numpy passes release the GIL); device ones on this thread's stream, their
     sums read back together (one wait on the device per update)."""
-    on_cpu, cpu_sizes, on_device = [], [], []
+    on_cpu, cpu_sizes, on_device, sparse = [], [], [], []
+    batch = native.available()  # sparse CPU payloads: summed together by the C kernel
     for piece in pieces:
         blob = _blob(update, piece.entry, buckets)
-        if blob.device.type == "cpu":
+        if blob.device.type != "cpu":
+            on_device.append((piece, blob))
+        elif batch and piece.entry.encoding == "sparse":
+            sparse.append((piece, blob))
+            on_cpu.append(len(sparse) - 1)
+        else:
             on_cpu.append(partial(_check_cpu_blob, piece, blob))
             cpu_sizes.append(piece.entry.count)
-        else:
-            on_device.append((piece, blob))
     for (piece, _), got in zip(on_device, cks.read_sums(_device_payload_sums(on_device))):
         _compare(piece.entry, got)
-    for r in native.run_each(on_cpu, cpu_sizes):
-        if isinstance(r, Exception):
+    sparse_sums = native.bytes_sums_many([blob for _, blob in sparse]) if sparse else []
+    done = iter(native.run_each([c for c in on_cpu if not isinstance(c, int)], cpu_sizes))
+    for c in on_cpu:  # the first bad piece in manifest order is the one reported
+        if isinstance(c, int):
+            _compare(sparse[c][0].entry, sparse_sums[c])
+        elif isinstance(r := next(done), Exception):
             raise r
 
 

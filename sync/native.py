@@ -108,6 +108,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.bytes_sums.argtypes = [_P, _I, _P]
     lib.pack_bytes.restype = None
     lib.pack_bytes.argtypes = [_P, _P, _P, _I, _P]
+    lib.bytes_sums_many.restype = None
+    lib.bytes_sums_many.argtypes = [_P, _P, _I, _P]
     return lib
 
 
@@ -345,6 +347,28 @@ def bytes_sums(buf: np.ndarray) -> tuple[int, int]:
     out = np.empty(2, np.int64)
     _lib.bytes_sums(_ptr(buf), buf.size, _ptr(out))
     return int(out[0]) & _MASK64, int(out[1]) & _MASK64
+
+
+def bytes_sums_many(bufs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """:func:`bytes_sums` of many 1-D contiguous uint8 CPU tensors, in a few
+    calls (one per thread, split by bytes): a call per small sparse payload
+    cost more than summing it."""
+    assert all(b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() and not b.is_cuda for b in bufs)
+    ptrs = np.array([b.data_ptr() for b in bufs], np.int64)
+    lens = np.array([b.numel() for b in bufs], np.int64)
+    out = np.zeros((len(bufs), 2), np.int64)
+    cuts = [0]
+    if NUM_THREADS > 1 and lens.sum() >= MIN_PART * NUM_THREADS:
+        ends = np.cumsum(lens)
+        cuts += [int(np.searchsorted(ends, ends[-1] * t // NUM_THREADS)) for t in range(1, NUM_THREADS)]
+    cuts.append(len(bufs))
+
+    def span(a: int, b: int) -> None:
+        if b > a:
+            _lib.bytes_sums_many(_ptr(ptrs) + 8 * a, _ptr(lens) + 8 * a, b - a, _ptr(out) + 16 * a)
+
+    _run([lambda a=a, b=b: span(a, b) for a, b in zip(cuts, cuts[1:])])
+    return [(int(x) & _MASK64, int(y) & _MASK64) for x, y in out.tolist()]
 
 
 def pack_bytes(dst: np.ndarray, chunks: list[np.ndarray]) -> tuple[int, int]:

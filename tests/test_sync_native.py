@@ -253,6 +253,44 @@ def test_payload_checksum_kernel_is_the_numpy_checksum(n: int) -> None:
         want = cks.add(want, cks.region_checksum(region, first))
     assert native.bytes_sums(buf) == want
     assert cks.bytes_checksum(torch.from_numpy(buf)) == want
+    assert native.bytes_sums_many([torch.from_numpy(buf), torch.from_numpy(buf[: n // 2])]) == [
+        want, cks.bytes_checksum(torch.from_numpy(buf[: n // 2]))]
     dst = np.full(n, 0xAB, np.uint8)
     assert native.pack_bytes(dst, [buf[: n // 3], buf[n // 3 : n // 2], buf[n // 2 :]]) == want
     assert np.array_equal(dst, buf)
+
+
+@pytest.mark.parametrize("frac", [0.0005, 0.04, 0.2, 1.0])
+@pytest.mark.parametrize("fp32_new", [False, True])
+def test_encode_matches_numpy_for_optimizer_like_steps(frac: float, fp32_new: bool) -> None:
+    """Changes of a unit or two in the last place (an optimizer step) with a
+    few large jumps, every density the codecs switch at, the new values in
+    bf16 or in fp32 cast by the kernel: the same streams and sums as numpy."""
+    n = 3 * 8192 + 77
+    g = torch.Generator().manual_seed(int(frac * 1e4) + fp32_new)
+    new32 = torch.randn(n, generator=g)
+    old = new32.to(torch.bfloat16)
+    bits = int_view(old)
+    mask = torch.rand(n, generator=g) < frac
+    step = torch.randint(-2, 3, (n,), generator=g)
+    step[torch.rand(n, generator=g) < 0.05] = 1000  # escapes
+    bits[mask] -= step[mask].to(bits.dtype)
+    new = new32.to(torch.bfloat16)
+    want = cnp.find_changes(int_view(old).numpy().copy(), int_view(new).numpy())
+    for threads in (1, 2):
+        with _parts(threads):
+            mine = old.clone()
+            d = native.encode_piece(mine, new32 if fp32_new and native.fuses_cast(mine, new32) else new, True,
+                                    native.EncodeScratch())
+        assert torch.equal(int_view(mine), int_view(new))
+        assert d.num_changed == want.idx.size and d.num_escapes == want.num_escapes
+        assert (d.old_sums, d.new_sums) == (want.old_sums, want.new_sums)
+        assert np.array_equal(_cat(d.d8, np.int8), want.d8)
+        assert np.array_equal(_cat(d.olds).view(want.old.dtype), want.old)
+        assert np.array_equal(_cat(d.vals).view(want.new.dtype), want.new)
+        assert np.array_equal(_cat(d.esc).view(want.new.dtype), want.new[want.d8 == cnp.ESCAPE])
+        if "varint" in d.index:
+            gaps = cnp.gaps_of(want.idx)
+            assert np.array_equal(_cat(d.index["varint"]), cnp.varint_encode(gaps, cnp.VarintPlan(gaps)))
+        assert np.array_equal(_cat(d.index["bitmask"]), np.packbits(np.isin(np.arange(n), want.idx),
+                                                                     bitorder="little"))
