@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -100,4 +101,18 @@ async def test_a_lost_connection_fails_calls_in_flight_and_later_calls_name_the_
         await waiting
     with pytest.raises(ConnectionError, match="storage unit 3"):
         await client.call("echo")
+    client.close()
+
+
+@pytest.mark.asyncio
+async def test_one_connection_serves_10000_calls_and_open_fds_stay_flat() -> None:
+    server = await serve(Target())
+    client = RpcClient(server.address, SECRET, "the target")
+    await client.call("echo")  # the one connection (two fds: its two ends in this process)
+    before = len(os.listdir(f"/proc/{os.getpid()}/fd"))
+    for i in range(10_000):
+        assert await client.call("echo", i) == (i,)
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) - before <= 2  # a leak of one per call would be thousands
+    await asyncio.sleep(0)  # the last call's task finishes after its answer is sent
+    assert not server._tasks  # every call's task ended
     client.close()
