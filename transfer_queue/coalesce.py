@@ -32,7 +32,7 @@ class ReserveRefused(Exception):
         super().__init__(str(cause))
         self.cause = cause
 
-    def __reduce__(self) -> tuple:  # a storage actor raises it to the client (Ray pickles it)
+    def __reduce__(self) -> tuple:  # a storage actor raises it to the client (pickled, see rpc.py)
         return (ReserveRefused, (self.cause,))
 
 

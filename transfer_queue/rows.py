@@ -6,7 +6,7 @@ the consumer asks (``Batch.samples``), and once.
 
     InProcessRows   rows shared with the in-process storage units (no copy until read)
     EncodedRows     one msgpack buffer per storage unit, as a storage actor sent it
-                    (bytes, or a uint8 array read in place from Ray's object store)
+                    (bytes, or a uint8 array over a reply the storage unit sent)
 """
 
 from __future__ import annotations
