@@ -52,19 +52,24 @@ def _check_against_numpy(dtype: torch.dtype, n: int, frac: float, seed: int) -> 
     mine = old.clone()
     d = native.encode_piece(mine, new, True, native.EncodeScratch())
     assert torch.equal(int_view(mine), int_view(new)), "last-sent copy not updated"
+    _assert_same_streams(d, want, n)
+    for codec in d.index:
+        for value_codec in ("diff8", "raw"):
+            _check_apply(old, new, d, codec, value_codec)
+
+
+def _assert_same_streams(d: native.NativeDelta, want, n: int) -> None:
+    """The kernel's counts, sums and streams are the numpy encoder's."""
     assert d.num_changed == want.idx.size and d.num_escapes == want.num_escapes
     assert (d.old_sums, d.new_sums) == (want.old_sums, want.new_sums)
     assert np.array_equal(_cat(d.d8, np.int8), want.d8)
     assert np.array_equal(_cat(d.olds).view(want.old.dtype), want.old)
     assert np.array_equal(_cat(d.vals).view(want.new.dtype), want.new)
     assert np.array_equal(_cat(d.esc).view(want.new.dtype), want.new[want.d8 == cnp.ESCAPE])
-    assert np.array_equal(d.index["bitmask"][0], cnp.bitmask_encode(want.idx, n))
+    assert np.array_equal(_cat(d.index["bitmask"]), cnp.bitmask_encode(want.idx, n))
     if "varint" in d.index:
         gaps = cnp.gaps_of(want.idx)
         assert np.array_equal(_cat(d.index["varint"]), cnp.varint_encode(gaps, cnp.VarintPlan(gaps)))
-    for codec in d.index:
-        for value_codec in ("diff8", "raw"):
-            _check_apply(old, new, d, codec, value_codec)
 
 
 def _check_apply(old: torch.Tensor, new: torch.Tensor, d: native.NativeDelta, codec: str, value_codec: str) -> None:
@@ -283,14 +288,4 @@ def test_encode_matches_numpy_for_optimizer_like_steps(frac: float, fp32_new: bo
             d = native.encode_piece(mine, new32 if fp32_new and native.fuses_cast(mine, new32) else new, True,
                                     native.EncodeScratch())
         assert torch.equal(int_view(mine), int_view(new))
-        assert d.num_changed == want.idx.size and d.num_escapes == want.num_escapes
-        assert (d.old_sums, d.new_sums) == (want.old_sums, want.new_sums)
-        assert np.array_equal(_cat(d.d8, np.int8), want.d8)
-        assert np.array_equal(_cat(d.olds).view(want.old.dtype), want.old)
-        assert np.array_equal(_cat(d.vals).view(want.new.dtype), want.new)
-        assert np.array_equal(_cat(d.esc).view(want.new.dtype), want.new[want.d8 == cnp.ESCAPE])
-        if "varint" in d.index:
-            gaps = cnp.gaps_of(want.idx)
-            assert np.array_equal(_cat(d.index["varint"]), cnp.varint_encode(gaps, cnp.VarintPlan(gaps)))
-        assert np.array_equal(_cat(d.index["bitmask"]), np.packbits(np.isin(np.arange(n), want.idx),
-                                                                     bitorder="little"))
+        _assert_same_streams(d, want, n)
