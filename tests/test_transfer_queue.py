@@ -447,6 +447,29 @@ async def test_save_and_load_keep_array_samples_with_their_values(tq: TransferQu
     assert batch.samples == samples  # saved as lists: same values, lists after load
     await tq2.shutdown()
 
+
+@pytest.mark.asyncio
+async def test_a_lost_storage_unit_drops_its_samples_now_or_when_their_lease_comes_back() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=64, num_storage_units=2, lease_s=math.inf))
+    controller = tq._d.controller
+    for prefix in "abcd":  # puts alternate units: a, c on unit 0; b, d on unit 1
+        await tq.put(make_samples(1, 2, prefix=prefix))
+    leased = await tq.get("trainer", 2)  # group a, on unit 0
+    assert await controller.unit_lost(0) == 2  # group c now; group a is leased
+    assert (await tq.statistics_async()).dropped_by_reason == {"storage_lost": 2}
+    await tq.nack(leased.batch_id)  # its lease came back: dropped too
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"storage_lost": 4} and stats.pending == 4
+    assert_accounting(stats)
+    await tq.put(make_samples(1, 2, prefix="e"))  # new samples are placed on live units only
+    batch = await tq.get("trainer", 6, timeout_s=0)
+    assert sorted(batch.uids) == ["b0", "b1", "d0", "d1", "e0", "e1"]
+    assert all(index % 2 == 1 for index in controller._by_index)
+    assert await controller.unit_lost(0) == 0  # idempotent
+    with pytest.raises(ValueError, match="unit in"):
+        await controller.unit_lost(2)
+    await tq.shutdown()
+
 # ----------------------------------------------------------------------- close
 @pytest.mark.asyncio
 async def test_close_wakes_waiters_with_end_of_stream_and_put_raises_queue_closed() -> None:

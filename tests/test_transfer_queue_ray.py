@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from tests.test_transfer_queue import assert_accounting, check_array_samples_round_trip, make_samples, run_producers_consumers
-from transfer_queue import EndOfStream, QueueClosed, QueueEmpty, QueueFull, TransferQueue, TransferQueueConfig
+from transfer_queue import (
+    EndOfStream,
+    QueueClosed,
+    QueueEmpty,
+    QueueFull,
+    StorageUnitLost,
+    TransferQueue,
+    TransferQueueConfig,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -176,4 +184,29 @@ async def test_ray_reads_of_some_fields_and_later_fields_split_whole_rows(ray_cl
     batch = await tq.get("trainer", 4, timeout_s=0)
     assert batch.samples == samples
     await tq.ack(batch.batch_id)
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_a_dead_storage_unit_loses_only_its_samples_counted_and_puts_go_on(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(num_storage_units=2))
+    await tq.put(make_samples(1, 4, prefix="a"))  # a put's samples go to one unit, round robin: unit 0
+    await tq.put(make_samples(1, 4, prefix="b"))  # unit 1
+    ray.kill(tq._d.units[0])
+    await _until_gone(tq._d._addresses[1])
+    with pytest.raises(StorageUnitLost) as lost:  # the read of unit 0's rows finds it gone
+        await tq.get("trainer", 8, timeout_s=0)
+    assert lost.value.unit == 0 and isinstance(lost.value, ConnectionError)
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"storage_lost": 4} and stats.pending == 4
+    assert_accounting(stats)
+    batch = await tq.get("trainer", 4, timeout_s=0)  # what unit 1 holds is intact
+    assert batch.uids == [f"b{i}" for i in range(4)]
+    await tq.ack(batch.batch_id)
+    for prefix in ("c", "d"):  # later puts skip the dead unit
+        await tq.put(make_samples(1, 4, prefix=prefix))
+    batch = await tq.get("trainer", 8, timeout_s=0)
+    assert sorted(batch.uids) == sorted(f"{p}{i}" for p in "cd" for i in range(4))
+    await tq.ack(batch.batch_id)
+    assert_accounting(await tq.statistics_async())
     await tq.shutdown()

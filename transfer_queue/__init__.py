@@ -14,13 +14,20 @@ Metadata lives in a controller, data in storage units sharded by global index;
 from transfer_queue.batch import Batch
 from transfer_queue.client import TransferQueue
 from transfer_queue.config import TransferQueueConfig
-from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull, TransferQueueError
+from transfer_queue.errors import (
+    EndOfStream,
+    LeaseLost,
+    QueueClosed,
+    QueueEmpty,
+    QueueFull,
+    StorageUnitLost,
+    TransferQueueError,
+)
 from transfer_queue.sample import Sample
 from transfer_queue.samplers import SAMPLERS, grpo_group, is_stale, sequential
 from transfer_queue.wire import ConsumerStats, PartitionStats, QueueStats
 
 __all__ = [
-    "SAMPLERS",
     "Batch",
     "ConsumerStats",
     "EndOfStream",
@@ -30,7 +37,9 @@ __all__ = [
     "QueueEmpty",
     "QueueFull",
     "QueueStats",
+    "SAMPLERS",
     "Sample",
+    "StorageUnitLost",
     "TransferQueue",
     "TransferQueueConfig",
     "TransferQueueError",

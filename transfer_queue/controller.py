@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from transfer_queue.codec import FULL_MASK, fields_mask
 from transfer_queue.config import TransferQueueConfig
-from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull
+from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull, StorageUnitLost
 from transfer_queue.records import Lease, Record, remember
 from transfer_queue.samplers import SAMPLERS, is_stale
 from transfer_queue.wire import BatchMeta, ConsumerStats, PartitionStats, QueueStats, SampleTags, Snapshot
@@ -70,6 +70,7 @@ class Controller:
         # ``allocate`` hands whole blocks of slots to Ray clients.
         self._next_slot = [0] * cfg.num_storage_units
         self._next_unit = self._next_seq = self._next_batch = 0
+        self._lost_units: set[int] = set()  # storage units that died, with the rows they held
         self._closed = False
         self._changed = asyncio.Event()
 
@@ -108,6 +109,11 @@ class Controller:
         num_units = len(self._next_slot)
         unit = self._next_unit
         if indices is None:
+            live = [u for u in range(num_units) if u not in self._lost_units]
+            if not live:
+                raise StorageUnitLost(-1, "every storage unit of this TransferQueue is gone")
+            if unit in self._lost_units:
+                unit = min(live, key=lambda u: (u - unit) % num_units)  # the next live one
             self._next_unit = (unit + 1) % num_units
         else:
             assert new_only and len(indices) == len(tags), "placed indices are for whole new samples"
@@ -258,6 +264,8 @@ class Controller:
         while True:
             changed = self._changed
             self.expire_leases()
+            if self._lost_units:  # leases that came back may hold samples of a lost unit
+                await self._drop_lost()
             if current_version is not None:
                 await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
             pending = self._pending.get(partition, {})
@@ -330,7 +338,26 @@ class Controller:
         """The consumer hands the batch back: its samples are ready again at once."""
         lease = self._take_lease(batch_id, "nacked")
         self._consumer(lease.consumer).nacked += len(lease.records)
-        return self._return(lease)
+        n = self._return(lease)
+        if self._lost_units:
+            await self._drop_lost()
+        return n
+
+    async def unit_lost(self, unit: int) -> int:
+        """Storage unit ``unit`` died, and the rows it held with it: drop every pending
+        sample whose data it held, counted as ``"storage_lost"`` (a leased one when its
+        lease comes back: nack or expiry). Returns how many it dropped now; idempotent."""
+        if not 0 <= unit < len(self._next_slot):
+            raise ValueError(f"unit_lost needs a unit in [0, {len(self._next_slot)}), got {unit}")
+        self._lost_units.add(unit)
+        return await self._drop_lost()
+
+    async def _drop_lost(self) -> int:
+        n = len(self._next_slot)
+        lost = [r for part in self._pending.values() for r in part.values() if r.index % n in self._lost_units]
+        if lost:
+            await self._drop(lost, Counter(storage_lost=len(lost)))
+        return len(lost)
 
     async def extend_lease(self, batch_id: str) -> None:
         """Restart the lease clock of a batch its consumer is still working on."""

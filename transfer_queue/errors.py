@@ -8,13 +8,15 @@ and "the queue is finished and empty for you" are different errors:
     QueueFull     put(wait=False) while the queue is at capacity
     QueueEmpty    get_nowait() (or get with timeout_s=0) when no batch is ready yet
     LeaseLost     ack/nack of a batch that is not leased (expired, already acked, unknown)
+    StorageUnitLost  (Ray) a storage unit died: its samples are dropped, counted as
+                  "storage_lost"; a ConnectionError too
 
 A get with a finite ``timeout_s`` that runs out raises the builtin ``TimeoutError``.
 """
 
 from __future__ import annotations
 
-__all__ = ["EndOfStream", "LeaseLost", "QueueClosed", "QueueEmpty", "QueueFull", "TransferQueueError"]
+__all__ = ["EndOfStream", "LeaseLost", "QueueClosed", "QueueEmpty", "QueueFull", "StorageUnitLost", "TransferQueueError"]
 
 
 class TransferQueueError(Exception):
@@ -39,3 +41,18 @@ class QueueEmpty(TransferQueueError):
 
 class LeaseLost(TransferQueueError):
     """ack/nack of a batch this queue no longer leases (its lease expired, or it was settled)."""
+
+
+class StorageUnitLost(TransferQueueError, ConnectionError):
+    """A storage unit is gone, and the rows it held with it (Ray deployment).
+
+    The queue drops those samples, counted as ``"storage_lost"``, and the client
+    sends its later puts to the other units; a call that needed the unit raises this.
+    """
+
+    def __init__(self, unit: int, message: str) -> None:
+        super().__init__(message)
+        self.unit = unit
+
+    def __reduce__(self) -> tuple:
+        return (StorageUnitLost, (self.unit, str(self)))

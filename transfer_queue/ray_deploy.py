@@ -23,8 +23,10 @@ and sends rows and tags to a storage unit, which stores the rows and then has
 the controller register and commit them (the controller alone still decides
 capacity, duplicate uids, closed and dead groups). The unit answers once the
 controller did, so a put that returns is readable, and a put that raises
-registered nothing (its rows are deleted; a unit that died raises
-``ConnectionError``). The controller learns of a row only after its unit holds
+registered nothing (its rows are deleted). A unit that dies takes its rows
+with it: the first client call that finds it gone has the controller drop its
+samples (counted as ``"storage_lost"``), raises ``StorageUnitLost``, and that
+client's later puts go to the other units. The controller learns of a row only after its unit holds
 it, so a read or a delete never overtakes a row. The client (a TransferQueue
 holding actor handles and addresses) pickles, so rollout and trainer actors in
 other processes share one queue; each process opens its own connections.
@@ -52,7 +54,8 @@ from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
 from transfer_queue.rows import EncodedRows
-from transfer_queue.rpc import RpcClient, RpcServer, oob
+from transfer_queue.errors import StorageUnitLost
+from transfer_queue.rpc import PeerLost, RpcClient, RpcServer, oob
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 
@@ -219,6 +222,7 @@ class RayDeployment:
         self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller")
         self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}") for i, a in enumerate(addresses[1:])]
         self._next_unit = 0
+        self._lost: set[int] = set()  # storage units this client found dead
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
 
     @classmethod
@@ -247,19 +251,45 @@ class RayDeployment:
         from this client's own block. ``bodies``: (rows, row ends) from ``codec.encode_new_rows``.
 
         Returns once they are committed (readable). ``ReserveRefused`` if the
-        controller refused (nothing registered, the rows deleted); any other error
-        (the unit died: ``ConnectionError``) leaves nothing readable of them.
+        controller refused (nothing registered, the rows deleted). A unit found dead
+        is reported (``_unit_call``) and the put goes to the next live one; with
+        none left it raises ``StorageUnitLost``.
         """
-        unit = self._next_unit
-        self._next_unit = (unit + 1) % len(self.units)
-        indices = await self._take_indices(unit, len(tags))
         lengths = []
         for _, ends in bodies:
             lengths += [end - start for start, end in zip([0, *ends], ends)]
         buf = bodies[0][0] if len(bodies) == 1 else b"".join(body for body, _ in bodies)
-        return await self._unit_rpc[unit].call(
-            "put_new", partition, encode_tags(tags), indices, lengths, wait, timeout_s, oob(buf)
-        )
+        while True:
+            unit = self._next_live_unit()
+            indices = await self._take_indices(unit, len(tags))
+            try:
+                return await self._unit_call(
+                    unit, "put_new", partition, encode_tags(tags), indices, lengths, wait, timeout_s, oob(buf)
+                )
+            except StorageUnitLost:
+                if len(self._lost) == len(self.units):
+                    raise
+
+    def _next_live_unit(self) -> int:
+        for _ in range(len(self.units)):
+            unit = self._next_unit
+            self._next_unit = (unit + 1) % len(self.units)
+            if unit not in self._lost:
+                return unit
+        raise StorageUnitLost(-1, "every storage unit of this TransferQueue is gone")
+
+    async def _unit_call(self, unit: int, method: str, *args: Any) -> Any:
+        """``method`` on storage unit ``unit``. If the unit is gone, the controller drops the
+        samples it held (``"storage_lost"``) and this raises ``StorageUnitLost``."""
+        try:
+            return await self._unit_rpc[unit].call(method, *args)
+        except PeerLost as e:
+            self._lost.add(unit)
+            dropped = await self.call("unit_lost", unit)
+            raise StorageUnitLost(
+                unit, f"TransferQueue storage unit {unit} is gone ({e}); {dropped} pending samples it held were "
+                "dropped as 'storage_lost', leased ones are dropped when their lease comes back"
+            ) from None
 
     async def _take_indices(self, unit: int, n: int) -> list[int]:
         """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
@@ -278,15 +308,15 @@ class RayDeployment:
         shards = _shard(indices, rows, len(self.units))
         if len(shards) == 1:  # the usual case: a put's new samples share one unit
             ((u, (idx, part)),) = shards.items()
-            await self._unit_rpc[u].call("put_commit", idx, all_indices, tags, oob(encode_rows(part)))
+            await self._unit_call(u, "put_commit", idx, all_indices, tags, oob(encode_rows(part)))
             return
-        await asyncio.gather(*(self._unit_rpc[u].call("put", idx, oob(encode_rows(part))) for u, (idx, part) in shards.items()))
+        await asyncio.gather(*(self._unit_call(u, "put", idx, oob(encode_rows(part))) for u, (idx, part) in shards.items()))
         await self.call("commit", all_indices, tags)
 
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> EncodedRows:
         shards = _shard(range(len(indices)), indices, len(self.units), key=indices)
         fields = list(fields) if fields is not None else None
-        replies = await asyncio.gather(*(self._unit_rpc[u].call("get", idx, fields) for u, (_, idx) in shards.items()))
+        replies = await asyncio.gather(*(self._unit_call(u, "get", idx, fields) for u, (_, idx) in shards.items()))
         parts = [(positions, buf) for (positions, _), buf in zip(shards.values(), replies)]
         return EncodedRows(len(indices), parts, fields_mask(fields))
 

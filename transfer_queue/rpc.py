@@ -22,7 +22,8 @@ through Ray, which authenticates its peers); a peer without it is dropped
 before anything it sent is unpickled.
 
 Failure: when an actor dies its connections close, and every call in flight on
-them (and every later one) raises ``ConnectionError`` naming the actor.
+them (and every later one) raises ``PeerLost`` (a ``ConnectionError``) naming
+the actor; a ``ConnectionError`` the actor's method raised stays what it was.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["RpcClient", "RpcServer", "oob"]
+__all__ = ["PeerLost", "RpcClient", "RpcServer", "oob"]
 
 _HEAD = struct.Struct("<QI")  # pickle length, number of out-of-band buffers (each: its u64 length follows)
 _NO_REPLY = 0  # request id of a call whose caller wants no answer
 # A stream reader stops reading the socket while it buffers twice this much: above the
 # largest frame (a batch's rows), so a big frame is read in one go, not in 64 KiB turns.
 _READ_LIMIT = 32 << 20
+
+
+class PeerLost(ConnectionError):
+    """The connection to the actor is gone (it died, or cannot be reached)."""
 
 
 def oob(buf: bytes | bytearray | memoryview) -> pickle.PickleBuffer:
@@ -138,7 +143,7 @@ class _Connection:
                 else:
                     fut.set_exception(value)
         except BaseException as e:  # EOF, a reset, or the loop going away: fail every call in flight
-            self.closed = ConnectionError(f"lost the connection to {self.name} ({type(e).__name__}: {e})")
+            self.closed = PeerLost(f"lost the connection to {self.name} ({type(e).__name__}: {e})")
             for fut in self.pending.values():
                 if not fut.done():
                     fut.set_exception(self.closed)
@@ -174,7 +179,7 @@ class RpcClient:
             try:
                 reader, writer = await asyncio.open_connection(*self._address, limit=_READ_LIMIT)
             except OSError as e:
-                raise ConnectionError(f"cannot reach {self._name} at {self._address[0]}:{self._address[1]}: {e}") from None
+                raise PeerLost(f"cannot reach {self._name} at {self._address[0]}:{self._address[1]}: {e}") from None
             writer.write(self._secret)
             self._conn = _Connection(reader, writer, self._name)
             self._connecting.set_result(self._conn)
@@ -195,6 +200,10 @@ class RpcClient:
         conn.writer.writelines(_frame((rid, method, args)))
         try:
             await conn.writer.drain()
+        except ConnectionError as e:
+            conn.pending.pop(rid, None)
+            raise PeerLost(f"lost the connection to {self._name} ({type(e).__name__}: {e})") from None
+        try:
             return await fut
         finally:
             conn.pending.pop(rid, None)
@@ -203,7 +212,10 @@ class RpcClient:
         """``method(*args)`` on the actor without waiting for (or getting) its answer."""
         conn = await self._connection()
         conn.writer.writelines(_frame((_NO_REPLY, method, args)))
-        await conn.writer.drain()
+        try:
+            await conn.writer.drain()
+        except ConnectionError as e:
+            raise PeerLost(f"lost the connection to {self._name} ({type(e).__name__}: {e})") from None
 
     def close(self) -> None:
         if self._conn is not None:
