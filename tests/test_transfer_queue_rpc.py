@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transfer_queue.errors import QueueFull
-from transfer_queue.rpc import RpcClient, RpcServer, oob
+from transfer_queue.rpc import PeerLost, RpcClient, RpcServer, oob
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,6 +31,9 @@ class Target:
     def full(self) -> None:
         raise QueueFull("no room")
 
+    def peer_lost(self) -> None:
+        raise PeerLost("lost the connection to the controller")
+
     def note(self, value: object) -> None:
         self.seen.append(value)
 
@@ -39,7 +42,7 @@ class Target:
 
 
 async def serve(target: Target) -> RpcServer:
-    server = RpcServer(target, ("echo", "wait", "full", "note"), SECRET)
+    server = RpcServer(target, ("echo", "wait", "full", "note", "peer_lost"), SECRET)
     server.address = await server.start("127.0.0.1")
     return server
 
@@ -72,6 +75,9 @@ async def test_errors_raise_as_themselves_and_unserved_methods_are_refused() -> 
         await client.call("full")
     with pytest.raises(AttributeError, match="serves no method 'hidden'"):
         await client.call("hidden")
+    with pytest.raises(ConnectionError, match="to the controller") as err:  # the actor's own peer, not ours
+        await client.call("peer_lost")
+    assert not isinstance(err.value, PeerLost)
     assert await client.call("echo", 1) == (1,)  # the connection is still good
     client.close()
 
@@ -97,9 +103,9 @@ async def test_a_lost_connection_fails_calls_in_flight_and_later_calls_name_the_
     for task in list(server._tasks):
         task.cancel()
     client._conn.writer.transport.abort()
-    with pytest.raises(ConnectionError, match="storage unit 3"):
+    with pytest.raises(PeerLost, match="storage unit 3"):
         await waiting
-    with pytest.raises(ConnectionError, match="storage unit 3"):
+    with pytest.raises(PeerLost, match="storage unit 3"):
         await client.call("echo")
     client.close()
 

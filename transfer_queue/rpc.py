@@ -113,6 +113,8 @@ class RpcServer:
             if asyncio.iscoroutine(result):
                 result = await result
             reply = (rid, True, result)
+        except PeerLost as e:  # the actor lost one of *its* peers: not the caller's connection
+            reply = (rid, False, ConnectionError(str(e)))
         except Exception as e:
             reply = (rid, False, _picklable(e))
         if rid == _NO_REPLY or writer.is_closing():
