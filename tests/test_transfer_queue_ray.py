@@ -210,3 +210,19 @@ async def test_ray_a_dead_storage_unit_loses_only_its_samples_counted_and_puts_g
     await tq.ack(batch.batch_id)
     assert_accounting(await tq.statistics_async())
     await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_a_broken_connection_to_a_live_unit_loses_nothing(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(num_storage_units=1))
+    await tq.put(make_samples(1, 4))
+    tq._d._unit_rpc[0]._conn.writer.transport.abort()  # the socket breaks under a call; the actor lives
+    with pytest.raises(ConnectionError) as broken:
+        await tq._d._unit_call(0, "num_rows")
+    assert not isinstance(broken.value, StorageUnitLost)
+    stats = await tq.statistics_async()
+    assert stats.dropped == 0 and stats.pending == 4
+    batch = await tq.get("trainer", 4, timeout_s=0)  # a new connection
+    assert batch.samples == make_samples(1, 4)
+    await tq.ack(batch.batch_id)
+    await tq.shutdown()

@@ -24,7 +24,8 @@ the controller register and commit them (the controller alone still decides
 capacity, duplicate uids, closed and dead groups). The unit answers once the
 controller did, so a put that returns is readable, and a put that raises
 registered nothing (its rows are deleted). A unit that dies takes its rows
-with it: the first client call that finds it gone has the controller drop its
+with it: the first client call that finds it gone (and Ray confirms the actor
+dead) has the controller drop its
 samples (counted as ``"storage_lost"``), raises ``StorageUnitLost``, and that
 client's later puts go to the other units. The controller learns of a row only after its unit holds
 it, so a read or a delete never overtakes a row. The client (a TransferQueue
@@ -280,16 +281,29 @@ class RayDeployment:
 
     async def _unit_call(self, unit: int, method: str, *args: Any) -> Any:
         """``method`` on storage unit ``unit``. If the unit is gone, the controller drops the
-        samples it held (``"storage_lost"``) and this raises ``StorageUnitLost``."""
+        samples it held (``"storage_lost"``) and this raises ``StorageUnitLost``; a unit whose
+        connection broke while Ray still has it alive keeps its samples (``PeerLost`` is raised)."""
         try:
             return await self._unit_rpc[unit].call(method, *args)
         except PeerLost as e:
+            if not await self._unit_dead(unit):
+                raise  # the actor lives: a broken connection, not lost rows (the next call reconnects)
             self._lost.add(unit)
             dropped = await self.call("unit_lost", unit)
             raise StorageUnitLost(
                 unit, f"TransferQueue storage unit {unit} is gone ({e}); {dropped} pending samples it held were "
                 "dropped as 'storage_lost', leased ones are dropped when their lease comes back"
             ) from None
+
+    async def _unit_dead(self, unit: int) -> bool:
+        """Whether Ray says storage unit ``unit``'s actor is dead (so its rows are gone)."""
+        try:
+            await asyncio.wait_for(self.units[unit].num_rows.remote(), _ALIVE_CHECK_S)
+        except ray.exceptions.RayActorError:
+            return True
+        except asyncio.TimeoutError:
+            pass  # no answer either way: not known to be dead
+        return False
 
     async def _take_indices(self, unit: int, n: int) -> list[int]:
         """``n`` global indices on ``unit`` from this client's block (a new block when it runs out)."""
@@ -332,6 +346,8 @@ class RayDeployment:
                 ray.kill(actor)
 
 
+# How long a client waits for Ray to say whether a storage unit it cannot reach is alive.
+_ALIVE_CHECK_S = 30.0
 # Slots a client takes from the controller at a time (per storage unit), for its puts.
 _BLOCK_SLOTS = 1 << 16
 
