@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transfer_queue.sample import TOKEN_DTYPES, Sample
+from transfer_queue.sample import TOKEN_DTYPES, Sample, max_version_of, min_version_of
 from transfer_queue.wire import SampleTags
 
 __all__ = [
@@ -56,6 +56,8 @@ __all__ = [
 
 # Token fields and the dtype they have as arrays (stored, and from ``Batch.column``).
 TOKEN_FIELDS = TOKEN_DTYPES
+# The same, little-endian: what a token array travels as.
+_LE_DTYPES = {name: np.dtype(dtype).newbyteorder("<") for name, dtype in TOKEN_FIELDS.items()}
 SCALAR_FIELDS: tuple[str, ...] = (
     "reward",
     "finish_reason",
@@ -93,8 +95,7 @@ def _token_copy(value: Any, name: str) -> list | np.ndarray:
     becomes a contiguous little-endian array of the field's dtype."""
     if isinstance(value, list):
         return list(value)
-    dtype = np.dtype(TOKEN_FIELDS[name]).newbyteorder("<")
-    array = np.array(value, dtype=dtype, copy=True)
+    array = np.array(value, dtype=_LE_DTYPES[name], copy=True)
     if array.ndim != 1:
         raise ValueError(f"token field {name!r} must be a list or a 1-D array; got shape {array.shape}")
     return array
@@ -117,24 +118,11 @@ def tags_of(row: dict[str, Any], mask: int) -> SampleTags:
         uid=row["uid"],
         group_id=row["group_id"],
         mask=mask,
-        min_version=_min(versions) if versions is not None and len(versions) else -1,
-        max_version=_max(versions) if versions is not None and len(versions) else -1,
+        min_version=-1 if versions is None else min_version_of(versions),
+        max_version=-1 if versions is None else max_version_of(versions),
         num_prompt_tokens=-1 if prompt is None else len(prompt),
         num_response_tokens=-1 if response is None else len(response),
     )
-
-
-def _min(values: list | np.ndarray) -> Any:
-    if isinstance(values, np.ndarray):
-        return int(values.min())
-    # One weight version throughout is the common case; count() is a C loop, min() is not.
-    return values[0] if values.count(values[0]) == len(values) else min(values)
-
-
-def _max(values: list | np.ndarray) -> Any:
-    if isinstance(values, np.ndarray):
-        return int(values.max())
-    return values[0] if values.count(values[0]) == len(values) else max(values)
 
 
 def _handed_out(value: list | np.ndarray) -> list | np.ndarray:
@@ -191,7 +179,6 @@ def _wire_field(f: msgspec.structs.FieldInfo) -> tuple:
 
 
 _WireSample = msgspec.defstruct("_WireSample", [_wire_field(f) for f in _SAMPLE_FIELDS], kw_only=True)
-_LE_DTYPES = {name: np.dtype(dtype).newbyteorder("<") for name, dtype in TOKEN_FIELDS.items()}
 
 
 def _token_value(name: str, value: Any) -> Any:
@@ -251,7 +238,7 @@ def encode_new_rows(samples: Sequence[Sample]) -> tuple[bytearray, list[int], li
             versions = s.token_versions
             tags.append(SampleTags(
                 uid=s.uid, group_id=s.group_id, mask=FULL_MASK,
-                min_version=_min(versions) if versions else -1, max_version=_max(versions) if versions else -1,
+                min_version=min_version_of(versions), max_version=max_version_of(versions),
                 num_prompt_tokens=len(s.prompt_ids), num_response_tokens=len(s.response_ids),
             ))  # fmt: skip
         else:

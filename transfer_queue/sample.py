@@ -44,17 +44,11 @@ class Sample(msgspec.Struct, kw_only=True):
 
     @property
     def min_version(self) -> int:
-        v = self.token_versions
-        if len(v) == 0:
-            return -1
-        return int(v.min()) if isinstance(v, np.ndarray) else min(v)
+        return min_version_of(self.token_versions)
 
     @property
     def max_version(self) -> int:
-        v = self.token_versions
-        if len(v) == 0:
-            return -1
-        return int(v.max()) if isinstance(v, np.ndarray) else max(v)
+        return max_version_of(self.token_versions)
 
     @property
     def num_response_tokens(self) -> int:
@@ -77,3 +71,22 @@ def pack_tokens(sample: Sample) -> Sample:
     for name, dtype in TOKEN_DTYPES.items():
         setattr(sample, name, np.asarray(getattr(sample, name), dtype))
     return sample
+
+
+def min_version_of(versions: list[int] | np.ndarray) -> int:
+    """The smallest of per-token ``versions`` (-1 when there are none)."""
+    if len(versions) == 0:
+        return -1
+    if isinstance(versions, np.ndarray):
+        return int(versions.min())
+    # One weight version throughout is the common case; count() is a C loop, min() is not.
+    return versions[0] if versions.count(versions[0]) == len(versions) else min(versions)
+
+
+def max_version_of(versions: list[int] | np.ndarray) -> int:
+    """The largest of per-token ``versions`` (-1 when there are none)."""
+    if len(versions) == 0:
+        return -1
+    if isinstance(versions, np.ndarray):
+        return int(versions.max())
+    return versions[0] if versions.count(versions[0]) == len(versions) else max(versions)
