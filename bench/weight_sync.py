@@ -14,6 +14,8 @@ transport, and we print one JSON object: changed fraction, bytes sent, bytes
 per changed element, and encode / transfer / apply milliseconds per
 transport and kind, plus what ``auto`` mode would choose from those costs.
 
+    Each repeat times the delta and then the full push of the same version
+    (then takes it back), so noise on this shared host falls on both kinds.
     Every timed encode and push starts after a short pause (``--settle-s``,
     full and delta alike), so background work left by the previous push (Ray
     freeing objects) is not billed to the next one.
@@ -320,20 +322,30 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
             optimizer_step(model, opt, lr, seed=version, device=device)
             encode_ms: dict[str, list[float]] = {"delta": [], "full": []}
             timings: dict[str, dict[str, list[tuple[float, float]]]] = {r.name: {"delta": [], "full": []} for r in receivers}
+            # delta and full alternate within each repeat, so a slow spell on
+            # this shared host lands on both kinds rather than on one of them
             for rep in range(repeat):
-                if rep:  # take the delta back everywhere, then time it again from the same base
+                if rep:  # take the delta back everywhere, then time both again from the same base
                     undo = sender.revert_update()
                     for r in receivers:
                         r.push(undo)
                     del undo
-                time.sleep(settle_s)
-                t0 = time.perf_counter()
-                delta = sender.encode(weights, version)
-                _sync(device)
-                encode_ms["delta"].append((time.perf_counter() - t0) * 1e3)
-                for r in receivers:
+                for kind in ("delta", "full"):
+                    if kind == "full":
+                        sender.force_full()  # the same version, as a full push (the delta stays undoable)
                     time.sleep(settle_s)
-                    timings[r.name]["delta"].append(r.push(delta))
+                    t0 = time.perf_counter()
+                    update = sender.encode(weights, version)
+                    _sync(device)
+                    encode_ms[kind].append((time.perf_counter() - t0) * 1e3)
+                    for r in receivers:
+                        time.sleep(settle_s)
+                        timings[r.name][kind].append(r.push(update))
+                    if kind == "delta":
+                        delta = update  # small: kept for the row's figures
+                    else:
+                        full_bytes = update.nbytes
+                    del update
             row: dict[str, Any] = {
                 "lr": lr, "version": version,
                 "changed_fraction": round(delta.manifest.changed_fraction, 5),
@@ -344,18 +356,7 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                 "delta_codec_mix": _codec_mix(delta),
             }
             del delta
-            for rep in range(repeat):
-                sender.force_full()
-                time.sleep(settle_s)
-                t0 = time.perf_counter()
-                full = sender.encode(weights, version)  # the same version, as a full push
-                _sync(device)
-                encode_ms["full"].append((time.perf_counter() - t0) * 1e3)
-                for r in receivers:
-                    time.sleep(settle_s)
-                    timings[r.name]["full"].append(r.push(full))
-            row["full_bytes"] = full.nbytes
-            del full
+            row["full_bytes"] = full_bytes
             # shared host: the fastest of the repeats is the closest to the uncontended cost
             row["encode_ms"] = {k: round(min(v), 1) for k, v in encode_ms.items()}
             timings = {name: {k: (min(t[0] for t in v), min(t[1] for t in v)) for k, v in by_kind.items()}
@@ -394,7 +395,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         "sync_threads": native.NUM_THREADS,
         "bucket_bytes": bucket_bytes,
         "repeat": repeat,
-        "timing": "min over `repeat` pushes of the same update from the same base, per component",
+        "timing": ("min over `repeat` pushes of the same update from the same base, per component; "
+                   "each repeat times the delta and then the full push"),
         "settle_s": settle_s,
         "settle": ("pause before every timed encode and push, full and delta alike: Ray frees the previous "
                    "push's objects in the background, which otherwise lands on the next timed step"),
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: inproc on the GPU and CUDA IPC)")
     p.add_argument("--transports", default=None, help="comma list; default inproc,ray,gloo on cpu, inproc,cuda_ipc on cuda")
     p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
-    p.add_argument("--repeat", type=int, default=3, help="time each push this many times (min is kept)")
+    p.add_argument("--repeat", type=int, default=5, help="time each push this many times (min is kept)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--settle-s", type=float, default=1.0,
                    help="pause before each timed encode and push (lets Ray finish freeing the last push)")
