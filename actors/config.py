@@ -23,6 +23,7 @@ __all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "to_yaml"]
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
 
@@ -171,6 +172,9 @@ class QueueConfig(_Section):
     deployment: Literal["local", "ray"] = "local"
     """``local``: controller and storage units in the driver process. ``ray``:
     they are Ray actors (needs ``runtime.type=ray``)."""
+    ports: tuple[Port, Port] | None = None
+    """``ray`` only: the TCP ports [first, last] its actors listen on (each
+    takes the first free one on its node); null: any free port."""
 
 
 class SyncConfig(_Section):
@@ -329,6 +333,10 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":
         raise ConfigError("runtime.address: only used with runtime.type=ray")
+    ports = cfg.transfer_queue.ports
+    if ports is not None and (cfg.transfer_queue.deployment != "ray" or ports[0] > ports[1]):
+        raise ConfigError(f"transfer_queue.ports: expected [first, last] with first <= last, used with "
+                          f"transfer_queue.deployment=ray; got {list(ports)} with {cfg.transfer_queue.deployment!r}")
     if not math.isfinite(cfg.trainer.lr):
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
 

@@ -137,7 +137,7 @@ class Run:
         q = cfg.transfer_queue
         self.queue = await TransferQueue.create(TransferQueueConfig(
             capacity=q.capacity, num_storage_units=q.num_storage_units, lease_s=q.lease_s,
-            deployment=q.deployment))
+            deployment=q.deployment, ports=q.ports))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=_weight_sync_fn(cfg))
 

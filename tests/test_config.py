@@ -33,6 +33,10 @@ def test_the_shipped_config_loads_into_typed_structs():
         ("nosuch.key=1", "nosuch: unknown key"),
         ("trainer=3", "trainer: expected object, got int"),
         ("rollout.engine.max_model_len=8", "rollout.max_response_tokens"),
+        ("transfer_queue.ports=[0, 10]", "transfer_queue.ports.0: expected int >= 1"),
+        ("transfer_queue.ports=30000", "transfer_queue.ports: expected array | null, got int"),
+        ("transfer_queue.ports=[30000, 30010]", "transfer_queue.ports: expected [first, last] with first <= last, "
+                                                "used with transfer_queue.deployment=ray; got [30000, 30010] with 'local'"),
     ],
 )
 def test_bad_values_name_the_path_and_expected_type(override, message):

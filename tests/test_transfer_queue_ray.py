@@ -70,6 +70,23 @@ async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pick
 
 
 @pytest.mark.asyncio
+async def test_ray_actors_listen_in_the_configured_port_range(ray_cluster) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        first = min(probe.getsockname()[1], 65535 - 40)
+    tq = await TransferQueue.create(_cfg(ports=(first, first + 40)))
+    try:
+        ports = [port for _, port in tq._d._addresses]  # the controller's, then each storage unit's
+        assert len(set(ports)) == 3 and all(first <= p <= first + 40 for p in ports)
+        await tq.put(make_samples(2))
+        assert (await tq.get("trainer", 2)).uids == ["s0", "s1"]
+    finally:
+        await tq.shutdown()
+
+
+@pytest.mark.asyncio
 async def test_ray_errors_surface_as_the_queue_errors(ray_cluster, tmp_path) -> None:
     tq = await TransferQueue.create(_cfg(capacity=4, num_storage_units=1))
     await tq.put(make_samples(2, 2, version=0))

@@ -122,3 +122,34 @@ async def test_one_connection_serves_10000_calls_and_open_fds_stay_flat() -> Non
     await asyncio.sleep(0)  # the last call's task finishes after its answer is sent
     assert not server._tasks  # every call's task ended
     client.close()
+
+
+@pytest.mark.asyncio
+async def test_servers_take_the_first_free_ports_of_a_range_and_a_full_range_says_so() -> None:
+    import socket
+
+    with socket.socket() as probe:  # three ports that were free a moment ago, one of them then taken
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    if first + 2 > 65535:
+        pytest.skip("ephemeral port at the top of the range")
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", first + 1))
+        taken.listen()
+    except OSError:
+        taken.close()
+        pytest.skip("the port next to a free one is in use")
+    servers = [RpcServer(Target(), ("echo",), SECRET) for _ in range(3)]
+    try:
+        assert (await servers[0].start("127.0.0.1", (first, first + 2)))[1] == first
+        assert (await servers[1].start("127.0.0.1", (first, first + 2)))[1] == first + 2  # first + 1 is taken
+        with pytest.raises(OSError, match=f"no free port in {first}-{first + 2} on 127.0.0.1"):
+            await servers[2].start("127.0.0.1", (first, first + 2))
+        client = RpcClient(("127.0.0.1", first + 2), SECRET, "the ranged server")
+        assert await client.call("echo", 7) == (7,)
+        client.close()
+    finally:
+        taken.close()
+        for server in servers[:2]:
+            server._server.close()

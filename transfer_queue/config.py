@@ -32,6 +32,10 @@ class TransferQueueConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Ray only: the CPUs each controller / storage-unit actor reserves. 0 lets them
     # share a small machine with the rollout and trainer actors.
     ray_num_cpus: float = 0.0
+    # Ray only: the TCP ports (first, last) the controller and storage units listen
+    # on, each taking the first free one on its node; None: any free port. For a
+    # cluster whose firewall opens only a range between nodes.
+    ports: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -44,3 +48,8 @@ class TransferQueueConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"deployment must be 'local' or 'ray', got {self.deployment!r}")
         if self.ray_num_cpus < 0:
             raise ValueError(f"ray_num_cpus must be >= 0, got {self.ray_num_cpus}")
+        if self.ports is not None and not (
+            isinstance(self.ports, (tuple, list)) and len(self.ports) == 2
+            and all(isinstance(p, int) for p in self.ports) and 1 <= self.ports[0] <= self.ports[1] <= 65535
+        ):
+            raise ValueError(f"ports must be (first, last) with 1 <= first <= last <= 65535, got {self.ports!r}")

@@ -91,10 +91,10 @@ class StorageActor:
         # slice) only when fields are added to them or a read asks for some fields.
         self._whole: dict[int, msgspec.Raw] = {}
 
-    async def serve(self) -> Address:
+    async def serve(self, ports: tuple[int, int] | None = None) -> Address:
         loop.adopt()  # Ray's loop is this process's one loop
         self._server = RpcServer(self, self.SERVED, self._secret)
-        return await self._server.start(_node_address())
+        return await self._server.start(_node_address(), ports)
 
     def connect(self, controller: Address) -> int:
         self._controller = RpcClient(controller, self._secret, "the TransferQueue controller")
@@ -189,7 +189,7 @@ class ControllerActor:
         self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}") for i, a in enumerate(units)]
         self._controller = Controller(self._cfg, free=self._free)
         self._server = RpcServer(self, self.SERVED, self._secret)
-        return await self._server.start(_node_address())
+        return await self._server.start(_node_address(), self._cfg.ports)
 
     async def call(self, method: str, *args: Any) -> Any:
         result = getattr(self._controller, method)(*args)
@@ -233,7 +233,7 @@ class RayDeployment:
         secret = secrets.token_bytes(32)
         units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret) for i in range(cfg.num_storage_units)]
         controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, secret)
-        unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote() for u in units)))
+        unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote(cfg.ports) for u in units)))
         address = await _unwrap(controller.setup.remote(unit_addresses))
         await _unwrap(asyncio.gather(*(u.connect.remote(address) for u in units)))
         return cls(controller, units, True, [address, *unit_addresses], secret)

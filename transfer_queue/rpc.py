@@ -29,6 +29,7 @@ the actor; a ``ConnectionError`` the actor's method raised stays what it was.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import itertools
 import pickle
@@ -86,9 +87,17 @@ class RpcServer:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self, host: str) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._serve, host, 0, limit=_READ_LIMIT)
-        return host, self._server.sockets[0].getsockname()[1]
+    async def start(self, host: str, ports: tuple[int, int] | None = None) -> tuple[str, int]:
+        """Listen on ``host``: on any free port, or on the first free one in
+        ``ports`` (first, last; for clusters that open only a range between nodes)."""
+        for port in range(ports[0], ports[1] + 1) if ports else (0,):
+            try:
+                self._server = await asyncio.start_server(self._serve, host, port, limit=_READ_LIMIT)
+                return host, self._server.sockets[0].getsockname()[1]
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or not ports:
+                    raise
+        raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[1]} on {host}")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
