@@ -186,11 +186,13 @@ class SyncConfig(_Section):
     """Payload bucket size: bounds the extra memory of a push."""
     colocated: bool = True
     """Trainer and engine share a device: free the KV cache during a push."""
-    transport: Literal["inproc", "broadcast"] = "inproc"
+    transport: Literal["inproc", "broadcast", "cuda_ipc"] = "inproc"
     """How the payload moves: ``inproc`` through the driver (any runtime);
     ``broadcast``: torch.distributed from the trainer's process to every
-    rollout actor's (gloo on CPU, NCCL on GPU; needs one process per actor:
-    ``runtime.type`` ``process`` or ``ray``)."""
+    rollout actor's (gloo on CPU, NCCL on GPU); ``cuda_ipc``: the payload
+    stays in the trainer's GPU memory and each engine maps it (trainer and
+    engines on GPUs of one host). Both need one process per actor:
+    ``runtime.type`` ``process`` or ``ray``."""
     backend: Literal["gloo", "nccl"] = "gloo"
     """torch.distributed backend of ``transport=broadcast``."""
 
@@ -327,8 +329,13 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
             f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
-    if cfg.sync.transport == "broadcast" and cfg.runtime.type == "local":
-        raise ConfigError("sync.transport: 'broadcast' needs one process per actor (runtime.type=process or ray)")
+    if cfg.sync.transport != "inproc" and cfg.runtime.type == "local":
+        raise ConfigError(f"sync.transport: {cfg.sync.transport!r} needs one process per actor "
+                          "(runtime.type=process or ray)")
+    if cfg.sync.transport == "cuda_ipc" and not all(
+            d.startswith("cuda") for d in (cfg.trainer.device, cfg.rollout.engine.device)):
+        raise ConfigError(f"sync.transport: 'cuda_ipc' needs the trainer and the engines on GPUs; got "
+                          f"trainer.device={cfg.trainer.device!r}, rollout.engine.device={cfg.rollout.engine.device!r}")
     if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":

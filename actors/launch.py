@@ -43,7 +43,11 @@ def _weight_sync_fn(cfg: Config) -> Any:
                 await transport.wait()
                 if released is not None:
                     released.set()
-        return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated, released=released)
+        try:
+            return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated, released=released)
+        finally:
+            if cfg.sync.transport == "cuda_ipc":  # the engines hold no mapping of the buckets any more
+                await trainer.release_shared_buckets()
 
     return weight_sync
 
@@ -133,6 +137,8 @@ class Run:
             await asyncio.gather(
                 trainer.join_weight_group(init, world, cfg.sync.backend),
                 *(h.join_weight_group(init, 1 + i, world, cfg.sync.backend) for i, h in enumerate(rollouts)))
+        elif cfg.sync.transport == "cuda_ipc":
+            await trainer.share_by_cuda_ipc()
         # after the actors: a Ray deployment joins the cluster the runtime started
         q = cfg.transfer_queue
         self.queue = await TransferQueue.create(TransferQueueConfig(

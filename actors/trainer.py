@@ -31,6 +31,7 @@ class TrainerActor(Actor):
         self.sender: Any = None
         self._group: Any = None  # broadcast transport when weights go over torch.distributed
         self._pending: Any = None  # the payload of the last update, until broadcast
+        self._ipc: Any = None  # CUDA IPC transport when engines map the payload from this GPU
 
     async def setup(self) -> None:
         await self.blocking(self._setup)
@@ -81,6 +82,9 @@ class TrainerActor(Actor):
         return self._outgoing(self.sender.encode(self.backend.named_weights(), self.backend.version))
 
     def _outgoing(self, update: Any) -> Any:
+        if self._ipc is not None and update is not None:
+            # the buckets stay here (kept until release_shared_buckets); engines map them
+            return self._ipc.send(update)
         if self._group is None or update is None:
             return update
         # Broadcast mode: the payload stays here until broadcast_pending(); only
@@ -95,6 +99,19 @@ class TrainerActor(Actor):
         from actors.weight_group import join_group
 
         self._group = await self.blocking(join_group, init_method, 0, world_size, backend)
+
+    async def share_by_cuda_ipc(self) -> None:
+        """Hand updates out as CUDA IPC handles to their buckets on this GPU."""
+        from sync.transport.cuda_ipc import CudaIpcTransport
+
+        if self.backend.device.type != "cuda":
+            raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {self.backend.device}")
+        self._ipc = CudaIpcTransport(self.backend.device)
+
+    async def release_shared_buckets(self) -> None:
+        """Let go of the buckets handed out since the last call (every engine has applied them)."""
+        if self._ipc is not None:
+            self._ipc.close()
 
     async def broadcast_pending(self) -> int:
         """Broadcast the last encoded update to the group; returns its bytes."""

@@ -33,6 +33,7 @@ def test_the_shipped_config_loads_into_typed_structs():
         ("nosuch.key=1", "nosuch: unknown key"),
         ("trainer=3", "trainer: expected object, got int"),
         ("rollout.engine.max_model_len=8", "rollout.max_response_tokens"),
+        ("sync.transport=cuda_ipc", "sync.transport: 'cuda_ipc' needs one process per actor"),
         ("transfer_queue.ports=[0, 10]", "transfer_queue.ports.0: expected int >= 1"),
         ("transfer_queue.ports=30000", "transfer_queue.ports: expected array | null, got int"),
         ("transfer_queue.ports=[30000, 30010]", "transfer_queue.ports: expected [first, last] with first <= last, "
@@ -43,6 +44,15 @@ def test_bad_values_name_the_path_and_expected_type(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value).startswith(message)
+
+
+def test_cuda_ipc_transport_needs_the_trainer_and_engines_on_gpus():
+    with pytest.raises(ConfigError, match="'cuda_ipc' needs the trainer and the engines on GPUs; got "
+                                          "trainer.device='cpu', rollout.engine.device='cpu'"):
+        load_config(None, ["sync.transport=cuda_ipc", "runtime.type=process"])
+    cfg = load_config(None, ["sync.transport=cuda_ipc", "runtime.type=process", "trainer.device=cuda",
+                             "rollout.engine.device=cuda:0"])
+    assert cfg.sync.transport == "cuda_ipc"
 
 
 def test_unknown_key_in_a_file_names_its_path(tmp_path):

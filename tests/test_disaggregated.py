@@ -36,3 +36,27 @@ def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime)
         full_bytes = run.history[0]["sync/bytes_sent"]
         assert all(m["sync/bytes_sent"] < full_bytes / 2 for m in run.history[1:])
         assert all(0.0 < m["sync/changed_fraction"] < 0.5 for m in run.history[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("colocated", [True, False])
+def test_cuda_ipc_push_from_the_trainers_gpu_keeps_engine_weights_bit_exact(tmp_path, colocated):
+    """Trainer and engine in child processes on one GPU: each push hands the
+    engine CUDA IPC handles to the trainer's buckets (no host copy)."""
+    import loop
+
+    run = launch(ROOT / "fully_async.yaml", "runtime.type=process", "sync.transport=cuda_ipc",
+                 f"sync.colocated={str(colocated).lower()}", "trainer.device=cuda", "rollout.engine.device=cuda",
+                 "rollout.engine.dtype=bfloat16", "trainer.lr=1e-5", "trainer.batch_prompts=2", "rollout.n=4",
+                 "rollout.max_response_tokens=8", "run.progress=false", f"run.output_dir={tmp_path}")
+    with run:
+        policy = run.policy
+        for step in range(1, 4):
+            (m,) = run.train(steps=1)
+            assert m["sync/version"] == step
+            want = loop.run(policy.trainer.weights_digest("bfloat16"))
+            (rollout,) = policy.rollouts
+            assert loop.run(rollout.get_version()) == step
+            assert loop.run(rollout.weights_digest()) == want
+        assert [m["sync/kind"] for m in run.history] == ["full", "delta", "delta"]
