@@ -14,23 +14,28 @@ from actors.launch import launch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("runtime", [pytest.param("ray", marks=pytest.mark.ray), "process"])
-def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime):
+def train_checking_engine_weights(run, steps: int) -> None:
+    """Train step by step; after each sync every engine holds the trainer's version, bit for bit."""
     import loop
 
+    policy = run.policy
+    for step in range(1, steps + 1):
+        (m,) = run.train(steps=1)
+        assert m["sync/version"] == step
+        want = loop.run(policy.trainer.weights_digest("bfloat16"))
+        for rollout in policy.rollouts:
+            assert loop.run(rollout.get_version()) == step
+            assert loop.run(rollout.weights_digest()) == want
+
+
+@pytest.mark.parametrize("runtime", [pytest.param("ray", marks=pytest.mark.ray), "process"])
+def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime):
     run = launch(ROOT / "fully_async.yaml", f"runtime.type={runtime}", "sync.transport=broadcast",
                  "sync.backend=gloo", "rollout.num_actors=2", "rollout.engine.dtype=bfloat16",
                  "trainer.lr=1e-5", "trainer.batch_prompts=2", "rollout.n=4",
                  "rollout.max_response_tokens=8", "run.progress=false", f"run.output_dir={tmp_path}")
     with run:
-        policy = run.policy
-        for step in range(1, 5):
-            (m,) = run.train(steps=1)
-            assert m["sync/version"] == step
-            want = loop.run(policy.trainer.weights_digest("bfloat16"))
-            for rollout in policy.rollouts:
-                assert loop.run(rollout.get_version()) == step
-                assert loop.run(rollout.weights_digest()) == want
+        train_checking_engine_weights(run, steps=4)
         kinds = [m["sync/kind"] for m in run.history]
         assert kinds == ["full", "delta", "delta", "delta"]
         full_bytes = run.history[0]["sync/bytes_sent"]
@@ -44,19 +49,10 @@ def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime)
 def test_cuda_ipc_push_from_the_trainers_gpu_keeps_engine_weights_bit_exact(tmp_path, colocated):
     """Trainer and engine in child processes on one GPU: each push hands the
     engine CUDA IPC handles to the trainer's buckets (no host copy)."""
-    import loop
-
     run = launch(ROOT / "fully_async.yaml", "runtime.type=process", "sync.transport=cuda_ipc",
                  f"sync.colocated={str(colocated).lower()}", "trainer.device=cuda", "rollout.engine.device=cuda",
                  "rollout.engine.dtype=bfloat16", "trainer.lr=1e-5", "trainer.batch_prompts=2", "rollout.n=4",
                  "rollout.max_response_tokens=8", "run.progress=false", f"run.output_dir={tmp_path}")
     with run:
-        policy = run.policy
-        for step in range(1, 4):
-            (m,) = run.train(steps=1)
-            assert m["sync/version"] == step
-            want = loop.run(policy.trainer.weights_digest("bfloat16"))
-            (rollout,) = policy.rollouts
-            assert loop.run(rollout.get_version()) == step
-            assert loop.run(rollout.weights_digest()) == want
+        train_checking_engine_weights(run, steps=3)
         assert [m["sync/kind"] for m in run.history] == ["full", "delta", "delta"]
