@@ -2,6 +2,9 @@
 
     python -m bench.weight_sync [--small] [--device cpu|cuda] [--transports inproc,ray,gloo]
 
+``pickle`` (another process, sent the update itself: device buckets as host
+arrays) is what CUDA IPC saves on one GPU when actors run in their own processes.
+
 A Qwen2.5-0.5B-shaped model (random init) takes one AdamW step per learning
 rate. By default it trains the way the torch backend does with a bf16 model
 (Megatron-style mixed precision, ``actors/backends/mixed_precision.py``): fp32
@@ -154,7 +157,8 @@ class RayReceiver:
 
 
 def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: Any, outbox: Any) -> None:
-    """Receiver process: ``gloo`` (torch.distributed rank 1) or ``cuda_ipc`` (handles over a queue)."""
+    """Receiver process: ``gloo`` (torch.distributed rank 1), ``cuda_ipc`` (handles over a
+    queue) or ``pickle`` (the update itself over a queue: device buckets travel as host arrays)."""
     torch.set_num_threads(2)
     weights = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in shapes.items()}
     version = 0
@@ -164,8 +168,10 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: A
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=1, world_size=2)
         transport = make_transport("dist", src=0)
-    else:
+    elif kind == "cuda_ipc":
         transport = make_transport("cuda_ipc", device=device)
+    else:
+        transport = make_transport("inproc")  # what arrives is the unpickled update
     outbox.put("ready")
     while True:
         if kind == "gloo":
@@ -189,7 +195,9 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: A
 
 
 class SubprocessReceiver:
-    """An engine in another process, fed over gloo broadcast or CUDA IPC."""
+    """An engine in another process, fed over gloo broadcast, CUDA IPC, or a
+    pickled update (``pickle``: one hop of what the ``inproc`` transport does
+    between actor processes, which takes two: trainer -> driver -> engine)."""
 
     def __init__(self, kind: str, shapes: dict[str, tuple[int, ...]], device: str) -> None:
         import torch.multiprocessing as mp
@@ -209,7 +217,7 @@ class SubprocessReceiver:
             dist.init_process_group("gloo", rank=0, world_size=2)
             self.transport = make_transport("dist", src=0)
         else:
-            self.transport = make_transport("cuda_ipc", device=device)
+            self.transport = make_transport("cuda_ipc", device=device) if kind == "cuda_ipc" else make_transport("inproc")
         assert self.outbox.get(timeout=300) == "ready"
 
     def push(self, update: WeightUpdate) -> tuple[float, float]:
@@ -244,9 +252,9 @@ def make_receiver(name: str, shapes: dict, device: str) -> Any:
         return InProcessReceiver(shapes, device)
     if name == "ray":
         return RayReceiver(shapes, device)
-    if name in ("gloo", "cuda_ipc"):
+    if name in ("gloo", "cuda_ipc", "pickle"):
         return SubprocessReceiver(name, shapes, device)
-    raise ValueError(f"unknown transport {name!r} (inproc, ray, gloo, cuda_ipc)")
+    raise ValueError(f"unknown transport {name!r} (inproc, ray, gloo, cuda_ipc, pickle)")
 
 
 # ---------------------------------------------------------------- the run
@@ -409,7 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="a tiny model for a quick run")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: inproc on the GPU and CUDA IPC)")
-    p.add_argument("--transports", default=None, help="comma list; default inproc,ray,gloo on cpu, inproc,cuda_ipc on cuda")
+    p.add_argument("--transports", default=None,
+                   help="comma list of inproc, ray, gloo, cuda_ipc, pickle; "
+                        "default inproc,ray,gloo on cpu, inproc,cuda_ipc,pickle on cuda")
     p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
     p.add_argument("--repeat", type=int, default=5, help="time each push this many times (min is kept)")
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -418,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-params", choices=("bf16", "fp32"), default="bf16",
                    help="bf16: mixed precision, the sync reads bf16 model params; fp32: the sync casts")
     args = p.parse_args(argv)
-    default = "inproc,cuda_ipc" if args.device.startswith("cuda") else "inproc,ray,gloo"
+    default = "inproc,cuda_ipc,pickle" if args.device.startswith("cuda") else "inproc,ray,gloo"
     transports = (args.transports or default).split(",")
     torch.set_num_threads(os.cpu_count() or 1)
     result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat), args.model_params,
