@@ -14,9 +14,10 @@ __all__ = ["Batch"]
 class Batch:
     """A leased batch: ``batch_id`` to ack/nack, the samples, and what the get dropped.
 
-    ``samples`` (token fields as they were put: lists, or read-only arrays) are built on first access (``get`` itself only leases and fetches
-    the data), then cached. ``dropped`` counts, per reason, the samples this get
-    dropped (e.g. ``{"stale": 2}``); they are gone from the queue and in its statistics.
+    ``samples`` (token fields as they were put: lists, or read-only arrays) are built
+    on first access (``get`` itself only leases and fetches the data), then cached.
+    ``dropped`` counts, per reason, the samples this get dropped (e.g. ``{"stale": 2}``);
+    they are gone from the queue and in its statistics.
     """
 
     __slots__ = ("batch_id", "dropped", "_rows", "_samples")

@@ -25,12 +25,12 @@ capacity, duplicate uids, closed and dead groups). The unit answers once the
 controller did, so a put that returns is readable, and a put that raises
 registered nothing (its rows are deleted). A unit that dies takes its rows
 with it: the first client call that finds it gone (and Ray confirms the actor
-dead) has the controller drop its
-samples (counted as ``"storage_lost"``), raises ``StorageUnitLost``, and that
-client's later puts go to the other units. The controller learns of a row only after its unit holds
-it, so a read or a delete never overtakes a row. The client (a TransferQueue
-holding actor handles and addresses) pickles, so rollout and trainer actors in
-other processes share one queue; each process opens its own connections.
+dead) has the controller drop its samples (counted as ``"storage_lost"``),
+raises ``StorageUnitLost``, and that client's later puts go to the other units.
+The controller learns of a row only after its unit holds it, so a read or a
+delete never overtakes a row. The client (a TransferQueue holding actor
+handles and addresses) pickles, so rollout and trainer actors in other
+processes share one queue; each process opens its own connections.
 
 Ray is imported only when this deployment is chosen, and must already be
 initialized: the queue joins the running Ray, it never starts (or stops) one.
@@ -54,8 +54,8 @@ from transfer_queue.codec import decode_raw_row, decode_raw_rows, decode_tags, e
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
-from transfer_queue.rows import EncodedRows
 from transfer_queue.errors import StorageUnitLost
+from transfer_queue.rows import EncodedRows
 from transfer_queue.rpc import PeerLost, RpcClient, RpcServer, oob
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats

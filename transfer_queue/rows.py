@@ -96,6 +96,6 @@ class EncodedRows:
     def column(self, name: str, samples: list[Sample] | None) -> list[np.ndarray]:
         dtype = TOKEN_FIELDS[name]
         if samples is not None:
-            return [np.array(getattr(s, name), dtype) for s in samples]
+            return [np.asarray(getattr(s, name), dtype) for s in samples]  # an array put as one: no copy
         # Only this field is parsed: no whole Sample per row.
         return self._in_order(lambda buf: decode_field(buf, name))

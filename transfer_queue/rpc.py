@@ -208,21 +208,18 @@ class RpcClient:
         rid = self._ids()
         fut = asyncio.get_running_loop().create_future()
         conn.pending[rid] = fut
-        conn.writer.writelines(_frame((rid, method, args)))
         try:
-            await conn.writer.drain()
-        except ConnectionError as e:
-            conn.pending.pop(rid, None)
-            raise PeerLost(f"lost the connection to {self._name} ({type(e).__name__}: {e})") from None
-        try:
+            await self._write(conn, (rid, method, args))
             return await fut
         finally:
             conn.pending.pop(rid, None)
 
     async def send(self, method: str, *args: Any) -> None:
         """``method(*args)`` on the actor without waiting for (or getting) its answer."""
-        conn = await self._connection()
-        conn.writer.writelines(_frame((_NO_REPLY, method, args)))
+        await self._write(await self._connection(), (_NO_REPLY, method, args))
+
+    async def _write(self, conn: _Connection, message: tuple) -> None:
+        conn.writer.writelines(_frame(message))
         try:
             await conn.writer.drain()
         except ConnectionError as e:

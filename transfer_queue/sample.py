@@ -75,18 +75,18 @@ def pack_tokens(sample: Sample) -> Sample:
 
 def min_version_of(versions: list[int] | np.ndarray) -> int:
     """The smallest of per-token ``versions`` (-1 when there are none)."""
-    if len(versions) == 0:
-        return -1
-    if isinstance(versions, np.ndarray):
-        return int(versions.min())
-    # One weight version throughout is the common case; count() is a C loop, min() is not.
-    return versions[0] if versions.count(versions[0]) == len(versions) else min(versions)
+    return _version_bound(versions, min, np.min)
 
 
 def max_version_of(versions: list[int] | np.ndarray) -> int:
     """The largest of per-token ``versions`` (-1 when there are none)."""
+    return _version_bound(versions, max, np.max)
+
+
+def _version_bound(versions: list[int] | np.ndarray, pick, pick_array) -> int:
     if len(versions) == 0:
         return -1
     if isinstance(versions, np.ndarray):
-        return int(versions.max())
-    return versions[0] if versions.count(versions[0]) == len(versions) else max(versions)
+        return int(pick_array(versions))
+    # One weight version throughout is the common case; count() is a C loop, min()/max() are not.
+    return versions[0] if versions.count(versions[0]) == len(versions) else pick(versions)
