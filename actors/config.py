@@ -1,9 +1,21 @@
 """Typed run configuration: ``fully_async.yaml`` decoded into msgspec Structs.
 
+Each section lives with the component that takes it, and holds the one set of
+defaults of that component; this module composes them (it is part of the
+composition root: nothing but ``actors/launch.py``, tools, benchmarks and tests imports it):
+
+    run, runtime, model   here
+    task, policy          policies/config.py        (TaskConfig, PolicyConfig)
+    rollout               actors/rollout_config.py  (RolloutConfig; .engine: actors/engines/config.py EngineConfig)
+    trainer               actors/backends/config.py (TrainerConfig)
+    transfer_queue        transfer_queue/config.py  (TransferQueueConfig)
+    sync                  sync/config.py            (SyncConfig)
+
 Every field is documented where it is declared and bounded where a bound
 exists. Unknown keys, wrong types and out-of-range values are
 :class:`ConfigError` naming the dotted path (``trainer.lr: expected float,
-got str``). After :func:`load_config` no raw dict survives.
+got str``); so are engine and backend types this build does not have. After
+:func:`load_config` no raw dict survives.
 """
 
 from __future__ import annotations
@@ -18,14 +30,33 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-__all__ = ["Config", "ConfigError", "load_config", "apply_overrides", "to_yaml"]
+from actors.backends.config import TrainerConfig, backend_unavailable
+from actors.engines.config import EngineConfig, engine_unavailable
+from actors.rollout_config import RolloutConfig
+from policies.config import PolicyConfig, TaskConfig
+from sync.config import SyncConfig
+from transfer_queue.config import TransferQueueConfig
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "SyncConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "TransferQueueConfig",
+    "apply_overrides",
+    "load_config",
+    "to_yaml",
+]
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
-PosFloat = Annotated[float, Meta(gt=0)]
-Port = Annotated[int, Meta(ge=1, le=65535)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
-Prob = Annotated[float, Meta(ge=0, le=1)]
 
 
 class ConfigError(ValueError):
@@ -68,135 +99,6 @@ class ModelConfig(_Section):
     Relative paths resolve against the config file's directory."""
 
 
-class TaskConfig(_Section):
-    type: str = "reverse_digits"
-    """Built-in task name (see ``policies.tasks``)."""
-    kwargs: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
-    """Task-specific options (e.g. digit counts or a length distribution)."""
-
-
-class EngineConfig(_Section):
-    type: Literal["torch", "vllm", "sglang"] = "torch"
-    """Rollout engine. ``torch`` is built in."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda[:i]``."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and compute dtype of the engine (fp32 on CPU)."""
-    max_num_seqs: PosInt = 128
-    """Concurrent sequences the engine batches."""
-    max_model_len: PosInt = 128
-    """Prompt + response tokens per sequence (KV cache slot length)."""
-    cuda_graphs: bool = True
-    """Built-in engine on CUDA: replay decode steps as CUDA graphs."""
-    compile_decode: bool = False
-    """Built-in engine on CUDA, decode batches over 64 rows: fuse their elementwise work
-    with torch.compile (compiles once per batch-size bucket: pays off in long runs).
-    Batches of up to 64 rows run the fused Triton decode layers where those apply
-    (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
-
-
-class RolloutConfig(_Section):
-    num_actors: PosInt = 1
-    """Rollout actors, each with its own engine."""
-    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
-    n: PosInt = 8
-    """Samples per prompt (GRPO group size)."""
-    temperature: NonNegFloat = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    top_k: NonNegInt = 0
-    """0 = off."""
-    max_response_tokens: PosInt = 16
-    """Total new-token budget of a response, across every resume."""
-    partial_rollout: bool = True
-    """Keep and resume generations interrupted by a weight sync (else drop them, counted)."""
-
-
-class TrainerConfig(_Section):
-    backend: Literal["torch", "megatron"] = "torch"
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    master_dtype: Literal["float32", "bfloat16"] | None = "float32"
-    """Dtype of the optimizer's main params when ``dtype`` is lower (fp32 main params,
-    Megatron-style: AdamW steps them, the model keeps ``dtype`` copies, which the weight
-    sync reads). ``null``: step the model params in ``dtype`` as they are."""
-    lr: PosFloat = 1e-5
-    """AdamW learning rate."""
-    weight_decay: NonNegFloat = 0.0
-    grad_clip: PosFloat = 1.0
-    """Max global grad norm."""
-    batch_prompts: PosInt = 16
-    """Prompts (whole groups) per trainer step; batch size = batch_prompts * rollout.n."""
-    loss: Literal["ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"] = "ppo_clip"
-    """Policy loss and off-policy correction (see ``policies.losses``)."""
-    clip_eps: PosFloat = 0.2
-    """PPO clip range (both sides)."""
-    is_cap: PosFloat = 2.0
-    """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
-    micro_batch_tokens: NonNegInt = 2048
-    """Padded tokens per forward pass (rows sorted by length, gradients
-    accumulated): long-tailed batches stop padding every row to the longest.
-    0 = the whole batch in one pass."""
-    checkpoint_every: NonNegInt = 0
-    """Save a checkpoint (safetensors + optimizer) into the run directory every
-    this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""
-
-
-class PolicyConfig(_Section):
-    type: Literal["fully_async", "sync", "one_step_off"] = "fully_async"
-    """Schedule: fully-async, synchronous on-policy, or one-step-off baseline."""
-    staleness_threshold: NonNegFloat = 1.0
-    """Extra samples admitted per sync window, as a fraction of the window's
-    training need (0 = generate only what the next sync window trains on)."""
-    require_batches: PosInt = 1
-    """Batches the trainer takes per step."""
-    trigger_parameter_sync_step: PosInt = 1
-    """Trainer steps between weight syncs."""
-    max_staleness: NonNegInt = 2
-    """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
-    reward_timeout_s: PosFloat = 30.0
-    """A reward call slower than this counts as an error for its sample."""
-    overlap_push: bool | None = None
-    """Fully-async: the trainer takes its next step while a weight push is
-    applied (it waits only for the encode). ``null`` (auto): true when the
-    trainer's device is none of the engines' (the push then costs the trainer
-    nothing), false when they share one, where the push would compete with the
-    train step for that device (measured on one H200: bench/results/async_vs_sync_h200_process*.json)."""
-
-
-class QueueConfig(_Section):
-    capacity: PosInt = 4096
-    """Samples the TransferQueue holds before ``put`` waits."""
-    num_storage_units: PosInt = 2
-    lease_s: PosFloat = 600.0
-    """A batch not acknowledged within this returns to the ready set."""
-    deployment: Literal["local", "ray"] = "local"
-    """``local``: controller and storage units in the driver process. ``ray``:
-    they are Ray actors (needs ``runtime.type=ray``)."""
-    ports: tuple[Port, Port] | None = None
-    """``ray`` only: the TCP ports [first, last] its actors listen on (each
-    takes the first free one on its node); null: any free port."""
-
-
-class SyncConfig(_Section):
-    mode: Literal["full", "delta", "auto"] = "delta"
-    """Weight push encoding after the first full push."""
-    full_every_k: NonNegInt = 0
-    """Force a full push every K versions (0 = never)."""
-    bucket_bytes: PosInt = 64 << 20
-    """Payload bucket size: bounds the extra memory of a push."""
-    colocated: bool = True
-    """Trainer and engine share a device: free the KV cache during a push."""
-    transport: Literal["inproc", "broadcast", "cuda_ipc"] = "inproc"
-    """How the payload moves: ``inproc`` through the driver (any runtime);
-    ``broadcast``: torch.distributed from the trainer's process to every
-    rollout actor's (gloo on CPU, NCCL on GPU); ``cuda_ipc``: the payload
-    stays in the trainer's GPU memory and each engine maps it (trainer and
-    engines on GPUs of one host). Both need one process per actor:
-    ``runtime.type`` ``process`` or ``ray``."""
-    backend: Literal["gloo", "nccl"] = "gloo"
-    """torch.distributed backend of ``transport=broadcast``."""
-
-
 class Config(_Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
@@ -205,7 +107,7 @@ class Config(_Section):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
-    transfer_queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
+    transfer_queue: TransferQueueConfig = msgspec.field(default_factory=TransferQueueConfig)
     sync: SyncConfig = msgspec.field(default_factory=SyncConfig)
     base_dir: str = "."
     """Directory of the config file (relative paths resolve against it); set by the loader."""
@@ -261,6 +163,12 @@ def _friendly(err: msgspec.ValidationError) -> str:
         allowed = _choices(_field_type(path))
         if allowed:
             what += f" (expected one of: {', '.join(allowed)})"
+    # a section's own check (``__post_init__``) names its field first: "ports must be ..."
+    own = re.match(r"(\w+) (must .*)", what, re.S)
+    node = _field_type(path)
+    if own and isinstance(node, type) and issubclass(node, msgspec.Struct) and \
+            own.group(1) in {f.name for f in msgspec.structs.fields(node)}:
+        return f"{path}.{own.group(1)}: {own.group(2)}" if path else f"{own.group(1)}: {own.group(2)}"
     what = re.sub(r"`([^`]*)`", r"\1", what)
     what = what[0].lower() + what[1:] if what else what
     return f"{path or '<root>'}: {what}"
@@ -315,6 +223,11 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def _check_consistency(cfg: Config) -> None:
+    # before anything is built or a run directory exists: a type this build cannot construct
+    if (reason := engine_unavailable(cfg.rollout.engine.type)) is not None:
+        raise ConfigError(f"rollout.engine.type: {reason}")
+    if (reason := backend_unavailable(cfg.trainer.backend)) is not None:
+        raise ConfigError(f"trainer.backend: {reason}")
     if cfg.rollout.max_response_tokens >= cfg.rollout.engine.max_model_len:
         raise ConfigError(
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
@@ -329,7 +242,7 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
             f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
-    if cfg.sync.transport != "inproc" and cfg.runtime.type == "local":
+    if cfg.sync.transport not in ("auto", "inproc") and cfg.runtime.type == "local":
         raise ConfigError(f"sync.transport: {cfg.sync.transport!r} needs one process per actor "
                           "(runtime.type=process or ray)")
     if cfg.sync.transport == "cuda_ipc" and not all(

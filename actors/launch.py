@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -26,30 +27,6 @@ import loop
 from actors.config import Config, ConfigError, load_config, to_yaml
 
 __all__ = ["Run", "launch", "main"]
-
-
-def _weight_sync_fn(cfg: Config) -> Any:
-    from actors.weight_group import ActorBroadcast
-    from sync.sequence import sync_weights
-
-    async def weight_sync(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None) -> Any:
-        if cfg.sync.transport == "broadcast":
-            # the trainer sends the payload itself: it is free to step only once that is done
-            transport = ActorBroadcast(trainer)
-            try:
-                return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated,
-                                          transport=transport)
-            finally:
-                await transport.wait()
-                if released is not None:
-                    released.set()
-        try:
-            return await sync_weights(rollouts, trainer, colocated=cfg.sync.colocated, released=released)
-        finally:
-            if cfg.sync.transport == "cuda_ipc":  # the engines hold no mapping of the buckets any more
-                await trainer.release_shared_buckets()
-
-    return weight_sync
 
 
 class Run:
@@ -72,6 +49,7 @@ class Run:
         self.runtime: Any = None
         self.policy: Any = None
         self.queue: Any = None
+        self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
         try:
             loop.run(self._setup())
         except BaseException:
@@ -79,73 +57,91 @@ class Run:
             raise
 
     async def _setup(self) -> None:
-        from actors.engines.base import SamplingParams
+        """Compose the run: runtime, queue, actors (each holding a queue client),
+        the weight link chosen by placement, the policy (control only)."""
+        import msgspec
+
         from actors.rollout import RolloutActor
         from actors.runtime import make_runtime
         from actors.trainer import TrainerActor
+        from contracts.rollout import SamplingParams
         from policies import make_policy
+        from policies.advantages import grpo_advantages
+        from policies.losses import make_loss_from_config
+        from policies.partial import absorb, next_request
         from policies.tasks import make_task
-        from transfer_queue import TransferQueue, TransferQueueConfig
+        from sync.link import weight_sync_fn
 
         cfg = self.cfg
-        model_path = self.model_path
-        task = make_task(cfg.task.type, **cfg.task.kwargs)
+        make_task_fn = functools.partial(make_task, cfg.task.type, **cfg.task.kwargs)
+        task = make_task_fn()
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
         self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus)
-        threads = 1 if cfg.runtime.type == "local" else None
-        if threads:
+        if cfg.runtime.type == "local":
             import torch
 
-            torch.set_num_threads(threads)
-        t = cfg.trainer
-        trainer_gpus, trainer_device = self._placement(t.device)
+            torch.set_num_threads(1)
+        self.queue = await self._make_queue()
+        trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
         trainer = await self.runtime.spawn(
             TrainerActor, name="trainer", num_cpus=1, num_gpus=trainer_gpus,
-            backend=t.backend, model_path=model_path,
-            backend_kwargs=dict(device=trainer_device, dtype=t.dtype, master_dtype=t.master_dtype, lr=t.lr,
-                                weight_decay=t.weight_decay,
-                                grad_clip=t.grad_clip, loss=t.loss,
-                                loss_kwargs=_loss_kwargs(cfg), seed=cfg.run.seed,
-                                micro_batch_tokens=t.micro_batch_tokens),
-            sync_kwargs=dict(mode=cfg.sync.mode, bucket_bytes=cfg.sync.bucket_bytes,
-                             full_every_k=cfg.sync.full_every_k or None,
-                             dtype=cfg.rollout.engine.dtype),
+            trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
+            model_path=self.model_path, seed=cfg.run.seed, loss=make_loss_from_config(cfg.trainer),
+            advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
             torch_threads=1)
-        r, e = cfg.rollout, cfg.rollout.engine
-        engine_gpus, engine_device = self._placement(e.device)
+        r = cfg.rollout
+        engine_gpus, engine_device = self._placement(r.engine.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=tuple(task.stop_token_ids))
         rollouts = [
             await self.runtime.spawn(
                 RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
-                engine_type=e.type, model_path=model_path,
-                engine_kwargs=dict(device=engine_device, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
-                                   max_model_len=e.max_model_len, seed=cfg.run.seed + i,
-                                   cuda_graphs=e.cuda_graphs, compile_decode=e.compile_decode),
-                task_type=cfg.task.type, task_kwargs=dict(cfg.task.kwargs), sampling=sampling,
+                engine=msgspec.structs.replace(r.engine, device=engine_device), model_path=self.model_path,
+                seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
+                next_request=next_request, absorb=absorb, queue=self.queue,
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
             for i in range(r.num_actors)
         ]
-        if cfg.sync.transport == "broadcast":
-            from actors.weight_group import free_port
-
-            init = f"tcp://127.0.0.1:{free_port()}"
-            world = 1 + len(rollouts)
-            await asyncio.gather(
-                trainer.join_weight_group(init, world, cfg.sync.backend),
-                *(h.join_weight_group(init, 1 + i, world, cfg.sync.backend) for i, h in enumerate(rollouts)))
-        elif cfg.sync.transport == "cuda_ipc":
-            await trainer.share_by_cuda_ipc()
-        # after the actors: a Ray deployment joins the cluster the runtime started
-        q = cfg.transfer_queue
-        self.queue = await TransferQueue.create(TransferQueueConfig(
-            capacity=q.capacity, num_storage_units=q.num_storage_units, lease_s=q.lease_s,
-            deployment=q.deployment, ports=q.ports))
+        self.weight_transport = await self._open_weight_link(trainer, rollouts)
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
-                                  weight_sync=_weight_sync_fn(cfg))
+                                  weight_sync=weight_sync_fn(self.weight_transport, cfg.sync.colocated))
+
+    async def _make_queue(self) -> Any:
+        """The TransferQueue and the driver's client of it. Under ``process`` and
+        ``ray`` the ``local`` deployment lives in a queue-host actor, not here:
+        the driver only sends control calls (statistics, close)."""
+        from transfer_queue import TransferQueue
+        from transfer_queue.served import QueueHost, ServedDeployment, new_secret
+
+        q = self.cfg.transfer_queue
+        if self.cfg.runtime.type == "local" or q.deployment == "ray":
+            if q.deployment == "ray":
+                self.runtime.connect()  # the queue's actors join the cluster the runtime uses
+            return await TransferQueue.create(q)
+        secret = new_secret()
+        host = await self.runtime.spawn(QueueHost, q, secret, name="transfer-queue", num_cpus=0)
+        return TransferQueue(q, ServedDeployment(await host.address(), secret))
+
+    async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
+        """Pick the weight transport from where the actors run (``sync.transport``
+        can force one) and open it at both ends; returns its name."""
+        from sync.link import choose_transport
+
+        where = await asyncio.gather(trainer.placement(), *(h.placement() for h in rollouts))
+        kind = choose_transport(where[0], list(where[1:]), self.cfg.sync.transport)
+        init = await trainer.open_weight_link(kind)
+        await asyncio.gather(*(h.open_weight_link(kind) for h in rollouts))
+        if kind == "dist":
+            backend = self.cfg.sync.backend
+            if backend == "auto":
+                backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
+            world = 1 + len(rollouts)
+            await asyncio.gather(trainer.join_weight_group(init, world, backend),
+                                 *(h.join_weight_group(init, 1 + i, world, backend) for i, h in enumerate(rollouts)))
+        return kind
 
     def _placement(self, device: str) -> tuple[float, str]:
         """Ray GPUs to reserve for an actor on ``device``, and the device name
@@ -241,15 +237,6 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _loss_kwargs(cfg: Config) -> dict[str, float]:
-    t = cfg.trainer
-    if t.loss == "ppo_clip":
-        return {"clip_eps_low": t.clip_eps, "clip_eps_high": t.clip_eps}
-    if t.loss == "decoupled_ppo":
-        return {"clip_eps_low": t.clip_eps, "clip_eps_high": t.clip_eps, "behav_weight_cap": t.is_cap}
-    return {"cap": t.is_cap}
 
 
 def launch(config: str | pathlib.Path | None = "fully_async.yaml", *overrides: str) -> Run:

@@ -24,7 +24,7 @@ _WEIGHT_FILES = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
-#: The built-in tiny Qwen2 model and tokenizer (built by ``policies.warmstart``).
+#: The built-in tiny Qwen2 model and tokenizer (built by ``tools.warmstart``).
 BUILTIN_MODEL_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-qwen2"
 
 

@@ -1,79 +1,86 @@
-"""RolloutActor: owns one rollout engine; turns prompt groups into scored samples.
+"""RolloutActor: owns one rollout engine; turns prompt groups into scored
+samples and puts them into the TransferQueue itself.
+
+    policy ──GroupRequest──► generate_group ──► engine (resumed across syncs) ──► reward
+           ◄──GroupReport──  (counts)            └─ whole, scored group ──► TransferQueue.put
 
 Endpoints (all async):
-    generate_group(group)      n samples of one prompt, generated, resumed across
-                               weight syncs, and scored (token fields as numpy arrays)
+    generate_group(group)      n samples of one prompt: generated, resumed across weight
+                               syncs, scored and queued; returns a GroupReport (counts only)
     pause/abort/sleep/wake_up/update_weights/reset_prefix_cache/resume/get_version
                                the engine surface the weight-sync sequence drives
+    placement/join_weight_group   where it runs; the broadcast group (``sync.link``)
 
-An interrupted generation (``abort`` during a weight sync) waits for
-``resume`` and continues from prompt + partial tokens with what is left of
-its budget (``policies.partial``); with ``partial_rollout=False`` it ends as
-``abort`` and the policy drops it, counted.
+An interrupted generation (``abort`` during a weight sync) keeps its partial
+tokens here, waits for ``resume`` and continues from prompt + partial tokens
+with what is left of its budget (the injected ``next_request`` / ``absorb``
+rule); with ``partial_rollout=False`` it ends as ``abort`` and its group is
+dropped, counted. A group with a failed member is dropped whole (the trainer
+takes only whole groups), counted by reason in the report.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from actors.engines.base import GenerateOutput, SamplingParams
 from actors.runtime import Actor, quiet_transformers
-from policies.partial import absorb, next_request
-from transfer_queue.sample import Sample, pack_tokens
+from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, SamplingParams
+from contracts.sample import Sample, pack_tokens
 
-__all__ = ["GroupRequest", "RolloutActor"]
+__all__ = ["RolloutActor"]
 
-
-class GroupRequest(msgspec.Struct, kw_only=True):
-    """One prompt to sample ``n`` times (one GRPO group)."""
-
-    group_id: str
-    prompt_ids: list[int]
-    n: int
-    meta: dict[str, str] = msgspec.field(default_factory=dict)
+_DROP_REASON = {"error": "reward_error", "abort": "aborted"}
 
 
 class RolloutActor(Actor):
-    """Generates and scores samples with one engine (built-in torch, vLLM or SGLang)."""
+    """Generates, scores and queues samples with one engine (built-in torch, vLLM or SGLang).
 
-    def __init__(self, *, engine_type: str, model_path: str, engine_kwargs: dict[str, Any],
-                 task_type: str, task_kwargs: dict[str, Any], sampling: SamplingParams,
-                 max_response_tokens: int, partial_rollout: bool, reward_timeout_s: float = 30.0,
-                 torch_threads: int | None = None) -> None:
-        self.engine_type, self.model_path, self.engine_kwargs = engine_type, model_path, engine_kwargs
-        self.task_type, self.task_kwargs = task_type, task_kwargs
-        self.sampling, self.max_response_tokens = sampling, max_response_tokens
+    ``engine``: the engine's config section; ``make_task()`` builds the task
+    (its reward); ``next_request(sample, budget, sampling)`` and
+    ``absorb(sample, output, budget)`` are the resume-budget rule; ``queue``:
+    the TransferQueue client finished groups go to."""
+
+    def __init__(self, *, engine: Any, model_path: str, seed: int, make_task: Callable[[], Any],
+                 sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
+                 next_request: Callable[..., Any], absorb: Callable[..., bool], queue: Any,
+                 reward_timeout_s: float = 30.0, torch_threads: int | None = None) -> None:
+        self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
+        self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens
         self.partial_rollout, self.reward_timeout_s = partial_rollout, reward_timeout_s
+        self._next_request, self._absorb, self.queue = next_request, absorb, queue
         self.torch_threads = torch_threads
         self.engine: Any = None
         self.task: Any = None
         self._running: asyncio.Event | None = None
-        self._group: Any = None  # broadcast transport when weights come over torch.distributed
+        self._link: Any = None  # sync.link.EngineLink once the transport is known
         self.num_reward_errors = 0
+        self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
+        self.num_queued = 0
+        self.dropped: Counter[str] = Counter()
 
     async def setup(self) -> None:
         import torch  # imported here so the first call is not slow (Ray actors)
 
         from actors.engines import make_engine
-        from policies.tasks import make_task
 
         quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self._running = asyncio.Event()
         self._running.set()
-        self.task = make_task(self.task_type, **self.task_kwargs)
-        self.engine = make_engine(self.engine_type, self.model_path, **self.engine_kwargs)
+        self.task = self.make_task()
+        self.engine = make_engine(self.engine_cfg, self.model_path, seed=self.seed)
         await self.engine.setup()
 
     # -- generation ---------------------------------------------------------
 
-    async def generate_group(self, group: GroupRequest) -> list[Sample]:
-        """Generate, resume and score ``group.n`` samples; returns all of them."""
+    async def generate_group(self, group: GroupRequest) -> GroupReport:
+        """Generate, resume and score ``group.n`` samples; queue them if all
+        finished, else drop them (counted). Returns counts, never samples."""
         now = time.time()
         samples = [
             Sample(uid=f"{group.group_id}-{i}", group_id=group.group_id,
@@ -81,15 +88,25 @@ class RolloutActor(Actor):
             for i in range(group.n)
         ]
         await asyncio.gather(*(self._generate_one(s) for s in samples))
-        return [pack_tokens(s) for s in samples]  # finished: token lists become arrays
+        report = GroupReport(group_id=group.group_id, num_samples=len(samples), num_queued=0,
+                             num_resumed=sum(1 for s in samples if s.num_resumes > 0))
+        if all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples):
+            await self.queue.put([pack_tokens(s) for s in samples])  # finished: token lists become arrays
+            report.num_queued = len(samples)
+            self.num_queued += len(samples)
+        else:
+            reasons = Counter(_DROP_REASON.get(s.finish_reason or "", "group_incomplete") for s in samples)
+            report.dropped = dict(reasons)
+            self.dropped.update(reasons)
+        return report
 
     async def _generate_one(self, sample: Sample) -> None:
         assert self._running is not None, "setup() was not awaited"
         while True:
             await self._running.wait()  # a sync in progress: resume on the new weights
             out: GenerateOutput = await self.engine.generate(
-                next_request(sample, self.max_response_tokens, self.sampling))
-            if absorb(sample, out, self.max_response_tokens):
+                self._next_request(sample, self.max_response_tokens, self.sampling))
+            if self._absorb(sample, out, self.max_response_tokens):
                 break
             if not self.partial_rollout:
                 sample.finish_reason = "abort"
@@ -132,8 +149,12 @@ class RolloutActor(Actor):
             await asyncio.sleep(0)
         await self.engine.resume()
 
-    async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
-        return await self.engine.abort(request_ids)
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        """Interrupt in-flight generations; their partial outputs stay here (each
+        waiting generation absorbs its own). Returns how many were interrupted."""
+        num = len(await self.engine.abort(request_ids))
+        self.num_aborted += num
+        return num
 
     async def sleep(self, level: int = 1) -> None:
         await self.engine.sleep(level)
@@ -141,26 +162,32 @@ class RolloutActor(Actor):
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.engine.wake_up(tags)
 
-    async def update_weights(self, update: Any) -> int:
-        from actors.weight_group import DistPush
-
-        if isinstance(update, DistPush):  # the payload arrives by broadcast from the trainer
-            if self._group is None:
-                raise RuntimeError("a broadcast push reached an actor outside the weight group")
-            update = await self.blocking(self._group.receive)
+    async def update_weights(self, handle: Any) -> int:
+        """Apply the update behind ``handle`` (fetched through the weight link)."""
+        if self._link is None:
+            raise RuntimeError("update_weights() before open_weight_link()")
+        update = await self.blocking(self._link.receive, handle) if self._link.kind == "dist" else handle
         return await self.engine.update_weights(update)
+
+    async def placement(self) -> Any:
+        from sync.link import placement
+
+        return placement(str(self.engine_cfg.device))
+
+    async def open_weight_link(self, kind: str) -> None:
+        from sync.link import EngineLink
+
+        self._link = EngineLink(kind)
+
+    async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
+        """Join the weight-sync broadcast group (with the trainer and every other rollout actor)."""
+        await self.blocking(self._link.join, init_method, rank, world_size, backend)
 
     async def weights_digest(self) -> dict[str, str]:
         """sha256 of every weight the engine holds, by HF name (for bit-exactness checks)."""
-        from actors.weight_group import digest_named
+        from sync.link import digest_named
 
         return await self.blocking(digest_named, self.engine.named_weights())
-
-    async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
-        """Join the weight-sync process group (with the trainer and every other rollout actor)."""
-        from actors.weight_group import join_group
-
-        self._group = await self.blocking(join_group, init_method, rank, world_size, backend)
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
@@ -168,10 +195,11 @@ class RolloutActor(Actor):
     async def get_version(self) -> int:
         return self.engine.version
 
-    async def statistics(self) -> dict[str, float]:
-        """The engine's counters and step timings (when it keeps them)."""
+    async def statistics(self) -> dict[str, Any]:
+        """The engine's counters and step timings (when it keeps them), and this actor's."""
         stats = getattr(self.engine, "statistics", None)
-        return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors}
+        return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors,
+                "num_aborted": self.num_aborted, "num_queued": self.num_queued, "dropped": dict(self.dropped)}
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -134,6 +134,9 @@ class Runtime(abc.ABC):
                     num_gpus: float = 0, **kwargs: Any) -> Handle:
         """Create ``cls(*args, **kwargs)`` as an actor and ``await setup()`` on it."""
 
+    def connect(self) -> None:
+        """Join the cluster this runtime places actors on, if it has one (Ray)."""
+
     async def call_all(self, handles: list[Handle], method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every handle concurrently; the first error propagates."""
         return list(await asyncio.gather(*(h.call(method, *args, **kwargs) for h in handles)))
@@ -395,11 +398,15 @@ class ProcessRuntime(Runtime):
 
 
 def _adopting(cls: type[Actor]) -> type[Actor]:
-    """Subclass whose setup adopts Ray's actor loop as this process's loop."""
+    """Subclass whose setup adopts Ray's actor loop as this process's loop.
+
+    That loop is a uvloop loop: Ray builds an async actor's loop with uvloop when it
+    is installed (``loop`` module docstring), so the actor's calls run on it directly.
+    """
 
     class _RayActor(cls):  # type: ignore[misc, valid-type]
         async def setup(self) -> None:
-            global_loop.adopt()
+            global_loop.adopt()  # Ray's (uvloop) loop, which runs every call of this actor
             _actor_process_settings()
             await super().setup()
 
@@ -429,9 +436,14 @@ class RayRuntime(Runtime):
                 self._started_cluster = True
         return ray
 
+    def connect(self) -> None:
+        self._ensure_ray()
+
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
                     num_gpus: float = 0, **kwargs: Any) -> Handle:
         ray = self._ensure_ray()
+        # No runtime_env: Ray already makes the actor's loop with uvloop, in our cluster or one
+        # we joined; a per-actor runtime_env would cost a fresh worker process (~1 s) per actor.
         remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000)(
             _adopting(cls)
         )

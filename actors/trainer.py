@@ -1,9 +1,15 @@
-"""TrainerActor: owns one trainer backend; turns batches into optimizer steps
-and optimizer steps into weight updates.
+"""TrainerActor: owns one trainer backend; pulls its batches from the
+TransferQueue, turns them into optimizer steps, and pushes weights to the
+engines through the weight link.
+
+    policy ──BatchRequest──► train_step ──get──► TransferQueue (whole groups, not too stale)
+           ◄──StepReport──   advantages, loss, optimizer step ──ack (nack on failure)──►
 
 Endpoints (all async; the work runs on the actor's worker thread):
-    train_step(samples)       GRPO advantages, loss, one optimizer step -> metrics
-    weight_update()           encode the current weights (full or delta) for the engines
+    train_step(request)       take a batch, one optimizer step, ack -> StepReport (counts, metrics)
+    weight_update()           encode the current weights (full or delta) and publish them:
+                              returns the manifest and a small handle, never the payload
+    broadcast_pending()/release_weights()   the link's sending side (``sync.link``)
     weights_refused()         a receiver refused a delta: next update is full
     observe(...)/revert_update()  cost feedback for sync.mode=auto; undo of a failed push
     save(dir) / load(dir)     checkpoint (safetensors + optimizer state)
@@ -11,27 +17,34 @@ Endpoints (all async; the work runs on the actor's worker thread):
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from actors.runtime import Actor, quiet_transformers
-from transfer_queue.sample import Sample
+from contracts.sample import Sample, batch_stats
+from contracts.training import BatchRequest, StepReport
 
 __all__ = ["TrainerActor"]
 
 
 class TrainerActor(Actor):
-    """One optimizer over the policy model (torch backend; megatron later)."""
+    """One optimizer over the policy model, behind a backend (``actors.backends``).
 
-    def __init__(self, *, backend: str, model_path: str, backend_kwargs: dict[str, Any],
-                 sync_kwargs: dict[str, Any], torch_threads: int | None = None) -> None:
-        self.backend_type, self.model_path = backend, model_path
-        self.backend_kwargs, self.sync_kwargs = backend_kwargs, sync_kwargs
+    ``trainer``: the backend's config section; ``sync``: the weight-sync
+    section; ``loss``: the loss object and ``advantages(rewards, groups)`` the
+    advantage estimator (policy math, injected); ``queue``: the TransferQueue
+    client batches come from."""
+
+    def __init__(self, *, trainer: Any, sync: Any, model_path: str, seed: int, loss: Any,
+                 advantages: Callable[..., Any], queue: Any, engine_dtype: str,
+                 torch_threads: int | None = None) -> None:
+        self.trainer_cfg, self.sync_cfg, self.model_path, self.seed = trainer, sync, model_path, seed
+        self.loss, self.advantages, self.queue, self.engine_dtype = loss, advantages, queue, engine_dtype
         self.torch_threads = torch_threads
         self.backend: Any = None
         self.sender: Any = None
-        self._group: Any = None  # broadcast transport when weights go over torch.distributed
-        self._pending: Any = None  # the payload of the last update, until broadcast
-        self._ipc: Any = None  # CUDA IPC transport when engines map the payload from this GPU
+        self._link: Any = None  # sync.link.TrainerLink once the transport is known
 
     async def setup(self) -> None:
         await self.blocking(self._setup)
@@ -39,87 +52,86 @@ class TrainerActor(Actor):
     def _setup(self) -> None:
         import torch
 
+        from actors.backends import make_backend
         from sync import WeightSender
 
         quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        if self.backend_type != "torch":
-            raise ValueError(f"trainer.backend: {self.backend_type!r} is not available in this build "
-                             "(expected torch)")
-        from actors.backends.torch_backend import TorchBackend
-
-        self.backend = TorchBackend(self.model_path, **self.backend_kwargs)
+        self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss)
         self.backend.setup()
-        kwargs = dict(self.sync_kwargs)
-        kwargs["dtype"] = getattr(torch, kwargs.get("dtype", "float32"))
-        self.sender = WeightSender(**kwargs)
+        self.sender = WeightSender.from_config(self.sync_cfg, dtype=getattr(torch, self.engine_dtype))
 
     async def get_version(self) -> int:
         return self.backend.version
 
-    async def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        return await self.blocking(self._train_step, samples)
+    async def train_step(self, request: BatchRequest) -> StepReport:
+        """Take the batch ``request`` describes from the queue, train on it, ack it
+        (nack if the step fails, so its samples are handed out again)."""
+        t0 = time.perf_counter()
+        batch = await self.queue.get(
+            consumer=request.consumer, batch_size=request.batch_size, sampler="grpo_group",
+            group_size=request.group_size, current_version=request.current_version,
+            max_staleness=request.max_staleness)
+        t1 = time.perf_counter()
+        try:
+            samples: list[Sample] = batch.samples
+            metrics = await self.blocking(self._train_step, samples)
+        except BaseException:
+            await self.queue.nack(batch.batch_id)
+            raise
+        await self.queue.ack(batch.batch_id)
+        stats = batch_stats(samples, request.current_version)
+        return StepReport(version=self.backend.version, num_samples=len(samples),
+                          num_tokens=sum(len(s.response_ids) for s in samples),
+                          wait_s=t1 - t0, train_s=time.perf_counter() - t1, dropped=dict(batch.dropped),
+                          metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}})
 
     def _train_step(self, samples: list[Sample]) -> dict[str, float]:
         import torch
 
-        from policies.advantages import grpo_advantages
-
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         index: dict[str, int] = {}
         groups = torch.tensor([index.setdefault(s.group_id, len(index)) for s in samples])
-        advantages = grpo_advantages(rewards, groups)
+        advantages = self.advantages(rewards, groups)
         metrics = self.backend.train_step(samples, advantages.tolist())
         metrics["reward_mean"] = float(rewards.mean())
         return metrics
 
+    # -- the weight link ------------------------------------------------------
+
+    async def placement(self) -> Any:
+        from sync.link import placement
+
+        return placement(str(self.backend.device))
+
+    async def open_weight_link(self, kind: str) -> str | None:
+        """Publish updates over transport ``kind``; for ``dist``, returns the
+        rendezvous address on this node that every member joins."""
+        from sync.link import TrainerLink
+
+        self._link = TrainerLink(kind, self.backend.device)
+        return TrainerLink.rendezvous() if kind == "dist" else None
+
+    async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
+        """Join the broadcast group as rank 0 (with every rollout actor at once)."""
+        await self.blocking(self._link.join, init_method, world_size, backend)
+
     async def weight_update(self) -> Any:
-        """The update that brings the engines to this trainer's current version."""
+        """The update that brings the engines to this trainer's current version, published."""
         return await self.blocking(self._weight_update)
 
     def _weight_update(self) -> Any:
-        return self._outgoing(self.sender.encode(self.backend.named_weights(), self.backend.version))
-
-    def _outgoing(self, update: Any) -> Any:
-        if self._ipc is not None and update is not None:
-            # the buckets stay here (kept until release_shared_buckets); engines map them
-            return self._ipc.send(update)
-        if self._group is None or update is None:
-            return update
-        # Broadcast mode: the payload stays here until broadcast_pending(); only
-        # the manifest goes back to the driver.
-        from sync.manifest import WeightUpdate
-
-        self._pending = update
-        return WeightUpdate(manifest=update.manifest, buckets=[])
-
-    async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
-        """Join the weight-sync process group as rank 0 (with every rollout actor at once)."""
-        from actors.weight_group import join_group
-
-        self._group = await self.blocking(join_group, init_method, 0, world_size, backend)
-
-    async def share_by_cuda_ipc(self) -> None:
-        """Hand updates out as CUDA IPC handles to their buckets on this GPU."""
-        from sync.transport.cuda_ipc import CudaIpcTransport
-
-        if self.backend.device.type != "cuda":
-            raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {self.backend.device}")
-        self._ipc = CudaIpcTransport(self.backend.device)
-
-    async def release_shared_buckets(self) -> None:
-        """Let go of the buckets handed out since the last call (every engine has applied them)."""
-        if self._ipc is not None:
-            self._ipc.close()
+        return self._link.publish(self.sender.encode(self.backend.named_weights(), self.backend.version))
 
     async def broadcast_pending(self) -> int:
-        """Broadcast the last encoded update to the group; returns its bytes."""
-        if self._pending is None:
-            raise RuntimeError("broadcast_pending() without a weight_update() before it")
-        update, self._pending = self._pending, None
-        await self.blocking(self._group.send, update)
-        return update.nbytes
+        """Broadcast the last published update to the group; returns its bytes."""
+        return await self.blocking(self._link.broadcast_pending)
+
+    async def release_weights(self) -> None:
+        """Let go of the payloads published since the last call (every engine has applied them)."""
+        if self._link is not None:
+            self._link.release()
 
     async def weights_refused(self) -> None:
         self.sender.force_full()
@@ -130,11 +142,11 @@ class TrainerActor(Actor):
 
     async def revert_update(self) -> Any:
         """The update that takes engines back to the previous version after a failed push."""
-        return self._outgoing(await self.blocking(self.sender.revert_update))
+        return self._link.publish(await self.blocking(self.sender.revert_update))
 
     async def weights_digest(self, dtype: str) -> dict[str, str]:
         """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
-        from actors.weight_group import digest_named
+        from sync.link import digest_named
 
         return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 

@@ -2,6 +2,7 @@
 
     python -m bench.async_vs_sync                 # CPU, default model, long-tail task, 3 seeds
     python -m bench.async_vs_sync --device cuda   # the same on a GPU
+    python -m bench.async_vs_sync --runtime process,local   # each policy under both runtimes: sync cost ratio
 
 Every policy runs the same task, model, engine, trainer, batch size and
 number of trainer steps (so the same sample budget), one after the other in
@@ -45,7 +46,7 @@ POLICIES = {
 }
 
 
-def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict[str, Any]:
     overrides = [
         f"run.seed={seed}", f"run.total_steps={args.warmup_steps + args.steps}", "run.progress=false",
         f"run.output_dir={args.output_dir}", f"task.type={args.task}",
@@ -55,7 +56,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         f"trainer.batch_prompts={args.batch_prompts}", f"rollout.n={args.n}",
         f"policy.staleness_threshold={args.staleness_threshold}",
         f"policy.max_staleness={args.max_staleness}",
-        f"runtime.type={args.runtime}", *POLICIES[policy], *args.overrides,
+        f"runtime.type={runtime}", *POLICIES[policy], *args.overrides,
     ]
     if args.device != "cpu":
         engine_device = "cuda:1" if args.placement == "disaggregated" else args.device
@@ -67,6 +68,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         overrides += ["sync.colocated=false", "sync.transport=broadcast",
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
     run = launch(ROOT / "fully_async.yaml", *overrides)
+    transport = run.weight_transport
     with run:
         warm = run.train(args.warmup_steps)  # untimed: one-time costs of the actors' processes land here
         engine0 = loop.run(run.policy.rollouts[0].statistics())
@@ -87,6 +89,7 @@ def _one(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
         return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"])))
     return {
+        "weight_transport": transport,
         "wall_s": wall_s,
         "samples_per_s": (last["trained"] - start["trained"]) / wall_s,
         "tokens_per_s": sum(m["response_len_mean"] for m in hist) * run.cfg.batch_size / wall_s,
@@ -136,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
                    help="disaggregated: trainer and engine in separate processes (on GPU: cuda:0 "
                         "and cuda:1), weights by torch.distributed broadcast (runtime process or ray)")
-    p.add_argument("--runtime", default="process", choices=["process", "ray", "local"],
+    p.add_argument("--runtime", default="process",
                    help="process (default: one child process per actor, so rollout and trainer get a "
-                        "core and a GIL each, no Ray) | ray | local (one process, one GIL)")
+                        "core and a GIL each, no Ray) | ray | local (one process, one GIL); a comma list "
+                        "runs each policy under each runtime in turn and compares their sync time per step "
+                        "(e.g. process,local)")
     p.add_argument("--free-kv", action="store_true",
                    help="sleep(1)/wake_up the engine's KV cache around every push (colocated memory "
                         "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
@@ -171,13 +176,21 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     policies = args.policies.split(",")
-    runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    runtimes = args.runtime.split(",")
+    for rt in runtimes:
+        if rt not in ("process", "ray", "local"):
+            p.error(f"--runtime: {rt!r} is not one of process, ray, local")
+    every: dict[str, dict[str, list[dict[str, Any]]]] = {rt: {policy: [] for policy in policies} for rt in runtimes}
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         for policy in policies:
-            runs[policy].append(_one(policy, seed, args))
-            print(f"[async_vs_sync] seed {seed} {policy}: {runs[policy][-1]['wall_s']:.2f} s", file=sys.stderr)
-            if args.out:  # every finished run is kept, should the invocation be cut short
-                pathlib.Path(args.out).write_text(json.dumps({**result, "partial": True, "runs_so_far": runs}, indent=1))
+            for rt in runtimes:
+                every[rt][policy].append(_one(policy, seed, rt, args))
+                print(f"[async_vs_sync] seed {seed} {policy} {rt}: {every[rt][policy][-1]['wall_s']:.2f} s",
+                      file=sys.stderr)
+                if args.out:  # every finished run is kept, should the invocation be cut short
+                    pathlib.Path(args.out).write_text(json.dumps({**result, "partial": True, "runs_so_far": every},
+                                                                 indent=1))
+    runs = every[runtimes[0]]
     result["policies"] = {policy: _summarise(r) for policy, r in runs.items()}
     pol = result["policies"]
     for name in pol:
@@ -185,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             result[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
             result[f"speedup_{name}_over_sync_per_seed"] = [
                 round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
+    if len(runtimes) > 1:  # the same policies under the other runtimes, and their sync cost against the first's
+        result["other_runtimes"] = {rt: {policy: _summarise(r) for policy, r in every[rt].items()}
+                                    for rt in runtimes[1:]}
+        for rt in runtimes[1:]:
+            result[f"sync_ms_ratio_{runtimes[0]}_over_{rt}"] = {
+                policy: [round(a["sync_ms_mean"] / b["sync_ms_mean"], 3) if b["sync_ms_mean"] else None
+                         for a, b in zip(runs[policy], every[rt][policy])]
+                for policy in policies}
     result["load_average_end"] = os.getloadavg()
     text = json.dumps(result)
     if args.out:

@@ -46,7 +46,7 @@ from actors.backends.mixed_precision import MainParamsOptimizer
 from sync import WeightSender, apply_update
 from sync import native
 from sync.auto import AutoConfig, AutoPolicy
-from sync.manifest import WeightUpdate
+from contracts.weights import WeightUpdate
 from sync.transport import make_transport
 
 LRS = (1e-6, 1e-5)

@@ -13,7 +13,17 @@ runs another loop (Jupyter) or from a thread other than the loop's.
     shutdown()     close it: cancel what is left, join the thread; idempotent
 
 Inside a Ray async actor the running loop belongs to Ray; :func:`adopt`
-makes it this process's loop so the same code runs there unchanged.
+makes it this process's loop so the same code runs there unchanged. Ray
+makes that loop with uvloop too: ``CoreWorker.initialize_eventloops_for_actor_concurrency_group``
+(``ray/_raylet.pyx``) builds each actor loop with ``ray._private.async_compat.get_new_event_loop()``,
+which returns ``uvloop.new_event_loop()`` when uvloop imports and ``RAY_USE_UVLOOP``
+is not off in the worker's environment (on by default, Ray >= 2.8). So every
+process of a run, Ray actors included, runs one uvloop loop, whether asyncrl
+started Ray or joined a cluster, and with no per-actor ``runtime_env`` (which
+would cost each actor a fresh worker process, about a second, and replace a job's
+own ``worker_process_setup_hook``). A loop of our own in a thread beside Ray's
+would add a thread hop to every call. :func:`adopt` logs a warning when the loop
+it adopts is not uvloop although uvloop is installed.
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import importlib.util
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["adopt", "get_loop", "run", "submit", "shutdown", "is_uvloop", "in_loop"]
+__all__ = ["adopt", "get_loop", "run", "submit", "shutdown", "is_uvloop", "in_loop", "loop_name"]
 
 T = TypeVar("T")
 
@@ -34,6 +46,8 @@ _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None  # set when the loop runs in the background
 _adopted = False
 _SHUTDOWN_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -55,7 +69,12 @@ def get_loop() -> asyncio.AbstractEventLoop:
 
 
 def adopt(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.AbstractEventLoop:
-    """Make an already running loop (Ray's, in an async actor) this process's loop."""
+    """Make an already running loop (Ray's, in an async actor) this process's loop.
+
+    The loop is adopted whatever its class: Ray runs the actor's methods on it, so a
+    loop of our own would mean a thread hop per call. Ray makes it with uvloop (see
+    the module docstring); if it did not, a warning says why.
+    """
     global _loop, _adopted
     loop = loop or asyncio.get_running_loop()
     with _lock:
@@ -63,12 +82,31 @@ def adopt(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.AbstractEven
             if _loop.is_running():
                 raise RuntimeError("this process already runs another asyncrl loop")
             _loop.close()
+        first = not (_adopted and _loop is loop)
         _loop, _adopted = loop, True
+    if first and not _is_uvloop(loop) and importlib.util.find_spec("uvloop") is not None:
+        log.warning(
+            "asyncrl: this process runs on %s, not uvloop, although uvloop is installed; in a Ray "
+            "actor that means RAY_USE_UVLOOP is off in the worker's environment (unset it, or set it "
+            "to 1, e.g. with ray.init(runtime_env={'env_vars': {'RAY_USE_UVLOOP': '1'}}))",
+            loop_name(loop),
+        )
     return loop
 
 
+def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """``module.class`` of ``loop`` (default: the running one), e.g. ``uvloop.Loop``."""
+    cls = type(loop or asyncio.get_running_loop())
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
+    return type(loop).__module__.startswith("uvloop")
+
+
 def is_uvloop() -> bool:
-    return type(get_loop()).__module__.startswith("uvloop")
+    """True when this process's loop is a uvloop loop."""
+    return _is_uvloop(get_loop())
 
 
 def in_loop() -> bool:

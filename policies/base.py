@@ -1,12 +1,24 @@
-"""What every schedule shares: prompt groups, accounting, batches, weight syncs, metrics.
+"""What every schedule shares: prompt groups, accounting, trainer steps, weight syncs, metrics.
 
-A policy owns the counters of the accounting invariant
+The policy drives the actors with control messages only: a group request to
+a rollout actor (which queues the finished samples itself and reports
+counts), a batch request to the trainer (which takes its batch from the
+TransferQueue, trains, acks and reports counts), sync triggers. Sample and
+weight payloads never pass through it.
+
+Accounting invariant, checked after every step from the queue's counters and
+the actors' reports (and: the trainer's reported samples are the queue's
+acknowledged ones; the queue holds no sample a rollout actor did not report,
+beyond the groups still in flight):
 
     produced == trained + dropped + pending
 
-where ``produced`` counts samples that came back from rollout, ``dropped``
-counts samples removed before training (by reason), and ``pending`` is what
-waits in the TransferQueue (queued or handed out and not yet acknowledged).
+``produced``: samples that came back from rollout (queued, or dropped by the
+rollout actor: a failed reward, an aborted generation, an incomplete group);
+``trained``: samples the trainer reported trained and acknowledged (checked
+against the queue's own count of acknowledged samples); ``dropped``: by reason,
+in the rollout actors and in the queue (too stale); ``pending``: in the queue,
+waiting or leased and not yet acknowledged.
 """
 
 from __future__ import annotations
@@ -18,8 +30,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from actors.rollout import GroupRequest
-from transfer_queue.sample import Sample
+from contracts.rollout import GroupReport, GroupRequest
+from contracts.training import BatchRequest, StepReport
 
 __all__ = ["PolicyBase", "AccountingError"]
 
@@ -37,21 +49,23 @@ class PolicyBase(abc.ABC):
                  weight_sync: Any) -> None:
         self.cfg, self.rollouts, self.trainer, self.queue, self.task = cfg, rollouts, trainer, queue, task
         # coroutine fn: (rollouts, trainer, released=None) -> dict of sync metrics; sets ``released``
-        # (an asyncio.Event) once the trainer may step again (see sync.sequence.sync_weights)
+        # (an asyncio.Event) once the trainer may step again (see sync.link.push_weights)
         self.weight_sync = weight_sync
         self.rng = random.Random(cfg.run.seed)
         self.step = 0  # trainer steps done == trainer weight version
-        self.produced = 0
         self.trained = 0
+        self.rollout_produced = 0  # samples whose group report came back
+        self.rollout_queued = 0  # ... of which the rollout actors queued
+        self.rollout_dropped: Counter[str] = Counter()  # dropped by the rollout actors, by reason
+        self.queue_dropped: Counter[str] = Counter()  # dropped by the queue, by reason (last statistics)
+        self.queue_put = 0  # samples the queue registered (last statistics)
         self._in_flight = 0
         self._t_rollout_busy_s = 0.0
         self._t_busy_since = 0.0
-        self.dropped: Counter[str] = Counter()
         self._t_start = time.perf_counter()
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
-        self._books = asyncio.Lock()
 
     # -- prompts and groups -------------------------------------------------
 
@@ -60,42 +74,37 @@ class PolicyBase(abc.ABC):
         return GroupRequest(group_id=f"g{gid}", prompt_ids=list(prompt.prompt_ids),
                             n=self.cfg.rollout.n, meta=dict(prompt.meta))
 
-    async def put_group(self, samples: list[Sample]) -> int:
-        """Queue a finished group, or drop it whole (counted) when any member
-        failed: the trainer only takes complete groups. Returns samples kept.
+    def on_group(self, report: GroupReport) -> int:
+        """Count a rollout actor's report on a group; returns the samples it queued."""
+        self.rollout_produced += report.num_samples
+        self.rollout_queued += report.num_queued
+        self.rollout_dropped.update(report.dropped)
+        return report.num_queued
 
-        The put and the counter move together under ``_books`` so that an
-        accounting check never sees one without the other (the queue's
-        capacity is at least the admission budget, so the put never waits
-        for space while holding it)."""
-        if all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples):
-            async with self._books:
-                await self.queue.put(samples)
-                self.produced += len(samples)
-            return len(samples)
-        self.produced += len(samples)
-        for s in samples:
-            self.dropped[{"error": "reward_error", "abort": "aborted"}.get(
-                s.finish_reason or "", "group_incomplete")] += 1
-        return 0
+    @property
+    def dropped(self) -> Counter[str]:
+        return self.rollout_dropped + self.queue_dropped
 
-    async def get_batch(self) -> Any:
+    @property
+    def produced(self) -> int:
+        return self.queue_put + sum(self.rollout_dropped.values())
+
+    def batch_request(self) -> BatchRequest:
         p = self.cfg.policy
-        batch = await self.queue.get(
-            consumer=self.consumer, batch_size=self.cfg.batch_size * p.require_batches,
-            sampler="grpo_group", group_size=self.cfg.rollout.n,
-            current_version=self.step, max_staleness=p.max_staleness)
-        for reason, n in batch.dropped.items():
-            self.dropped[reason] += n
-            await self._on_drop_after_queue(n)
-        return batch
+        return BatchRequest(consumer=self.consumer, batch_size=self.cfg.batch_size * p.require_batches,
+                            group_size=self.cfg.rollout.n, current_version=self.step,
+                            max_staleness=p.max_staleness)
+
+    async def _train_once(self) -> StepReport:
+        """One trainer step: the trainer takes its batch from the queue itself."""
+        return await self.trainer.train_step(self.batch_request())
 
     async def _on_drop_after_queue(self, n: int) -> None:
         """Hook: samples the queue dropped (stale) after they were admitted."""
 
     @property
     def in_flight(self) -> int:
-        """Samples being generated now."""
+        """Samples being generated now (admitted, their group not reported yet)."""
         return self._in_flight
 
     @in_flight.setter
@@ -114,9 +123,8 @@ class PolicyBase(abc.ABC):
 
     async def outstanding(self) -> int:
         """Samples admitted and not yet trained or dropped (a group being put
-        counts twice for a moment: admission errs on the safe side)."""
-        async with self._books:
-            return self.in_flight + await self.pending()
+        counts twice until its report comes back: admission errs on the safe side)."""
+        return self.in_flight + await self.pending()
 
     async def pending(self) -> int:
         """Samples in the queue: waiting, or handed out and not yet acknowledged."""
@@ -124,21 +132,28 @@ class PolicyBase(abc.ABC):
         return stats.pending + stats.in_flight
 
     async def check_accounting(self) -> int:
-        """Raise :class:`AccountingError` unless produced == trained + dropped + pending;
-        returns pending."""
-        async with self._books:
-            pending = await self.pending()
-            total_dropped = sum(self.dropped.values())
-            if self.produced != self.trained + total_dropped + pending:
-                raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
-                                      f"dropped={total_dropped} + pending={pending}")
+        """Read the queue's counters and raise :class:`AccountingError` unless
+        produced == trained + dropped + pending; returns pending."""
+        stats = await self.queue.statistics_async()
+        self.queue_put = stats.put
+        self.queue_dropped = Counter(stats.dropped_by_reason)
+        pending = stats.pending + stats.in_flight
+        delivered = stats.consumers[self.consumer].delivered if self.consumer in stats.consumers else 0
+        total_dropped = sum(self.dropped.values())
+        # the queue may hold groups whose report is still on its way, never more than are in flight
+        unreported = stats.put - self.rollout_queued
+        if (self.produced != self.trained + total_dropped + pending or delivered != self.trained
+                or not 0 <= unreported <= self.in_flight):
+            raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
+                                  f"dropped={total_dropped} + pending={pending} (queue: put={stats.put}, "
+                                  f"acknowledged={delivered}; rollout actors reported {self.rollout_queued} "
+                                  f"queued, {self.in_flight} in flight)")
         return pending
 
     # -- the trainer side ---------------------------------------------------
 
-    @abc.abstractmethod
-    async def _next_batch(self) -> Any:
-        """Wait for the next batch to train on."""
+    async def _before_step(self) -> None:
+        """Called before every trainer step (the baselines generate here)."""
 
     @abc.abstractmethod
     async def _after_step(self) -> None:
@@ -171,53 +186,42 @@ class PolicyBase(abc.ABC):
         out = []
         for _ in range(num_steps):
             t0 = time.perf_counter()
-            batch = await self._next_batch()
-            t1 = time.perf_counter()
-            samples: list[Sample] = batch.samples
-            lags = [self.step - s.min_version for s in samples]
-            train_metrics = await self.trainer.train_step(samples)
-            await self.queue.ack(batch.batch_id)
-            self.trained += len(samples)
+            await self._before_step()
+            report = await self._train_once()
+            self.trained += report.num_samples
             self.step += 1
+            dropped = sum(report.dropped.values())
+            if dropped:
+                await self._on_drop_after_queue(dropped)
             t2 = time.perf_counter()
             await self._after_step()
             t3 = time.perf_counter()
-            self._t_trainer_busy_s += t2 - t1
+            self._t_trainer_busy_s += report.train_s
             pending = await self.check_accounting()
-            record = self._step_metrics(samples, lags, train_metrics, pending, wait_s=t1 - t0,
-                                        train_s=t2 - t1, after_s=t3 - t2)
+            record = self._step_metrics(report, pending, wait_s=t2 - t0 - report.train_s, after_s=t3 - t2)
             self.last_sync, self._record = {}, (self.step, record)
             out.append(record)
         return out
 
-    def _step_metrics(self, samples: list[Sample], lags: list[int], train: dict[str, float],
-                      pending: int, *, wait_s: float, train_s: float, after_s: float) -> dict[str, Any]:
+    def _step_metrics(self, report: StepReport, pending: int, *, wait_s: float, after_s: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._t_start
-        num_tokens = sum(len(s.response_ids) for s in samples)
-        partial = [s for s in samples if s.num_resumes > 0]
-        step_s = wait_s + train_s + after_s
+        step_s = wait_s + report.train_s + after_s
         return {
             "step": self.step,
             "version": self.step,
-            "reward": sum(s.reward or 0.0 for s in samples) / len(samples),
-            "staleness_mean": sum(lags) / len(lags),
-            "staleness_max": max(lags),
-            "partial_ratio": len(partial) / len(samples),
-            "max_resumes": max((s.num_resumes for s in samples), default=0),
-            "max_resume_span": max((s.max_version - s.min_version for s in samples), default=0),
-            "response_len_mean": num_tokens / len(samples),
+            **{k: v for k, v in report.metrics.items()},
             "samples_per_s": self.trained / elapsed,
-            "tokens_per_s_step": num_tokens / step_s if step_s > 0 else 0.0,
+            "tokens_per_s_step": report.num_tokens / step_s if step_s > 0 else 0.0,
+            "num_tokens": report.num_tokens,
             "trainer_idle_ratio": 1.0 - self._t_trainer_busy_s / elapsed,
             "rollout_idle_ratio": max(0.0, 1.0 - self.rollout_busy_s() / elapsed),
             "wait_s": wait_s,
-            "train_s": train_s,
+            "train_s": report.train_s,
             "produced": self.produced,
             "trained": self.trained,
             "pending": pending,
             "dropped": dict(self.dropped),
             "elapsed_s": elapsed,
-            **{f"train/{k}": v for k, v in train.items()},
             **{f"sync/{k}": v for k, v in self.last_sync.items()},
         }
 

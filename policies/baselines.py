@@ -36,19 +36,18 @@ class _BatchPolicy(PolicyBase):
         while need > 0:
             groups = [self.next_group(next(self._gids)) for _ in range(need // n)]
             self.in_flight += need
-            results = await asyncio.gather(*(
+            reports = await asyncio.gather(*(
                 self.rollouts[i % len(self.rollouts)].generate_group(g) for i, g in enumerate(groups)))
-            for samples in results:
-                need -= await self.put_group(samples)
+            for report in reports:
+                need -= self.on_group(report)
             self.in_flight = 0
 
 
 class SyncPolicy(_BatchPolicy):
     """Generate a batch, train on it, sync: strictly on-policy."""
 
-    async def _next_batch(self) -> Any:
+    async def _before_step(self) -> None:
         await self._generate_batch()
-        return await self.get_batch()
 
     async def _after_step(self) -> None:
         await self.sync_weights()
@@ -61,14 +60,16 @@ class OneStepOffPolicy(_BatchPolicy):
         super().__init__(*args, **kwargs)
         self._next: asyncio.Task[None] | None = None
 
-    async def _next_batch(self) -> Any:
+    async def _before_step(self) -> None:
         if self._next is None:  # first step: nothing generated ahead yet
             await self._generate_batch()
         else:
             await self._next
-        batch = await self.get_batch()
+
+    async def _train_once(self) -> Any:
+        # the batch is queued already: the next one is generated while the trainer takes and trains it
         self._next = asyncio.create_task(self._generate_batch(), name="next-batch")
-        return batch
+        return await super()._train_once()
 
     async def _after_step(self) -> None:
         assert self._next is not None

@@ -1,16 +1,20 @@
 """The fully-async policy: one coroutine schedule on the driver's loop.
 
-    prompts ──► feeder ──(admission.acquire(n))──► group task × G ──► TransferQueue ──► trainer loop
-                  │ waits for: a free slot in the       │ rollout.generate_group            │ tq.get(whole groups,
-                  │ sync window (policies.admission)    │ (resumes itself across syncs)     │   not too stale)
-                  │ unblocked by: a sync, a drop        │ produces: scored samples, or      │ trainer.train_step
-                  │                                     │ drops (counted) + admission.release│ tq.ack
-                  ▼                                     ▼                                   │ every K steps:
-                                                                                            ▼
-    weight sync (sync.sequence): encode → pause rollouts → abort (partials kept) → [sleep] → push full|delta
-                                  → verify version → wake → reset caches → resume; admission.open_window
-                                  (with overlap_push, a task: the trainer's next step starts once
-                                   the encode is done)
+    prompts ──► feeder ──(admission.acquire(n))──► group task × G              trainer loop
+                  │ waits for: a free slot in the       │ rollout.generate_group      │ trainer.train_step(request)
+                  │ sync window (policies.admission)    │   the actor generates,      │   the trainer takes whole,
+                  │ unblocked by: a sync, a drop        │   resumes across syncs,     │   not too stale groups from
+                  │                                     │   scores and puts the group │   the TransferQueue, trains,
+                  │                                     │   into the TransferQueue    │   acks; reports counts
+                  │                                     │ reports counts; drops →     │ every K steps:
+                  ▼                                     ▼   admission.release          ▼
+    weight sync (sync.link → sync.sequence): encode + publish in the trainer → pause rollouts → abort
+        (partials stay in the rollout actors) → [sleep] → engines fetch full|delta from the trainer
+        → verify version → wake → reset caches → resume; admission.open_window
+        (with overlap_push, a task: the trainer's next step starts once the encode is done)
+
+The policy holds requests, reports and counters; samples go rollout actor →
+TransferQueue → trainer actor, weights trainer → engines.
 
 Feeder and group tasks run in the background for the life of the policy; the
 trainer loop runs inside :meth:`train` so a notebook can call ``train(steps=10)``
@@ -26,10 +30,10 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from actors.rollout import GroupRequest
+from contracts.rollout import GroupRequest
+from contracts.training import StepReport
 from policies.admission import Admission, window_budget
 from policies.base import PolicyBase
-from transfer_queue.sample import Sample
 
 __all__ = ["FullyAsyncPolicy"]
 
@@ -82,8 +86,7 @@ class FullyAsyncPolicy(PolicyBase):
     async def _run_group(self, actor: int, group: GroupRequest) -> None:
         try:
             self.in_flight += group.n
-            samples = await self.rollouts[actor].generate_group(group)
-            kept = await self.put_group(samples)
+            kept = self.on_group(await self.rollouts[actor].generate_group(group))
             self.in_flight -= group.n
             if kept < group.n:
                 await self.admission.release(group.n - kept)
@@ -94,15 +97,15 @@ class FullyAsyncPolicy(PolicyBase):
         finally:
             self._load[actor] -= 1
 
-    async def _next_batch(self) -> list[Sample]:
+    async def _train_once(self) -> StepReport:
         assert self._failure is not None
-        get = asyncio.ensure_future(self.get_batch())
-        await asyncio.wait([get, self._failure], return_when=asyncio.FIRST_COMPLETED)
+        step = asyncio.ensure_future(super()._train_once())
+        await asyncio.wait([step, self._failure], return_when=asyncio.FIRST_COMPLETED)
         if self._failure.done():
-            get.cancel()
-            await asyncio.gather(get, return_exceptions=True)
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
             self._failure.result()  # re-raises the background error here
-        return get.result()
+        return step.result()
 
     @property
     def overlap_push(self) -> bool:

@@ -21,11 +21,20 @@ not down-weighted per token as a per-sequence mean would do (DAPO's choice),
 and the loss scale does not depend on how the batch was padded.
 
 ``metrics`` holds plain floats (token means over the mask).
+
+A trainer backend gets its loss injected as a :class:`Loss`: the function
+picked by name with its options bound, built by the composition root::
+
+    loss = make_loss_from_config(cfg.trainer)          # or make_loss("ppo_clip", clip_eps_low=0.2)
+    loss(logprobs, rollout_logprobs, advantages, mask, proximal_logprobs=None) -> (loss, metrics)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -229,9 +238,52 @@ _LOSSES: dict[str, LossFn] = {
 #: Losses that need the trainer to recompute proximal log-probs before the step.
 NEEDS_PROXIMAL = frozenset({"decoupled_ppo"})
 
+_TENSOR_ARGS = frozenset({"logprobs", "rollout_logprobs", "advantages", "mask", "proximal_logprobs"})
 
-def make_loss(name: str) -> LossFn:
-    """The loss function registered as ``name`` (see the module docstring for its call)."""
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A loss function with its options bound: the one callable a trainer backend runs.
+
+    ``fn`` is a module-level loss function and ``options`` plain numbers, so a
+    ``Loss`` pickles by reference into child processes and Ray actors.
+    ``needs_proximal``: the backend must pass ``proximal_logprobs`` (the
+    log-probs of the weights before the step). ``name`` goes into checkpoints.
+    """
+
+    name: str
+    fn: LossFn
+    options: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    needs_proximal: bool = False
+
+    def __call__(self, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, *, proximal_logprobs: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.fn(logprobs, rollout_logprobs, advantages, mask, proximal_logprobs=proximal_logprobs,
+                       **self.options)
+
+
+def make_loss(name: str, **options: float) -> Loss:
+    """The loss registered as ``name`` with ``options`` bound (see the module
+    docstring for its call). ``ValueError`` names an unknown loss or option."""
     if name not in _LOSSES:
         raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(_LOSSES))}")
-    return _LOSSES[name]
+    fn = _LOSSES[name]
+    accepted = set(inspect.signature(fn).parameters) - _TENSOR_ARGS
+    if unknown := sorted(set(options) - accepted):
+        raise ValueError(f"loss {name!r} has no option(s) {unknown}; it accepts {sorted(accepted)}")
+    return Loss(name=name, fn=fn, options=dict(options), needs_proximal=name in NEEDS_PROXIMAL)
+
+
+def make_loss_from_config(trainer: Any) -> Loss:
+    """The loss a ``trainer`` config section names (``loss``), with its options
+    taken from the section: ``clip_eps`` (both sides of the PPO clip range) and
+    ``is_cap`` (the cap of truncated importance weights)."""
+    if trainer.loss == "ppo_clip":
+        options = {"clip_eps_low": trainer.clip_eps, "clip_eps_high": trainer.clip_eps}
+    elif trainer.loss == "decoupled_ppo":
+        options = {"clip_eps_low": trainer.clip_eps, "clip_eps_high": trainer.clip_eps,
+                   "behav_weight_cap": trainer.is_cap}
+    else:
+        options = {"cap": trainer.is_cap}
+    return make_loss(trainer.loss, **options)

@@ -8,8 +8,8 @@ prompt's own length never counts against the response budget.
 
 from __future__ import annotations
 
-from actors.engines.base import GenerateOutput, GenerateRequest, SamplingParams
-from transfer_queue.sample import Sample
+from contracts.rollout import GenerateOutput, GenerateRequest, SamplingParams
+from contracts.sample import Sample
 
 __all__ = ["remaining_budget", "next_request", "absorb"]
 

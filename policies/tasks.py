@@ -4,8 +4,9 @@ A task speaks token ids, not text: prompts are built straight from the
 tokenizer's vocabulary and rewards are computed on response ids, so no
 detokenisation quirk can change a reward.
 
-Built-in tasks (no downloads; they use the built-in tiny tokenizer, whose
-vocabulary is one token per symbol):
+Built-in tasks (no downloads; they use the built-in one-token-per-symbol
+tokenizer, :func:`build_symbol_tokenizer`, which the built-in tiny model was
+trained with and ships; pass ``tokenizer=`` to use another that has the symbols):
 
     reverse_digits   "<bos> R 3 1 4 :"  ->  "4 1 3 <eos>"    (3-5 digits by default)
     long_tail_copy   "<bos> C 3 1 4 :"  ->  "3 1 4 <eos>"    (heavy-tailed lengths)
@@ -20,10 +21,35 @@ from collections.abc import Callable
 
 import msgspec
 
+__all__ = ["Prompt", "Task", "build_symbol_tokenizer", "make_task", "positional_reward", "register_task"]
+
 #: One token per symbol. ``build_symbol_tokenizer`` turns this into a real
 #: HF fast tokenizer; the order fixes the token ids of the built-in model.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 SYMBOLS = tuple("0123456789") + (":", "R", "C", "+", "-", "=", " ")
+
+
+def build_symbol_tokenizer():
+    """A Hugging Face fast tokenizer with one token per symbol, special tokens
+    first (ids 0..3): the vocabulary of the built-in tiny model (``tools.warmstart``
+    saves it next to the weights). Built in memory; nothing is read or downloaded."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # Every character is its own word, so "R123:" encodes as R,1,2,3,: .
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # decode without spaces between symbols
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    tok.padding_side = "left"  # decoder-only generation pads on the left
+    return tok
 
 
 class Prompt(msgspec.Struct, kw_only=True):
@@ -76,9 +102,7 @@ class _SymbolTask(Task):
 
     def __init__(self, tokenizer=None):
         if tokenizer is None:
-            from actors.models import BUILTIN_MODEL_DIR, load_tokenizer
-
-            tokenizer = load_tokenizer(BUILTIN_MODEL_DIR)
+            tokenizer = build_symbol_tokenizer()
         self.tokenizer = tokenizer
         ids = tokenizer.convert_tokens_to_ids(list(SYMBOLS) + ["<bos>", "<eos>"])
         unk = tokenizer.unk_token_id

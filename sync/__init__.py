@@ -1,16 +1,17 @@
 """Weight sync: the update protocol (manifest + bounded payload buckets),
 full and delta encodings, transports, and the pause -> push -> resume sequence.
 
-    trainer: WeightSender.encode(weights, version) -> WeightUpdate
+    trainer: WeightSender.from_config(cfg.sync, dtype).encode(weights, version) -> WeightUpdate
     wire:    Transport.send(update) -> handle;  Transport.receive(handle) -> WeightUpdate
     engine:  apply_update(weights, update, current_version) -> new version
     policy:  await sync_weights(engines, source, colocated=...) -> SyncResult
 """
 
 from sync.apply import apply_update
+from sync.config import SyncConfig
 from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, SyncFailed, WeightSyncError
-from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, merge_updates
+from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, merge_updates
 from sync.metrics import SyncMetrics, SyncResult
 from sync.sequence import sync_weights
 from sync.transport import Transport, make_transport
@@ -22,6 +23,7 @@ __all__ = [
     "ManifestMismatch",
     "ShardSpec",
     "SyncFailed",
+    "SyncConfig",
     "SyncMetrics",
     "SyncResult",
     "TensorEntry",

@@ -29,7 +29,7 @@ from sync import checksum as cks
 from sync import native
 from sync.codec import apply_sparse_np, decode_sparse
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
-from sync.manifest import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
+from contracts.weights import TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
 
 
 _WIDER = {

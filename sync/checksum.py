@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from sync import native
-from sync.manifest import Checksum, ShardSpec
+from contracts.weights import Checksum, ShardSpec
 
 MASK64 = (1 << 64) - 1
 _BLOCK = 4096  # row length for the (row sum, column sum) trick below

@@ -31,11 +31,13 @@ from sync import checksum as cks
 from sync import native
 from sync.auto import AutoConfig, AutoPolicy, Kind
 from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
-from sync.manifest import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
+from sync.config import SyncConfig
+from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor, ShardSpec | None]]
 
 _ALIGN = 8  # raw pieces start 8-byte aligned so receivers view them in place
+_DEFAULTS = SyncConfig()  # the one set of defaults: the config's
 
 
 class _BucketWriter:
@@ -89,9 +91,12 @@ def _iter_named(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor, ShardS
 class WeightSender:
     """Encodes the trainer's weights as updates against the last version sent.
 
+    Runs build it from their ``sync`` section with :meth:`from_config`; the
+    keyword defaults here are that section's (:class:`sync.config.SyncConfig`).
+
     ``mode``: ``full`` always sends everything; ``delta`` sends changes
     (full for the first update, after :meth:`force_full`, and every
-    ``full_every_k`` versions when set); ``auto`` picks per sync from costs
+    ``full_every_k`` versions when set; 0 or None: never); ``auto`` picks per sync from costs
     reported through :meth:`observe`. ``bucket_bytes``: payload bucket size
     and the largest piece of a tensor handled at once. ``dtype``: the dtype
     the engines hold for floating tensors (the comparison and payload are in
@@ -102,9 +107,9 @@ class WeightSender:
 
     def __init__(
         self,
-        mode: Literal["full", "delta", "auto"] = "auto",
-        bucket_bytes: int = 64 << 20,
-        full_every_k: int | None = None,
+        mode: Literal["full", "delta", "auto"] = _DEFAULTS.mode,
+        bucket_bytes: int = _DEFAULTS.bucket_bytes,
+        full_every_k: int | None = _DEFAULTS.full_every_k,
         dtype: torch.dtype = torch.bfloat16,
         auto: AutoConfig | None = None,
         dedup_tied: bool = True,
@@ -113,11 +118,11 @@ class WeightSender:
             raise ValueError(f"WeightSender.mode must be 'full', 'delta' or 'auto', got {mode!r}")
         if bucket_bytes < 64:
             raise ValueError(f"WeightSender.bucket_bytes must be >= 64, got {bucket_bytes}")
-        if full_every_k is not None and full_every_k < 1:
-            raise ValueError(f"WeightSender.full_every_k must be >= 1 or None, got {full_every_k}")
+        if full_every_k is not None and full_every_k < 0:
+            raise ValueError(f"WeightSender.full_every_k must be >= 0 (0 or None: never), got {full_every_k}")
         self.mode = mode
         self.bucket_bytes = bucket_bytes
-        self.full_every_k = full_every_k
+        self.full_every_k = full_every_k or None
         self.dtype = dtype
         self.policy = AutoPolicy(auto)
         self.version: int | None = None  # last version encoded; None before the first
@@ -132,6 +137,16 @@ class WeightSender:
         self._unreported: tuple[Kind, float, int] | None = None
         self._scratch: torch.Tensor | None = None
         self._native_scratch = native.EncodeScratch()
+
+    @classmethod
+    def from_config(cls, cfg: SyncConfig, dtype: torch.dtype | str) -> WeightSender:
+        """The sender a ``sync`` section describes; ``dtype``: the engines'
+        (``rollout.engine.dtype``), a ``torch.dtype`` or its name."""
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"WeightSender dtype {dtype!r} is not a torch dtype name")
+            dtype = getattr(torch, dtype)
+        return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=dtype)
 
     def _cast_scratch(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """A buffer the CPU delta path casts a trainer-dtype piece into, kept

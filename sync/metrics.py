@@ -32,13 +32,14 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
 
 class SyncResult(msgspec.Struct, kw_only=True):
     """The outcome of :func:`sync.sequence.sync_weights`. ``aborted[i]``:
-    the partial outputs engine ``i`` returned when its in-flight requests
-    were aborted (resume them on the new weights). Reads as a flat metrics
+    what engine ``i``'s ``abort`` returned: the partial outputs of its in-flight
+    requests (resume them on the new weights), or their number from a rollout
+    actor, which keeps and resumes them itself. Reads as a flat metrics
     mapping (``dict(result)``) for the policy's logs."""
 
     version: int
     metrics: SyncMetrics
-    aborted: list[list[Any]] = msgspec.field(default_factory=list)
+    aborted: list[Any] = msgspec.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self.metrics)

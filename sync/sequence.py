@@ -38,7 +38,7 @@ from typing import Any
 
 from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
-from sync.manifest import WeightUpdate
+from contracts.weights import WeightUpdate
 from sync.metrics import SyncMetrics, SyncResult
 from sync.transport.base import Transport
 from sync.transport.inproc import InProcessTransport
@@ -117,8 +117,9 @@ async def sync_weights(
     while the push runs. A failed push is then not retried with a fresh full
     encode (it would read the newer weights); engines are reverted instead.
 
-    Returns a :class:`SyncResult` with the partial outputs of the aborted
-    requests (per engine) and the :class:`SyncMetrics`. On failure raises
+    Returns a :class:`SyncResult` with what each engine's ``abort`` returned
+    (an engine: the partial outputs; a rollout actor keeps those and returns
+    their count) and the :class:`SyncMetrics`. On failure raises
     :class:`~sync.errors.SyncFailed` naming the engine; engines are resumed
     either way and none is left on a different version from the others when
     the source can revert (a ``WeightSender``), else ``versions`` says where each is.
@@ -139,7 +140,7 @@ async def sync_weights(
         metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
                               changed_fraction=update.manifest.changed_fraction, encode_ms=0.0,
                               transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
-                              num_aborted=sum(len(a) for a in aborted))
+                              num_aborted=sum(a if isinstance(a, int) else len(a) for a in aborted))
         errors = await _push(engines, list(range(len(engines))), update, transport, metrics)
         if errors and src.can_retry:
             metrics.num_full_retries = 1

@@ -46,6 +46,46 @@ def test_bad_values_name_the_path_and_expected_type(override, message):
     assert str(err.value).startswith(message)
 
 
+@pytest.mark.parametrize(("override", "key", "extra"), [
+    ("rollout.engine.type=vllm", "rollout.engine.type", "vllm"),
+    ("rollout.engine.type=sglang", "rollout.engine.type", "sglang"),
+    ("trainer.backend=megatron", "trainer.backend", "megatron"),
+])
+def test_an_engine_or_backend_this_build_lacks_is_refused_at_load(override, key, extra):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert msg.startswith(f"{key}: '{extra}' is not available: this build has no {extra} ")
+    assert f'pip install -e ".[{extra}]"' in msg
+
+
+def test_cli_refuses_a_missing_engine_in_one_line_before_any_run_directory(tmp_path):
+    out = tmp_path / "runs"
+    res = _cli("fully_async.yaml", "rollout.engine.type=vllm", f"run.output_dir={out}")
+    assert res.returncode == 2
+    assert res.stderr.startswith("error: rollout.engine.type: 'vllm' is not available") and res.stderr.count("\n") == 1
+    assert not out.exists()
+
+
+def test_sections_live_with_their_components_and_keep_one_set_of_defaults():
+    from actors.backends.config import TrainerConfig
+    from actors.engines.config import EngineConfig
+    from sync.config import SyncConfig
+    from transfer_queue.config import TransferQueueConfig
+
+    cfg = load_config(None)
+    assert (type(cfg.rollout.engine), type(cfg.trainer), type(cfg.sync), type(cfg.transfer_queue)) == (
+        EngineConfig, TrainerConfig, SyncConfig, TransferQueueConfig)
+    assert cfg == Config() and cfg.transfer_queue == TransferQueueConfig()
+
+
+def test_a_section_check_of_its_own_names_the_dotted_key():
+    with pytest.raises(ConfigError, match=r"^transfer_queue\.ports: must be \(first, last\) with 1 <= first <= last"):
+        load_config(None, ["transfer_queue.ports=[30010, 30000]", "transfer_queue.deployment=ray", "runtime.type=ray"])
+    with pytest.raises(ConfigError, match=r"^transfer_queue\.ray_num_cpus: expected float >= 0"):
+        load_config(None, ["transfer_queue.ray_num_cpus=-1"])
+
+
 def test_cuda_ipc_transport_needs_the_trainer_and_engines_on_gpus():
     with pytest.raises(ConfigError, match="'cuda_ipc' needs the trainer and the engines on GPUs; got "
                                           "trainer.device='cpu', rollout.engine.device='cpu'"):

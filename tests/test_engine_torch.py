@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import loop
-from actors.engines import FullWeights, make_engine
+from actors.engines import EngineConfig, FullWeights, make_engine
 from actors.engines.torch_engine import TorchEngine
 from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running, tiny_models  # noqa: F401
 
@@ -97,14 +97,23 @@ def test_prompts_that_do_not_fit_are_a_clear_error(engine_factory, tiny_models):
     assert out.finish_reason == "length" and len(out.token_ids) == 6
 
 
-def test_make_engine_builds_torch_and_names_missing_adapters(tiny_models):
+def test_make_engine_builds_torch_from_its_section_and_names_missing_adapters(tiny_models):
     path, _ = tiny_models["qwen2"]
-    assert isinstance(make_engine("torch", path), TorchEngine)
+    cfg = EngineConfig(max_model_len=96)
+    engine = make_engine(cfg, path, seed=5)
+    assert isinstance(engine, TorchEngine)
+    assert (engine.max_model_len, engine.max_num_seqs, engine._seed) == (96, cfg.max_num_seqs, 5)
+    # one set of defaults: the engine built directly has the config's
+    direct = TorchEngine(path)
+    defaults = EngineConfig()
+    assert (direct.max_model_len, direct.max_num_seqs, direct._compile_decode, direct._cuda_graphs) == (
+        defaults.max_model_len, defaults.max_num_seqs, defaults.compile_decode, defaults.cuda_graphs)
     for kind in ("vllm", "sglang"):
-        with pytest.raises(ValueError, match=f"{kind} adapter is not available"):
-            make_engine(kind, path)
-    with pytest.raises(ValueError, match="unknown"):
-        make_engine("tgi", path)
+        with pytest.raises(ValueError, match=rf"^rollout\.engine\.type: '{kind}' is not available: "
+                                             rf"this build has no {kind} adapter.*pip install -e \"\.\[{kind}\]\""):
+            make_engine(EngineConfig(type=kind), path, seed=0)
+    with pytest.raises(ValueError, match=r"^rollout\.engine\.type: 'tgi' is unknown"):
+        make_engine(EngineConfig(type="tgi"), path, seed=0)  # type: ignore[arg-type]
 
 
 def test_unsupported_model_type_is_a_clear_error(tmp_path):

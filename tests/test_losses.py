@@ -85,3 +85,36 @@ def test_every_loss_is_zero_on_an_all_padding_batch():
 def test_unknown_loss_name_is_named_in_the_error():
     with pytest.raises(ValueError, match="'ppo_clipp'"):
         make_loss("ppo_clipp")
+
+
+def test_a_loss_binds_its_options_and_pickles_by_reference():
+    import pickle
+
+    loss = make_loss("decoupled_ppo", clip_eps_low=0.1, behav_weight_cap=3.0)
+    assert loss.needs_proximal and not make_loss("ppo_clip").needs_proximal
+    data = pickle.dumps(loss)
+    assert b"policies.losses" in data and len(data) < 400  # the function by name, no code
+    again = pickle.loads(data)
+    assert again == loss and again.fn is decoupled_ppo
+    args = torch.log(torch.tensor([[0.5, 0.4]])), torch.log(torch.tensor([[0.4, 0.4]])), torch.ones(1), torch.ones(1, 2)
+    got, _ = again(*args, proximal_logprobs=args[0])
+    want, _ = decoupled_ppo(*args, proximal_logprobs=args[0], clip_eps_low=0.1, behav_weight_cap=3.0)
+    assert got.item() == want.item()
+
+
+def test_an_option_the_loss_does_not_take_is_named():
+    with pytest.raises(ValueError, match=r"loss 'ppo_clip' has no option\(s\) \['clip_eps'\]"):
+        make_loss("ppo_clip", clip_eps=0.2)
+
+
+def test_the_trainer_section_maps_onto_loss_options():
+    from types import SimpleNamespace
+
+    from policies.losses import make_loss_from_config
+
+    section = SimpleNamespace(loss="ppo_clip", clip_eps=0.1, is_cap=4.0)
+    assert make_loss_from_config(section) == make_loss("ppo_clip", clip_eps_low=0.1, clip_eps_high=0.1)
+    section.loss = "decoupled_ppo"
+    assert make_loss_from_config(section).options == {"clip_eps_low": 0.1, "clip_eps_high": 0.1, "behav_weight_cap": 4.0}
+    section.loss = "tis_seq"
+    assert make_loss_from_config(section) == make_loss("tis_seq", cap=4.0)

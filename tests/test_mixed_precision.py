@@ -10,7 +10,8 @@ import torch
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
+from policies.losses import make_loss
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +45,7 @@ def _samples() -> list[Sample]:
 
 
 def test_bf16_backend_keeps_fp32_main_params_and_checkpoints_them(tmp_path) -> None:
-    backend = TorchBackend(str(BUILTIN_MODEL_DIR), dtype="bfloat16", lr=1e-4, seed=0)
+    backend = TorchBackend(str(BUILTIN_MODEL_DIR), loss=make_loss("ppo_clip"), dtype="bfloat16", lr=1e-4, seed=0)
     backend.setup()
     assert isinstance(backend.optimizer, MainParamsOptimizer)
     backend.train_step(_samples(), [1.0, -1.0])
@@ -52,7 +53,7 @@ def test_bf16_backend_keeps_fp32_main_params_and_checkpoints_them(tmp_path) -> N
     params = list(backend.model.parameters())
     assert all(p.dtype == torch.bfloat16 and torch.equal(p.detach(), m.to(torch.bfloat16)) for p, m in zip(params, main))
     backend.save(tmp_path)
-    other = TorchBackend(str(BUILTIN_MODEL_DIR), dtype="bfloat16", lr=1e-4, seed=1)
+    other = TorchBackend(str(BUILTIN_MODEL_DIR), loss=make_loss("ppo_clip"), dtype="bfloat16", lr=1e-4, seed=1)
     other.setup()
     other.load(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(main, other.optimizer.main))
@@ -60,6 +61,6 @@ def test_bf16_backend_keeps_fp32_main_params_and_checkpoints_them(tmp_path) -> N
 
 
 def test_fp32_backend_steps_the_model_params_directly() -> None:
-    backend = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-4)
+    backend = TorchBackend(str(BUILTIN_MODEL_DIR), loss=make_loss("ppo_clip"), lr=1e-4)
     backend.setup()
     assert isinstance(backend.optimizer, torch.optim.AdamW)

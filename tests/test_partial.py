@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engines.base import GenerateOutput, SamplingParams
+from contracts.rollout import GenerateOutput, SamplingParams
 from policies.partial import absorb, next_request, remaining_budget
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 
 
 def _interrupted(req, num_tokens: int, version: int) -> GenerateOutput:

@@ -16,7 +16,7 @@ from sync import (
     merge_updates,
 )
 from sync.auto import AutoConfig
-from sync.manifest import bucket_tensor
+from contracts.weights import bucket_tensor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,7 +100,7 @@ def test_wrong_target_checksum_rolls_back_pieces_already_written() -> None:
     assert last.encoding == "sparse" and len(update.manifest.entries) > 2
     # make the receiver's base wrong exactly where the last piece changes something
     from sync.codec import decode_sparse
-    from sync.manifest import dtype_from_name
+    from contracts.weights import dtype_from_name
 
     blob = bucket_tensor(update.buckets[last.bucket])[last.offset : last.offset + last.nbytes]
     flat = engine[last.name].view(-1)
@@ -179,6 +179,17 @@ def test_full_every_k_and_modes() -> None:
         WeightSender(mode="sparse")
     with pytest.raises(ValueError, match="greater"):
         sender.encode(w, 7)
+
+
+def test_the_sender_is_built_from_its_sync_section_and_shares_its_defaults() -> None:
+    from sync import SyncConfig
+
+    default, cfg = WeightSender(), SyncConfig()
+    assert (default.mode, default.bucket_bytes, default.full_every_k) == (cfg.mode, cfg.bucket_bytes, None)  # 0: never
+    sender = WeightSender.from_config(SyncConfig(mode="full", bucket_bytes=4096, full_every_k=2), "float32")
+    assert (sender.mode, sender.bucket_bytes, sender.full_every_k, sender.dtype) == ("full", 4096, 2, torch.float32)
+    with pytest.raises(ValueError, match="'int8x'"):
+        WeightSender.from_config(cfg, "int8x")
 
 
 def test_auto_mode_follows_measured_cost() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sync import WeightSender, apply_update
 from sync.checksum import int_view, region_checksum
 from sync.codec import bitmask_decode, bitmask_encode, varint_decode, varint_encode
-from sync.manifest import Manifest
+from contracts.weights import Manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -290,7 +290,7 @@ def test_device_sums_read_back_together_equal_the_host_checksums(shard) -> None:
     """The GPU path's deferred sums (torch ops, run here on CPU tensors) give
     the numpy path's checksums for pieces, byte payloads and sharded pieces."""
     from sync.checksum import bytes_checksum, bytes_sums, piece_checksum, piece_sums, read_sums
-    from sync.manifest import ShardSpec
+    from contracts.weights import ShardSpec
 
     spec = {None: None, "contiguous": ShardSpec(full_shape=(40, 8), dim=0, offset=10, length=20),
             "strided": ShardSpec(full_shape=(40, 8), dim=1, offset=2, length=4)}[shard]
@@ -309,7 +309,7 @@ def test_pieces_summed_together_equal_each_alone(group_elems, monkeypatch) -> No
     the group size is small) gives every piece's own checksum: mixed dtypes,
     strided and contiguous shards, empty and large pieces, positions past 2**32."""
     from sync import checksum as cks
-    from sync.manifest import ShardSpec
+    from contracts.weights import ShardSpec
 
     monkeypatch.setattr(cks, "_GROUP_ELEMS", group_elems)
     g = torch.Generator().manual_seed(2)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sync import WeightSender, apply_update, native
 from sync import codec_np as cnp
 from sync.checksum import int_view
-from sync.manifest import ShardSpec
+from contracts.weights import ShardSpec
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not native.available(), reason="no C compiler: the numpy path is used")]

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from actors.engines.base import GenerateOutput
+from contracts.rollout import GenerateOutput
 from sync import ChecksumError, SyncFailed, WeightSender, apply_update
-from sync.manifest import WeightUpdate, bucket_tensor
+from contracts.weights import WeightUpdate, bucket_tensor
 from sync.sequence import sync_weights
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]

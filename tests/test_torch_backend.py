@@ -1,9 +1,13 @@
 import pytest
 import torch
 
+from actors.backends import TrainerBackend, TrainerConfig, make_backend
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR, load_causal_lm
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
+from policies.losses import make_loss
+
+PPO = make_loss("ppo_clip")
 
 
 def _samples(backend: TorchBackend) -> list[Sample]:
@@ -20,7 +24,7 @@ def _samples(backend: TorchBackend) -> list[Sample]:
 
 @pytest.fixture
 def backend():
-    b = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, seed=0)
+    b = TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, lr=1e-3, seed=0)
     b.setup()
     return b
 
@@ -38,7 +42,7 @@ def test_logprobs_match_a_plain_forward_pass(backend):
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"])
 def test_one_step_with_positive_advantage_raises_that_responses_logprob(loss):
-    backend = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss=loss)
+    backend = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss=make_loss(loss))
     backend.setup()
     samples = _samples(backend)
     before = [sum(s.rollout_logprobs) for s in samples]
@@ -65,7 +69,7 @@ def test_save_then_load_restores_weights_optimizer_and_version(backend, tmp_path
     saved = {k: v.clone() for k, v in backend.named_weights().items()}
     next_metrics = backend.train_step(samples, [1.0, -1.0])  # the step a resumed run must repeat exactly
 
-    fresh = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3)
+    fresh = TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, lr=1e-3)
     fresh.setup()
     fresh.load(tmp_path)
     assert fresh.version == 1
@@ -75,10 +79,10 @@ def test_save_then_load_restores_weights_optimizer_and_version(backend, tmp_path
 
 
 def test_misuse_and_bad_input_are_clear_errors(backend, tmp_path):
-    with pytest.raises(ValueError, match="unknown loss"):
-        TorchBackend(str(BUILTIN_MODEL_DIR), loss="nope")
+    with pytest.raises(TypeError, match=r"policies\.losses\.make_loss"):
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss="ppo_clip")  # a name, not the loss
     with pytest.raises(RuntimeError, match="setup"):
-        TorchBackend(str(BUILTIN_MODEL_DIR)).compute_logprobs([])
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO).compute_logprobs([])
     samples = _samples(backend)
     with pytest.raises(ValueError, match="advantages"):
         backend.train_step(samples, [1.0])
@@ -92,7 +96,7 @@ def test_misuse_and_bad_input_are_clear_errors(backend, tmp_path):
 def test_decoupled_ppo_accepts_proximal_logprobs_from_compute_logprobs():
     runs = []
     for pass_proximal in (False, True):
-        b = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss="decoupled_ppo")
+        b = TorchBackend(str(BUILTIN_MODEL_DIR), lr=1e-3, loss=make_loss("decoupled_ppo"))
         b.setup()
         samples = _samples(b)
         for s in samples:  # a stale sampler: behaviour log-probs differ from the trainer's
@@ -103,17 +107,28 @@ def test_decoupled_ppo_accepts_proximal_logprobs_from_compute_logprobs():
     assert runs[0]["behav_weight_mean"] == pytest.approx(1.1052, abs=1e-3)  # exp(0.1)
 
 
-def test_an_option_the_loss_does_not_take_is_named_at_construction():
-    with pytest.raises(ValueError, match="clip_eps"):
-        TorchBackend(str(BUILTIN_MODEL_DIR), loss="ppo_clip", loss_kwargs={"clip_eps": 0.2})
+def test_make_backend_builds_the_torch_backend_from_its_config_section_with_its_defaults():
+    cfg = TrainerConfig(lr=1e-3)
+    backend = make_backend(cfg, str(BUILTIN_MODEL_DIR), seed=3, loss=PPO)
+    assert isinstance(backend, TrainerBackend) and isinstance(backend, TorchBackend)
+    assert (backend.lr, backend.seed, backend.loss, backend.version) == (1e-3, 3, PPO, 0)
+    assert backend.micro_batch_tokens == cfg.micro_batch_tokens == TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO).micro_batch_tokens
+    assert backend.shard_specs() is None  # unsharded
+
+
+def test_make_backend_refuses_a_backend_this_build_lacks_naming_the_key():
+    with pytest.raises(ValueError, match=r"^trainer\.backend: 'megatron' is not available: this build has no megatron backend"):
+        make_backend(TrainerConfig(backend="megatron"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)
+    with pytest.raises(ValueError, match=r"^trainer\.backend: 'jax' is unknown"):
+        make_backend(TrainerConfig(backend="jax"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "tis_seq"])
 def test_token_budget_micro_batches_give_the_same_step_as_one_batch(loss):
     """Sorting a long-tailed batch into micro-batches only removes padding:
     the update equals the whole-batch token-mean step."""
-    whole = TorchBackend(BUILTIN_MODEL_DIR, lr=1e-3, loss=loss, seed=0)
-    micro = TorchBackend(BUILTIN_MODEL_DIR, lr=1e-3, loss=loss, seed=0, micro_batch_tokens=24)
+    whole = TorchBackend(BUILTIN_MODEL_DIR, lr=1e-3, loss=make_loss(loss), seed=0, micro_batch_tokens=0)
+    micro = TorchBackend(BUILTIN_MODEL_DIR, lr=1e-3, loss=make_loss(loss), seed=0, micro_batch_tokens=24)
     whole.setup()
     micro.setup()
     samples = _samples(whole)

@@ -35,7 +35,7 @@ from transfer_queue.codec import (
     sample_to_row,
     tags_of,
 )
-from transfer_queue.sample import TOKEN_DTYPES, pack_tokens
+from contracts.sample import TOKEN_DTYPES, pack_tokens
 from transfer_queue.storage import StorageUnit
 from transfer_queue.wire import QueueStats
 

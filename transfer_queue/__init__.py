@@ -23,7 +23,7 @@ from transfer_queue.errors import (
     StorageUnitLost,
     TransferQueueError,
 )
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 from transfer_queue.samplers import SAMPLERS, grpo_group, is_stale, sequential
 from transfer_queue.wire import ConsumerStats, PartitionStats, QueueStats
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from transfer_queue.codec import TOKEN_FIELDS
 from transfer_queue.rows import Rows
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 
 __all__ = ["Batch"]
 

@@ -24,7 +24,7 @@ from transfer_queue.batch import Batch
 from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_rows, fields_mask, mask_fields, sample_to_row, tags_of
 from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 from transfer_queue.wire import QueueStats, SampleTags
 
 __all__ = ["TransferQueue"]

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transfer_queue.sample import TOKEN_DTYPES, Sample, max_version_of, min_version_of
+from contracts.sample import TOKEN_DTYPES, Sample, max_version_of, min_version_of
 from transfer_queue.wire import SampleTags
 
 __all__ = [

@@ -1,41 +1,48 @@
-"""TransferQueueConfig: the one typed config of a TransferQueue deployment."""
+"""TransferQueueConfig: the one typed config of a TransferQueue deployment,
+and the ``transfer_queue`` section of a run's config.
+
+Every field is checked twice: by its bound when a config file is decoded
+(``msgspec.convert``, the error names the dotted key), and on direct
+construction (``ValueError`` naming the field).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 __all__ = ["TransferQueueConfig"]
 
 Deployment = Literal["local", "ray"]
+Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
-class TransferQueueConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """How big the queue is, how it is sharded, and how long a consumer may hold a batch.
+class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """How big the queue is, how it is sharded, and how long a consumer may hold a batch."""
 
-    Every field is checked on construction (``ValueError`` naming the field).
-    """
-
-    # Most samples resident at once (pending + leased, partial ones included).
-    # ``put`` waits (or raises QueueFull with wait=False) rather than exceed it.
-    capacity: int = 8192
-    # Storage units the sample data is sharded across (global index % num_storage_units).
-    num_storage_units: int = 2
-    # Seconds a consumer may hold a batch before it is returned to the ready set
-    # (its consumer is presumed dead). ``math.inf`` means leases never expire.
-    lease_s: float = 600.0
-    # "local": controller and storage units live in this process (default; tests).
-    # "ray": they are Ray actors; data moves client <-> storage unit directly.
+    capacity: Annotated[int, Meta(ge=1)] = 4096
+    """Samples the TransferQueue holds before ``put`` waits: the most resident at
+    once (pending + leased, partial ones included). ``put`` waits (or raises
+    QueueFull with wait=False) rather than exceed it."""
+    num_storage_units: Annotated[int, Meta(ge=1)] = 2
+    """Storage units the sample data is sharded across (global index % num_storage_units)."""
+    lease_s: Annotated[float, Meta(gt=0)] = 600.0
+    """A batch not acknowledged within this returns to the ready set (its
+    consumer is presumed dead). ``.inf`` (``math.inf``): leases never expire."""
     deployment: Deployment = "local"
-    # Ray only: the CPUs each controller / storage-unit actor reserves. 0 lets them
-    # share a small machine with the rollout and trainer actors.
-    ray_num_cpus: float = 0.0
-    # Ray only: the TCP ports (first, last) the controller and storage units listen
-    # on, each taking the first free one on its node; None: any free port. For a
-    # cluster whose firewall opens only a range between nodes.
-    ports: tuple[int, int] | None = None
+    """``local``: controller and storage units in the driver process. ``ray``:
+    they are Ray actors (needs ``runtime.type=ray``); data moves client <->
+    storage unit directly."""
+    ray_num_cpus: Annotated[float, Meta(ge=0)] = 0.0
+    """``ray`` only: the CPUs each controller / storage-unit actor reserves. 0 lets
+    them share a small machine with the rollout and trainer actors."""
+    ports: tuple[Port, Port] | None = None
+    """``ray`` only: the TCP ports [first, last] its actors listen on (each
+    takes the first free one on its node); null: any free port. For a
+    cluster whose firewall opens only a range between nodes."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:

@@ -33,6 +33,11 @@ class LocalDeployment:
         self.units = [StorageUnit(i) for i in range(cfg.num_storage_units)]
         self.controller = Controller(cfg, free=self._free, clock=clock)
 
+    def __reduce__(self) -> tuple:
+        # A copy in another process would be a second, empty queue that nobody reads.
+        raise TypeError("a TransferQueue of the in-process deployment cannot be sent to another process; "
+                        "serve it (transfer_queue.served.QueueHost) or use deployment='ray'")
+
     async def call(self, method: str, *args: Any) -> Any:
         # A checkpoint, as anyio's memory streams have: a consumer whose batches
         # are always ready must not starve the producers and other consumers.

@@ -25,7 +25,7 @@ import numpy as np
 
 from transfer_queue.codec import mask_fields
 from transfer_queue.config import TransferQueueConfig
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 from transfer_queue.wire import Snapshot
 
 if TYPE_CHECKING:

@@ -92,9 +92,14 @@ class StorageActor:
         self._whole: dict[int, msgspec.Raw] = {}
 
     async def serve(self, ports: tuple[int, int] | None = None) -> Address:
-        loop.adopt()  # Ray's loop is this process's one loop
+        loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
         self._server = RpcServer(self, self.SERVED, self._secret)
         return await self._server.start(_node_address(), ports)
+
+    async def loop_info(self) -> tuple[str, bool]:
+        """The class of the loop this actor runs on (``uvloop.Loop``), and whether it is
+        this process's asyncrl loop: a diagnostic, called through Ray."""
+        return loop.loop_name(), loop.in_loop()
 
     def connect(self, controller: Address) -> int:
         self._controller = RpcClient(controller, self._secret, "the TransferQueue controller")
@@ -185,11 +190,16 @@ class ControllerActor:
         self._units: list[RpcClient] = []
 
     async def setup(self, units: list[Address]) -> Address:
-        loop.adopt()  # Ray's loop is this process's one loop
+        loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
         self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}") for i, a in enumerate(units)]
         self._controller = Controller(self._cfg, free=self._free)
         self._server = RpcServer(self, self.SERVED, self._secret)
         return await self._server.start(_node_address(), self._cfg.ports)
+
+    async def loop_info(self) -> tuple[str, bool]:
+        """The class of the loop this actor runs on (``uvloop.Loop``), and whether it is
+        this process's asyncrl loop: a diagnostic, called through Ray."""
+        return loop.loop_name(), loop.in_loop()
 
     async def call(self, method: str, *args: Any) -> Any:
         result = getattr(self._controller, method)(*args)
@@ -231,6 +241,8 @@ class RayDeployment:
         if not ray.is_initialized():
             raise RuntimeError("deployment='ray' joins a running Ray; call ray.init(...) first")
         secret = secrets.token_bytes(32)
+        # No runtime_env: Ray makes each actor's loop with uvloop already (the loop module says
+        # where), and a per-actor runtime_env would cost each one a fresh worker process.
         units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret) for i in range(cfg.num_storage_units)]
         controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, secret)
         unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote(cfg.ports) for u in units)))

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from transfer_queue.codec import TOKEN_FIELDS, decode_field, decode_identities, decode_samples, row_to_sample
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 
 __all__ = ["EncodedRows", "InProcessRows", "Rows"]
 

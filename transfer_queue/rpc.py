@@ -86,6 +86,7 @@ class RpcServer:
         self._target, self._methods, self._secret = target, frozenset(methods), secret
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.StreamWriter, asyncio.Future] = {}  # -> done when its handler ends
 
     async def start(self, host: str, ports: tuple[int, int] | None = None) -> tuple[str, int]:
         """Listen on ``host``: on any free port, or on the first free one in
@@ -99,7 +100,21 @@ class RpcServer:
                     raise
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[1]} on {host}")
 
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop listening, end the calls in flight and close every connection, so the
+        handlers return (a handler cancelled at loop shutdown would be logged as an error)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in list(self._connections):
+            writer.close()
+        if self._connections:
+            await asyncio.wait(list(self._connections.values()), timeout=timeout_s)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ended = self._connections[writer] = asyncio.get_running_loop().create_future()
         try:
             hello = await reader.readexactly(len(self._secret))
             if not hmac.compare_digest(hello, self._secret):
@@ -113,6 +128,8 @@ class RpcServer:
             pass  # the client went away
         finally:
             writer.close()
+            del self._connections[writer]
+            ended.set_result(None)
 
     async def _run(self, rid: int, method: str, args: tuple, writer: asyncio.StreamWriter) -> None:
         try:

@@ -1,0 +1,36 @@
+"""Trainer backends behind one protocol (:mod:`actors.backends.base`) and one factory.
+
+    loss = policies.losses.make_loss_from_config(cfg.trainer)        # composition root
+    backend = make_backend(cfg.trainer, model_path, seed=cfg.run.seed, loss=loss)
+    backend.setup()
+
+``backend: torch`` is built in; ``megatron`` is refused (the config loader
+refuses it first, naming ``trainer.backend``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.backends.base import Loss, TrainerBackend
+from actors.backends.config import BACKEND_TYPES, TrainerConfig, backend_unavailable
+
+__all__ = ["BACKEND_TYPES", "Loss", "TrainerBackend", "TrainerConfig", "make_backend"]
+
+
+def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -> TrainerBackend:
+    """Build (not set up: ``backend.setup()``) the trainer backend ``cfg`` names.
+
+    ``loss``: the :class:`~actors.backends.base.Loss` to train with, built by
+    the composition root (``policies.losses.make_loss_from_config(cfg.trainer)``).
+    ``seed`` seeds initialisation. Raises ``ValueError`` naming
+    ``trainer.backend`` for a backend this build does not have.
+    """
+    reason = backend_unavailable(cfg.backend)
+    if reason is not None:
+        raise ValueError(f"trainer.backend: {reason}")
+    from actors.backends.torch_backend import TorchBackend
+
+    return TorchBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
+                        lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
+                        micro_batch_tokens=cfg.micro_batch_tokens)

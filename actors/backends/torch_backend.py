@@ -1,4 +1,4 @@
-"""The plain-PyTorch trainer backend: one HF causal LM, AdamW, a named loss.
+"""The plain-PyTorch trainer backend: one HF causal LM, AdamW, an injected loss.
 
 Every method is synchronous and blocking; the trainer actor calls them on its
 worker thread so the event loop never waits on a matmul.
@@ -11,7 +11,6 @@ worker thread so the event loop never waits on a matmul.
 
 from __future__ import annotations
 
-import inspect
 import json
 import pathlib
 
@@ -19,17 +18,24 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from actors.backends.base import Loss, TrainerBackend
+from actors.backends.config import TrainerConfig
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import load_causal_lm, resolve_model_path
-from policies.losses import NEEDS_PROXIMAL, make_loss
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULTS = TrainerConfig()  # the one set of defaults: the config's
 
 
-class TorchBackend:
+class TorchBackend(TrainerBackend):
     """Trains a local HF causal LM with one optimizer step per batch.
 
+    Runs build it with :func:`actors.backends.make_backend` from their
+    ``trainer`` section; the keyword defaults here are that section's
+    (:class:`~actors.backends.config.TrainerConfig`), for direct use in tests.
+    ``loss``: the loss to train with, options bound
+    (``policies.losses.make_loss("ppo_clip", clip_eps_low=0.2)``).
     ``version`` counts optimizer steps since the loaded checkpoint (0 at
     start); it is the weight version rollouts are stamped with.
     """
@@ -38,17 +44,16 @@ class TorchBackend:
         self,
         model_path: str,
         *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
+        loss: Loss,
+        device: str = _DEFAULTS.device,
+        dtype: str = _DEFAULTS.dtype,
+        lr: float = _DEFAULTS.lr,
+        weight_decay: float = _DEFAULTS.weight_decay,
         betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        loss: str = "ppo_clip",
-        loss_kwargs: dict | None = None,
+        grad_clip: float = _DEFAULTS.grad_clip,
         seed: int = 0,
-        micro_batch_tokens: int = 0,
-        master_dtype: str | None = "float32",
+        micro_batch_tokens: int = _DEFAULTS.micro_batch_tokens,
+        master_dtype: str | None = _DEFAULTS.master_dtype,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -63,18 +68,15 @@ class TorchBackend:
         # fp32 main params; see mixed_precision.py). None: step the model params as they are.
         self.master_dtype = None if master_dtype is None or _DTYPES[master_dtype] == self.dtype else _DTYPES[master_dtype]
         self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
-        self.loss_name = loss
-        self.loss_fn = make_loss(loss)  # fail on a bad name at construction, not at step 1
-        self.loss_kwargs = dict(loss_kwargs or {})
-        accepted = set(inspect.signature(self.loss_fn).parameters) - {"logprobs", "rollout_logprobs", "advantages", "mask", "proximal_logprobs"}
-        if unknown := sorted(set(self.loss_kwargs) - accepted):
-            raise ValueError(f"loss {loss!r} has no option(s) {unknown}; it accepts {sorted(accepted)}")
+        if not callable(loss) or not hasattr(loss, "needs_proximal"):
+            raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
+        self.loss = loss
         if micro_batch_tokens < 0:
             raise ValueError(f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}")
         # Padded tokens (rows x longest row) per forward; 0 = the whole batch at once.
         self.micro_batch_tokens = micro_batch_tokens
         self.seed = seed
-        self.version = 0
+        self._version = 0
         self.model = None
         self.optimizer = None
 
@@ -95,6 +97,10 @@ class TorchBackend:
         else:
             self.optimizer = MainParamsOptimizer(self.model.parameters(), adamw, self.master_dtype)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+
+    @property
+    def version(self) -> int:
+        return self._version
 
     def _require_setup(self) -> None:
         if self.model is None:
@@ -185,9 +191,9 @@ class TorchBackend:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
-        self.version += 1
+        self._version += 1
         return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens),
-                "version": float(self.version)}
+                "version": float(self._version)}
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """Indices split so rows x longest row <= ``micro_batch_tokens``, rows
@@ -209,16 +215,16 @@ class TorchBackend:
         micro-batch) is scaled by its share of the batch's tokens, so the summed
         gradient is that of the token mean over the whole batch."""
         extra = {}
-        if self.loss_name in NEEDS_PROXIMAL and proximal_logprobs is None:
+        if self.loss.needs_proximal and proximal_logprobs is None:
             # The weights before this step are the proximal policy.
             with torch.no_grad():
                 extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
         logprobs, entropy, mask = self._response_logprobs(samples)
-        if self.loss_name in NEEDS_PROXIMAL and proximal_logprobs is not None:
+        if self.loss.needs_proximal and proximal_logprobs is not None:
             extra["proximal_logprobs"] = self._pad(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
         rollout = self._pad(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
         adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
-        loss, metrics = self.loss_fn(logprobs, rollout, adv, mask, **extra, **self.loss_kwargs)
+        loss, metrics = self.loss(logprobs, rollout, adv, mask, **extra)
         (loss * weight).backward()
         num_tokens = float(mask.sum())
         return {
@@ -266,7 +272,7 @@ class TorchBackend:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-        (path / "trainer_state.json").write_text(json.dumps({"version": self.version, "loss": self.loss_name}))
+        (path / "trainer_state.json").write_text(json.dumps({"version": self._version, "loss": self.loss.name}))
 
     def load(self, directory: str | pathlib.Path) -> None:
         """Restore weights, optimizer state and version written by :meth:`save`."""
@@ -282,4 +288,4 @@ class TorchBackend:
         if set(missing) - tied or unexpected:
             raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
-        self.version = int(json.loads((path / "trainer_state.json").read_text())["version"])
+        self._version = int(json.loads((path / "trainer_state.json").read_text())["version"])

@@ -1,7 +1,9 @@
 """Rollout engines behind one protocol (:mod:`actors.engines.base`) and one factory.
 
-    make_engine("torch", model_path, device="cuda", max_num_seqs=256)  # built-in
-    make_engine("vllm" | "sglang", ...)                                  # adapters: a later build
+    make_engine(cfg.rollout.engine, model_path, seed=cfg.run.seed)  # not set up: await engine.setup()
+
+``type: torch`` is built in; ``vllm`` / ``sglang`` are refused (the config
+loader refuses them first, naming ``rollout.engine.type``).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from actors.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
+from actors.engines.config import ENGINE_TYPES, EngineConfig, engine_unavailable
 from actors.engines.weights import FullWeights
-
-ENGINE_TYPES = ("torch", "vllm", "sglang")
 
 __all__ = [
     "ENGINE_TYPES",
     "EngineAsleepError",
+    "EngineConfig",
     "FullWeights",
     "GenerateOutput",
     "GenerateRequest",
@@ -29,15 +31,18 @@ __all__ = [
 ]
 
 
-def make_engine(type: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Build (not set up: ``await engine.setup()``) a rollout engine by ``type``."""
-    if type == "torch":
-        from actors.engines.torch_engine import TorchEngine
+def make_engine(cfg: EngineConfig, model_path: str, *, seed: int) -> RolloutEngine:
+    """Build (not set up: ``await engine.setup()``) the rollout engine ``cfg`` names.
 
-        return TorchEngine(model_path, **kwargs)
-    if type in ("vllm", "sglang"):
-        raise ValueError(
-            f"engine type={type!r}: the {type} adapter is not available in this build "
-            "(only 'torch' is; the vLLM / SGLang adapters come with a later release)"
-        )
-    raise ValueError(f"engine type={type!r} is unknown; expected one of {ENGINE_TYPES}")
+    ``seed`` seeds the per-request seeds of unseeded requests (the rollout
+    actor's: the run's seed plus its index). Raises ``ValueError`` naming
+    ``rollout.engine.type`` for an engine this build does not have.
+    """
+    reason = engine_unavailable(cfg.type)
+    if reason is not None:
+        raise ValueError(f"rollout.engine.type: {reason}")
+    from actors.engines.torch_engine import TorchEngine
+
+    return TorchEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                       max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
+                       compile_decode=cfg.compile_decode)

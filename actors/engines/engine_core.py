@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import SamplingParams
+from contracts.rollout import SamplingParams
 from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.sampling import SamplingBatch, sample
@@ -78,7 +78,7 @@ class EngineOptions:
     seed: int
     cuda_graphs: bool
     max_prefill_tokens: int
-    compile_decode: bool | str = True
+    compile_decode: bool | str
     overlap_steps: bool | None = None  # None: on for CUDA (see EngineCore._decode)
 
     def __post_init__(self) -> None:

@@ -15,10 +15,13 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine
+from actors.engines.base import EngineAsleepError, RolloutEngine
+from actors.engines.config import EngineConfig
+from contracts.rollout import GenerateOutput, GenerateRequest
 from actors.engines.engine_core import EngineCore, EngineOptions, Event, Seq
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULTS = EngineConfig()  # the one set of defaults: the config's
 _CLOSE_TIMEOUT_S = 30.0
 
 
@@ -37,6 +40,10 @@ class _Stream:
 class TorchEngine(RolloutEngine):
     """Built-in engine for Llama / Qwen2 / Qwen3 checkpoints.
 
+    Runs build it with :func:`actors.engines.make_engine` from their
+    ``rollout.engine`` section; the keyword defaults here are that section's
+    (:class:`~actors.engines.config.EngineConfig`), for direct use in tests and benchmarks.
+
     ``model_path``: directory with ``config.json`` and ``*.safetensors``.
     ``device``: "cpu" or "cuda[:i]". ``dtype``: "float32" | "bfloat16" |
     "float16" (None: float32 on CPU, bfloat16 on CUDA). ``max_num_seqs``:
@@ -51,10 +58,10 @@ class TorchEngine(RolloutEngine):
     back (None: on for CUDA, off for CPU, where launching *is* computing).
     """
 
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str | None = None,
-                 max_num_seqs: int = 64, max_model_len: int = 2048, seed: int = 0,
-                 cuda_graphs: bool = True, max_prefill_tokens: int = 16384, compile_decode: bool | str = True,
-                 overlap_steps: bool | None = None):
+    def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = _DEFAULTS.dtype,
+                 max_num_seqs: int = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
+                 seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
+                 compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None):
         if dtype is None:
             dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
         if dtype not in _DTYPES:

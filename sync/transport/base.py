@@ -1,4 +1,4 @@
-"""The transport interface: how a :class:`~sync.manifest.WeightUpdate` gets
+"""The transport interface: how a :class:`~contracts.weights.WeightUpdate` gets
 from the trainer's process to the engines'.
 
     sender side:    handle = transport.send(update)    # publish the buckets
@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from sync.manifest import WeightUpdate
+from contracts.weights import WeightUpdate
 
 
 class Transport(abc.ABC):

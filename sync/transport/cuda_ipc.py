@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from sync.manifest import WeightUpdate, bucket_tensor
+from contracts.weights import WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
 

@@ -15,7 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from sync.manifest import Manifest, WeightUpdate, bucket_tensor
+from contracts.weights import Manifest, WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
 

@@ -1,21 +1,57 @@
-"""In-process transport: the update object itself is the handle."""
+"""In-process transport: the buckets stay where the sender put them.
+
+The handle is the update with each bucket replaced by a :class:`LocalBucket`,
+a key into this process's registry: whoever passes the handle on (the policy
+coroutine driving a sync) holds the manifest and keys, never the payload.
+A receiver in the same process reads the sender's buckets without a copy.
+"""
 
 from __future__ import annotations
 
-from sync.manifest import WeightUpdate
+import itertools
+from typing import Any
+
+from contracts.weights import WeightUpdate
 from sync.transport.base import Transport
+
+_registry: dict[int, Any] = {}
+_keys = itertools.count()
+
+
+class LocalBucket:
+    """A payload bucket published in this process, by key."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def materialize(self) -> Any:
+        try:
+            return _registry[self.key]
+        except KeyError:
+            raise RuntimeError("an in-process weight bucket was read after its sender released it, "
+                               "or in another process (use another transport there)") from None
 
 
 class InProcessTransport(Transport):
-    """For a trainer and engines in one process (tests, a laptop run):
-    nothing is copied; receivers read the sender's buckets."""
+    """For a trainer and engines in one process (the ``local`` runtime, tests)."""
 
     name = "inproc"
 
     def send(self, update: WeightUpdate) -> WeightUpdate:
-        return update
+        refs = []
+        for bucket in update.buckets:
+            key = next(_keys)
+            _registry[key] = bucket
+            refs.append(LocalBucket(key))
+        return WeightUpdate(manifest=update.manifest, buckets=refs)
 
     def receive(self, handle: WeightUpdate) -> WeightUpdate:
         if not isinstance(handle, WeightUpdate):
             raise TypeError(f"in-process transport expects a WeightUpdate handle, got {type(handle).__name__}")
-        return handle
+        return WeightUpdate(manifest=handle.manifest, buckets=[b.materialize() for b in handle.buckets])
+
+    def release(self, handle: WeightUpdate) -> None:
+        for b in handle.buckets:
+            _registry.pop(b.key, None)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sync.manifest import WeightUpdate, bucket_tensor
+from contracts.weights import WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
 

@@ -1,10 +1,11 @@
 """Build the built-in tiny Qwen2 model and tokenizer, and warm it up.
 
-    python -m policies.warmstart --out actors/assets/tiny-qwen2 --steps 400 --seed 0 --label-smoothing 0.5
+    python -m tools.warmstart --out actors/assets/tiny-qwen2 --steps 400 --seed 0 --label-smoothing 0.5
 
 1. A one-token-per-symbol tokenizer (``tokenizers`` WordLevel, wrapped in
    ``PreTrainedTokenizerFast``) over the task symbols — digits, operators,
-   separators, ``<bos>``/``<eos>``/``<pad>``/``<unk>``.
+   separators, ``<bos>``/``<eos>``/``<pad>``/``<unk>``
+   (:func:`policies.tasks.build_symbol_tokenizer`, which the built-in tasks use too).
 2. A real ``Qwen2ForCausalLM`` from ``Qwen2Config``: hidden 128, 2 heads of
    head_dim 64, 1 KV head (GQA), tied embeddings — under 2 MB of fp32.
 3. A short supervised warm-up on the built-in tasks (loss on the answer tokens
@@ -24,27 +25,8 @@ import time
 
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from policies.tasks import SPECIAL_TOKENS, SYMBOLS, Prompt, make_task
-
-
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A fast tokenizer with one token per symbol; special tokens first (ids 0..3)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    # Every character is its own word, so "R123:" encodes as R,1,2,3,: .
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()  # decode without spaces between symbols
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-    tok.padding_side = "left"  # decoder-only generation pads on the left
-    return tok
+from policies.tasks import Prompt, build_symbol_tokenizer, make_task
 
 
 def build_config(tokenizer, *, num_layers: int = 2) -> transformers.Qwen2Config:
@@ -120,7 +102,7 @@ def build(out: pathlib.Path, *, steps: int, seed: int, lr: float = 1e-3, batch_s
     # and the checkpoint must be reproducible from the command in its README.
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
+    tokenizer = build_symbol_tokenizer()
     config = build_config(tokenizer, num_layers=num_layers)
     model = transformers.Qwen2ForCausalLM(config).float()
     tasks = [make_task("reverse_digits", tokenizer=tokenizer, min_len=3, max_len=8), make_task("long_tail_copy", tokenizer=tokenizer, max_len=24)]

@@ -90,3 +90,20 @@ def _version_bound(versions: list[int] | np.ndarray, pick, pick_array) -> int:
         return int(pick_array(versions))
     # One weight version throughout is the common case; count() is a C loop, min()/max() are not.
     return versions[0] if versions.count(versions[0]) == len(versions) else pick(versions)
+
+
+def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
+    """Reward, staleness (``version`` minus each sample's oldest token version),
+    resumes and lengths of a training batch, as flat metrics."""
+    lags = [version - s.min_version for s in samples]
+    num_tokens = sum(len(s.response_ids) for s in samples)
+    n = len(samples)
+    return {
+        "reward": sum(s.reward or 0.0 for s in samples) / n,
+        "staleness_mean": sum(lags) / n,
+        "staleness_max": max(lags),
+        "partial_ratio": sum(1 for s in samples if s.num_resumes > 0) / n,
+        "max_resumes": max(s.num_resumes for s in samples),
+        "max_resume_span": max(s.max_version - s.min_version for s in samples),
+        "response_len_mean": num_tokens / n,
+    }

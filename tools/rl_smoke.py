@@ -1,6 +1,6 @@
 """A small synchronous GRPO loop: proof that the model, task, loss and backend learn.
 
-    python -m policies.rl_smoke --steps 400 --seed 0
+    python -m tools.rl_smoke --steps 400 --seed 0
 
 Each step: sample ``--prompts`` prompts, generate ``--group`` responses each
 with HF ``generate(do_sample=True)`` on the trainer's own weights (so it is
@@ -22,8 +22,9 @@ import torch
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR
 from policies.advantages import grpo_advantages
+from policies.losses import make_loss
 from policies.tasks import Task, make_task
-from transfer_queue.sample import Sample
+from contracts.sample import Sample
 
 
 @torch.no_grad()
@@ -85,7 +86,8 @@ def run(*, model: str, task: str, steps: int, prompts: int, group: int, lr: floa
     t0 = time.perf_counter()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    backend = TorchBackend(model, lr=lr, loss=loss, seed=seed, grad_clip=1.0)
+    # the whole batch in one pass (micro_batch_tokens=0), as when its README's figures were measured
+    backend = TorchBackend(model, loss=make_loss(loss), lr=lr, seed=seed, grad_clip=1.0, micro_batch_tokens=0)
     backend.setup()
     the_task = make_task(task, tokenizer=None if model == str(BUILTIN_MODEL_DIR) else _tokenizer(model), **(task_kwargs or {}))
     rewards, lengths = [], []

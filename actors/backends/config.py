@@ -1,0 +1,76 @@
+"""TrainerConfig: the ``trainer`` section, the one set of trainer defaults.
+
+:func:`actors.backends.make_backend` builds a backend from it; the built-in
+:class:`~actors.backends.torch_backend.TorchBackend` takes its keyword
+defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``) are
+read by the composition root, which builds the loss object the backend runs
+(``policies.losses.make_loss_from_config``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["BACKEND_TYPES", "BUILT_IN_BACKENDS", "TrainerConfig", "backend_unavailable"]
+
+#: Every backend type a config may name, and the ones this build can construct.
+BACKEND_TYPES = ("torch", "megatron")
+BUILT_IN_BACKENDS = ("torch",)
+#: The package each optional backend needs (the extra of the same name installs it).
+_PACKAGES = {"megatron": "megatron.core"}
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+
+
+class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The trainer backend, its optimizer, its loss and its batch."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    master_dtype: Literal["float32", "bfloat16"] | None = "float32"
+    """Dtype of the optimizer's main params when ``dtype`` is lower (fp32 main params,
+    Megatron-style: AdamW steps them, the model keeps ``dtype`` copies, which the weight
+    sync reads). ``null``: step the model params in ``dtype`` as they are."""
+    lr: PosFloat = 1e-5
+    """AdamW learning rate."""
+    weight_decay: NonNegFloat = 0.0
+    grad_clip: PosFloat = 1.0
+    """Max global grad norm."""
+    batch_prompts: PosInt = 16
+    """Prompts (whole groups) per trainer step; batch size = batch_prompts * rollout.n."""
+    loss: Literal["ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"] = "ppo_clip"
+    """Policy loss and off-policy correction (see ``policies.losses``)."""
+    clip_eps: PosFloat = 0.2
+    """PPO clip range (both sides)."""
+    is_cap: PosFloat = 2.0
+    """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
+    micro_batch_tokens: NonNegInt = 2048
+    """Padded tokens per forward pass (rows sorted by length, gradients
+    accumulated): long-tailed batches stop padding every row to the longest.
+    0 = the whole batch in one pass."""
+    checkpoint_every: NonNegInt = 0
+    """Save a checkpoint (safetensors + optimizer) into the run directory every
+    this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""
+
+
+def backend_unavailable(backend: str) -> str | None:
+    """Why this build cannot construct a trainer backend ``backend``, as the
+    tail of an error about ``trainer.backend``; ``None`` when it can."""
+    if backend in BUILT_IN_BACKENDS:
+        return None
+    if backend not in BACKEND_TYPES:
+        return f"{backend!r} is unknown (expected one of: {', '.join(BACKEND_TYPES)})"
+    package = _PACKAGES.get(backend, backend)
+    installed = importlib.util.find_spec(package.split(".")[0]) is not None
+    missing = "" if installed else f", and {package} is not installed"
+    return (f"{backend!r} is not available: this build has no {backend} backend (built in: "
+            f"{', '.join(BUILT_IN_BACKENDS)}){missing}; the backend will need the optional extra: "
+            f'pip install -e ".[{backend}]"')

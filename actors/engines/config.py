@@ -1,0 +1,57 @@
+"""EngineConfig: the ``rollout.engine`` section, the one set of engine defaults.
+
+:func:`actors.engines.make_engine` builds an engine from it; the built-in
+:class:`~actors.engines.torch_engine.TorchEngine` takes its keyword defaults
+from it too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["BUILT_IN_ENGINES", "ENGINE_TYPES", "EngineConfig", "engine_unavailable"]
+
+#: Every engine type a config may name, and the ones this build can construct.
+ENGINE_TYPES = ("torch", "vllm", "sglang")
+BUILT_IN_ENGINES = ("torch",)
+
+PosInt = Annotated[int, Meta(ge=1)]
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One rollout engine: which one, where it runs, and how much it batches."""
+
+    type: Literal["torch", "vllm", "sglang"] = "torch"
+    """Rollout engine. ``torch`` is built in."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:i]``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype of the engine (fp32 on CPU)."""
+    max_num_seqs: PosInt = 128
+    """Concurrent sequences the engine batches."""
+    max_model_len: PosInt = 128
+    """Prompt + response tokens per sequence (KV cache slot length)."""
+    cuda_graphs: bool = True
+    """Built-in engine on CUDA: replay decode steps as CUDA graphs."""
+    compile_decode: bool = False
+    """Built-in engine on CUDA, decode batches over 64 rows: fuse their elementwise work
+    with torch.compile (compiles once per batch-size bucket: pays off in long runs).
+    Batches of up to 64 rows run the fused Triton decode layers where those apply
+    (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
+
+
+def engine_unavailable(type: str) -> str | None:
+    """Why this build cannot construct an engine of ``type``, as the tail of an
+    error about ``rollout.engine.type``; ``None`` when it can."""
+    if type in BUILT_IN_ENGINES:
+        return None
+    if type not in ENGINE_TYPES:
+        return f"{type!r} is unknown (expected one of: {', '.join(ENGINE_TYPES)})"
+    missing = "" if importlib.util.find_spec(type) else f", and {type} is not installed"
+    return (f"{type!r} is not available: this build has no {type} adapter (built in: "
+            f"{', '.join(BUILT_IN_ENGINES)}){missing}; the adapter will need the optional extra: "
+            f'pip install -e ".[{type}]"')

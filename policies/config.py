@@ -1,0 +1,49 @@
+"""The config sections the policies own: ``policy`` (the schedule) and ``task``
+(prompts and rewards). The composition root (``actors/config.py``) composes them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["PolicyConfig", "TaskConfig"]
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+
+
+class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The task prompts come from and rewards are computed by."""
+
+    type: str = "reverse_digits"
+    """Built-in task name (see ``policies.tasks``)."""
+    kwargs: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
+    """Task-specific options (e.g. digit counts or a length distribution)."""
+
+
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The schedule: when prompts are admitted, batches trained and weights synced."""
+
+    type: Literal["fully_async", "sync", "one_step_off"] = "fully_async"
+    """Schedule: fully-async, synchronous on-policy, or one-step-off baseline."""
+    staleness_threshold: NonNegFloat = 1.0
+    """Extra samples admitted per sync window, as a fraction of the window's
+    training need (0 = generate only what the next sync window trains on)."""
+    require_batches: PosInt = 1
+    """Batches the trainer takes per step."""
+    trigger_parameter_sync_step: PosInt = 1
+    """Trainer steps between weight syncs."""
+    max_staleness: NonNegInt = 2
+    """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
+    reward_timeout_s: PosFloat = 30.0
+    """A reward call slower than this counts as an error for its sample."""
+    overlap_push: bool | None = None
+    """Fully-async: the trainer takes its next step while a weight push is
+    applied (it waits only for the encode). ``null`` (auto): true when the
+    trainer's device is none of the engines' (the push then costs the trainer
+    nothing), false when they share one, where the push would compete with the
+    train step for that device (measured on one H200: bench/results/async_vs_sync_h200_process*.json)."""

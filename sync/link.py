@@ -1,0 +1,261 @@
+"""The weight link between a trainer and its engines: which transport, and
+the three places that use it.
+
+    driver (control only)            trainer process               engine processes
+    choose_transport(placements) ─► TrainerLink(kind)  ──────────► EngineLink(kind)
+    push_weights(rollouts, trainer)
+      trainer.weight_update() ─────► encode, publish: the payload
+                  ◄── manifest + small handle (never the buckets)
+      rollout.update_weights(handle) ────────────────────────────► receive(handle) → apply
+      [dist] trainer.broadcast_pending() ═══ broadcast ═══════════► (received in step)
+      trainer.release_weights() ───► published buffers freed
+
+The transport follows placement (:func:`choose_transport`), with no flag
+needed: the same process → ``inproc`` (a process-local registry: what crosses
+the policy is a key); another process on the same host's GPUs → ``cuda_ipc``
+(engines map the trainer's buckets); other hosts or CPU processes → ``dist``
+(a torch.distributed broadcast, NCCL between GPUs, gloo otherwise, rendezvous
+on the trainer's node address); Ray's object store (``ray``) when
+torch.distributed is unavailable. ``sync.transport`` can force one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import hashlib
+import os
+import socket
+from typing import Any, Literal
+
+import msgspec
+
+from contracts.weights import WeightUpdate
+from sync.sequence import sync_weights
+
+__all__ = ["DistPush", "EngineLink", "Placement", "TrainerLink", "choose_transport", "digest_named",
+           "node_address", "push_weights"]
+
+Kind = Literal["inproc", "cuda_ipc", "dist", "ray"]
+_TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died makes a broadcast fail, not hang
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an actor runs: its process, its node, its device (``cpu`` / ``cuda[:i]``)."""
+
+    pid: int
+    node: str
+    device: str
+
+
+class DistPush(msgspec.Struct, frozen=True):
+    """Handle of one broadcast push: receivers take the update from the group."""
+
+    version: int
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at (Ray's view of it
+    inside a Ray worker; loopback for a process of one host)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def placement(device: str) -> Placement:
+    """This process's placement, for an actor computing on ``device``."""
+    try:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
+    except ImportError:
+        node = socket.gethostname()
+    return Placement(pid=os.getpid(), node=node, device=device)
+
+
+def choose_transport(trainer: Placement, engines: list[Placement], forced: str = "auto") -> Kind:
+    """The transport for this placement (``forced`` when not ``auto``)."""
+    if forced != "auto":
+        return {"broadcast": "dist"}.get(forced, forced)  # type: ignore[return-value]
+    if all(e.pid == trainer.pid for e in engines):
+        return "inproc"
+    on_gpu = trainer.device.startswith("cuda") and all(e.device.startswith("cuda") for e in engines)
+    if on_gpu and all(e.node == trainer.node for e in engines):
+        return "cuda_ipc"
+    import torch.distributed as dist
+
+    return "dist" if dist.is_available() else "ray"
+
+
+def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
+    """sha256 of each tensor's bytes, by name: equal digests mean bit-identical weights."""
+    import torch
+
+    out = {}
+    for name, t in tensors.items():
+        flat = t.detach().contiguous().cpu().reshape(-1)
+        out[name] = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> Any:
+    """Join the weight-sync process group (blocking: every member at once)."""
+    import torch.distributed as dist
+
+    from sync.transport.dist import BroadcastTransport
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=_TIMEOUT)
+    return BroadcastTransport(src=0)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TrainerLink:
+    """The trainer's end: publishes each encoded update and keeps its payload
+    until :meth:`release` (every engine has applied it)."""
+
+    def __init__(self, kind: Kind, device: Any = "cpu") -> None:
+        self.kind = kind
+        self._group: Any = None
+        self._pending: WeightUpdate | None = None  # dist: the update waiting for its broadcast
+        self._published: list[Any] = []
+        if kind == "inproc":
+            from sync.transport.inproc import InProcessTransport
+
+            self._transport: Any = InProcessTransport()
+        elif kind == "cuda_ipc":
+            from sync.transport.cuda_ipc import CudaIpcTransport
+
+            if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+                raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {device}")
+            self._transport = CudaIpcTransport(device)
+        elif kind == "ray":
+            from sync.transport.ray_store import RayObjectStoreTransport
+
+            self._transport = RayObjectStoreTransport()
+        elif kind != "dist":
+            raise ValueError(f"sync.transport: unknown transport {kind!r}")
+
+    @staticmethod
+    def rendezvous() -> str:
+        """A ``tcp://`` address on this node for the broadcast group to meet at."""
+        host = node_address()
+        return f"tcp://{host}:{_free_port(host)}"
+
+    def join(self, init_method: str, world_size: int, backend: str) -> None:
+        self._group = _join_group(init_method, 0, world_size, backend)
+
+    def publish(self, update: WeightUpdate | None) -> WeightUpdate | None:
+        """What the engines need to fetch ``update``: its manifest and references
+        to its buckets (for ``dist``, the manifest only: the payload is broadcast)."""
+        if update is None:
+            return None
+        if self.kind == "dist":
+            self._pending = update
+            return WeightUpdate(manifest=update.manifest, buckets=[])
+        handle = self._transport.send(update)
+        self._published.append(handle)
+        return handle
+
+    def broadcast_pending(self) -> int:
+        """Broadcast the last published update to the group (blocking); returns its bytes."""
+        if self._pending is None:
+            raise RuntimeError("broadcast_pending() without an update published before it")
+        update, self._pending = self._pending, None
+        self._group.send(update)
+        return update.nbytes
+
+    def release(self) -> None:
+        published, self._published = self._published, []
+        for handle in published:
+            self._transport.release(handle)
+        if self.kind == "cuda_ipc":
+            self._transport.close()
+
+
+class EngineLink:
+    """An engine's end: turns the handle the policy passed on into the update."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self._group: Any = None
+
+    def join(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
+        self._group = _join_group(init_method, rank, world_size, backend)
+
+    def receive(self, handle: Any) -> Any:
+        """Blocking for ``dist`` (takes part in the broadcast); the others' buckets
+        are references that ``apply_update`` reads as it goes."""
+        if isinstance(handle, DistPush):
+            if self._group is None:
+                raise RuntimeError("a broadcast push reached an engine outside the weight group")
+            return self._group.receive()
+        return handle
+
+
+class _ActorPush:
+    """The policy's side of a push (a :class:`~sync.transport.base.Transport` for
+    :func:`sync.sequence.sync_weights`): the handle goes on to the engines as
+    it is; for ``dist`` it starts the trainer's broadcast beside their receives."""
+
+    name = "actor"
+
+    def __init__(self, trainer: Any, kind: Kind) -> None:
+        self.trainer, self.kind = trainer, kind
+        self._task: asyncio.Task[Any] | None = None
+
+    def send(self, update: WeightUpdate) -> Any:
+        if self.kind != "dist":
+            return update
+        if self._task is not None and not self._task.done():
+            raise RuntimeError("a broadcast push is still running")
+        self._task = asyncio.get_running_loop().create_task(self.trainer.broadcast_pending())
+        return DistPush(version=update.manifest.version)
+
+    def receive(self, handle: Any) -> Any:
+        raise RuntimeError("the engines receive, not the policy")
+
+    def release(self, handle: Any) -> None:
+        task = self._task
+        if task is not None and task.done() and task.exception() is not None:
+            self._task = None
+            raise task.exception()  # type: ignore[misc]
+
+    async def wait(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            await task
+
+
+async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None, *,
+                       kind: Kind, colocated: bool) -> Any:
+    """One weight sync, driven from the policy with control messages only
+    (:func:`sync.sequence.sync_weights` over the actors' handles)."""
+    transport = _ActorPush(trainer, kind)
+    try:
+        return await sync_weights(rollouts, trainer, colocated=colocated, transport=transport,
+                                  released=None if kind == "dist" else released)
+    finally:
+        try:
+            await transport.wait()
+        finally:
+            await trainer.release_weights()
+            if released is not None:
+                released.set()
+
+
+def weight_sync_fn(kind: Kind, colocated: bool) -> Any:
+    """``push_weights`` bound to a transport kind: the policy's ``weight_sync``."""
+    return functools.partial(push_weights, kind=kind, colocated=colocated)
