@@ -249,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m actors.launch",
         description="Run fully-async RL post-training from a YAML config.",
         epilog="Example: python -m actors.launch fully_async.yaml trainer.lr=2e-6 runtime.type=ray\n"
-               "Every field of the config is documented in actors/config.py.",
+               "Every field of the config is documented where its section is declared (listed in actors/config.py).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="path to the YAML config (e.g. fully_async.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value",

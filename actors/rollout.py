@@ -170,7 +170,7 @@ class RolloutActor(Actor):
         return await self.engine.update_weights(update)
 
     async def placement(self) -> Any:
-        from sync.link import placement
+        from contracts.placement import placement
 
         return placement(str(self.engine_cfg.device))
 

@@ -15,7 +15,8 @@ is a message to the actor's process, awaited on the driver's loop.
 ``process`` needs no cluster: each actor gets a ``multiprocessing`` child
 (spawn start method, so CUDA initialises cleanly there) running its own
 loop, and calls travel over a pipe as pickles (arguments and results by
-value; a CUDA tensor goes through host memory, as under Ray). Use it when
+value). In a run they carry control only: samples go through the
+TransferQueue's sockets and weights over the weight link (``sync.link``). Use it when
 one process would make the actors' Python share one GIL: a trainer's step
 and an engine's scheduler then run side by side instead of taking turns.
 As with any spawn-based multiprocessing, a script that starts a run must

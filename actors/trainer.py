@@ -101,7 +101,7 @@ class TrainerActor(Actor):
     # -- the weight link ------------------------------------------------------
 
     async def placement(self) -> Any:
-        from sync.link import placement
+        from contracts.placement import placement
 
         return placement(str(self.backend.device))
 

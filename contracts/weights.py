@@ -165,10 +165,11 @@ class WeightUpdate(msgspec.Struct, kw_only=True):
         return self.manifest.payload_bytes
 
     def __reduce__(self) -> tuple:
-        """Pickled for another process (a Ray or process-runtime actor call),
-        device buckets travel as host arrays: the receiver's ``apply_update``
-        moves each piece to its weights' device, and a process in between
-        (the driver running the sync sequence) never touches the GPU."""
+        """Pickled for another process, device buckets travel as host arrays
+        (the receiver's ``apply_update`` moves each piece to its weights'
+        device). Runs never send an update this way: the trainer publishes it
+        on a transport and only its manifest and bucket references travel
+        (``sync.link``); transport references pickle as themselves."""
         return (_rebuild_update, (self.manifest, [_to_host(b) for b in self.buckets]))
 
 

@@ -7,7 +7,10 @@ delta's compare-and-compress can be the slower one, so neither is always
 right. We keep an exponential moving average of the measured end-to-end
 milliseconds (encode + transfer + apply) per kind, take the cheaper, and
 re-measure the other kind every ``probe_every`` syncs so the estimate
-follows a changing learning rate.
+follows a changing learning rate. The first measurement of each kind is a
+warm-up: it carries one-time costs (the receiving process's first mapping of
+CUDA IPC buffers, first allocations), so the second replaces it, and each kind
+is measured twice before the cheaper one is chosen.
 """
 
 from __future__ import annotations
@@ -44,21 +47,26 @@ class AutoPolicy:
     def __init__(self, config: AutoConfig | None = None) -> None:
         self.config = config or AutoConfig()
         self.cost_ms: dict[Kind, float | None] = {"full": None, "delta": None}
+        self.num_observed: dict[Kind, int] = {"full": 0, "delta": 0}
         self._since_probe = 0
 
     def observe(self, kind: Kind, total_ms: float) -> None:
         """Record the measured end-to-end cost of one sync of ``kind``."""
         old = self.cost_ms[kind]
         a = self.config.alpha
-        self.cost_ms[kind] = total_ms if old is None else a * total_ms + (1 - a) * old
+        warm_up = self.num_observed[kind] <= 1  # the first one's one-time costs are not kept
+        self.cost_ms[kind] = total_ms if old is None or warm_up else a * total_ms + (1 - a) * old
+        self.num_observed[kind] += 1
 
     def choose(self) -> Kind:
-        """The kind expected to be cheaper; each kind is measured at least once."""
+        """The kind expected to be cheaper; each kind is measured twice first."""
         full, delta = self.cost_ms["full"], self.cost_ms["delta"]
         if delta is None:
             return "delta"
-        if full is None:
-            return "full"
+        for kind in ("full", "delta"):
+            if self.num_observed[kind] < 2:
+                return kind  # type: ignore[return-value]
+        assert full is not None
         best: Kind = "full" if full < delta else "delta"
         self._since_probe += 1
         if self._since_probe >= self.config.probe_every:

@@ -25,58 +25,26 @@ import asyncio
 import datetime
 import functools
 import hashlib
-import os
 import socket
 from typing import Any, Literal
 
 import msgspec
 
+from contracts.placement import Placement, node_address
 from contracts.weights import WeightUpdate
 from sync.sequence import sync_weights
 
-__all__ = ["DistPush", "EngineLink", "Placement", "TrainerLink", "choose_transport", "digest_named",
-           "node_address", "push_weights"]
+__all__ = ["DistPush", "EngineLink", "TrainerLink", "choose_transport", "digest_named", "push_weights",
+           "weight_sync_fn"]
 
 Kind = Literal["inproc", "cuda_ipc", "dist", "ray"]
 _TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died makes a broadcast fail, not hang
-
-
-class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """Where an actor runs: its process, its node, its device (``cpu`` / ``cuda[:i]``)."""
-
-    pid: int
-    node: str
-    device: str
 
 
 class DistPush(msgspec.Struct, frozen=True):
     """Handle of one broadcast push: receivers take the update from the group."""
 
     version: int
-
-
-def node_address() -> str:
-    """The address other nodes reach this process's node at (Ray's view of it
-    inside a Ray worker; loopback for a process of one host)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
-
-
-def placement(device: str) -> Placement:
-    """This process's placement, for an actor computing on ``device``."""
-    try:
-        import ray
-
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
-    except ImportError:
-        node = socket.gethostname()
-    return Placement(pid=os.getpid(), node=node, device=device)
 
 
 def choose_transport(trainer: Placement, engines: list[Placement], forced: str = "auto") -> Kind:

@@ -33,9 +33,10 @@ class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     """A batch not acknowledged within this returns to the ready set (its
     consumer is presumed dead). ``.inf`` (``math.inf``): leases never expire."""
     deployment: Deployment = "local"
-    """``local``: controller and storage units in the driver process. ``ray``:
-    they are Ray actors (needs ``runtime.type=ray``); data moves client <->
-    storage unit directly."""
+    """``local``: controller and storage units in one process (the creating
+    client's, or a :class:`~transfer_queue.served.QueueHost` actor that serves
+    them to other processes). ``ray``: they are Ray actors (needs
+    ``runtime.type=ray``); data moves client <-> storage unit directly."""
     ray_num_cpus: Annotated[float, Meta(ge=0)] = 0.0
     """``ray`` only: the CPUs each controller / storage-unit actor reserves. 0 lets
     them share a small machine with the rollout and trainer actors."""

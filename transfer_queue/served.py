@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from contracts.placement import node_address
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.deploy_local import LocalDeployment
 from transfer_queue.rows import InProcessRows
@@ -48,7 +49,7 @@ class QueueHost:
     async def setup(self) -> None:
         self._d = LocalDeployment(self._cfg)
         self._server = RpcServer(self, self.SERVED, self._secret)
-        self._address = await self._server.start(self._host or _node_address(), self._cfg.ports)
+        self._address = await self._server.start(self._host or node_address(), self._cfg.ports)
 
     async def address(self) -> Address:
         assert self._address is not None, "setup() was not awaited"
@@ -69,17 +70,6 @@ class QueueHost:
             await self._server.close()
         if self._d is not None:
             await self._d.shutdown()
-
-
-def _node_address() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
 
 
 class ServedDeployment:

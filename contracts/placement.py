@@ -1,0 +1,41 @@
+"""Where an actor runs, as the composition root and the transports see it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+
+__all__ = ["Placement", "node_address", "placement"]
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """An actor's process, its node (Ray's node id, else the host name) and its
+    device (``cpu`` / ``cuda[:i]``)."""
+
+    pid: int
+    node: str
+    device: str
+
+
+def _ray() -> object | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray if ray.is_initialized() else None
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at (Ray's view of it
+    inside a Ray worker or driver; loopback for the processes of one host)."""
+    ray = _ray()
+    return ray.util.get_node_ip_address() if ray is not None else "127.0.0.1"
+
+
+def placement(device: str) -> Placement:
+    """This process's placement, for an actor computing on ``device``."""
+    ray = _ray()
+    node = ray.get_runtime_context().get_node_id() if ray is not None else socket.gethostname()
+    return Placement(pid=os.getpid(), node=node, device=device)
