@@ -49,6 +49,7 @@ import numpy as np
 import ray
 
 import loop
+from contracts.placement import node_address
 from transfer_queue.coalesce import ReserveRefused
 from transfer_queue.codec import decode_raw_row, decode_raw_rows, decode_tags, encode_rows, encode_tags, fields_mask
 from transfer_queue.config import TransferQueueConfig
@@ -63,10 +64,6 @@ from transfer_queue.wire import QueueStats
 __all__ = ["RayDeployment"]
 
 Address = tuple[str, int]
-
-
-def _node_address() -> str:
-    return ray.util.get_node_ip_address()
 
 
 @ray.remote
@@ -94,7 +91,7 @@ class StorageActor:
     async def serve(self, ports: tuple[int, int] | None = None) -> Address:
         loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
         self._server = RpcServer(self, self.SERVED, self._secret)
-        return await self._server.start(_node_address(), ports)
+        return await self._server.start(node_address(), ports)
 
     async def loop_info(self) -> tuple[str, bool]:
         """The class of the loop this actor runs on (``uvloop.Loop``), and whether it is
@@ -194,7 +191,7 @@ class ControllerActor:
         self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}") for i, a in enumerate(units)]
         self._controller = Controller(self._cfg, free=self._free)
         self._server = RpcServer(self, self.SERVED, self._secret)
-        return await self._server.start(_node_address(), self._cfg.ports)
+        return await self._server.start(node_address(), self._cfg.ports)
 
     async def loop_info(self) -> tuple[str, bool]:
         """The class of the loop this actor runs on (``uvloop.Loop``), and whether it is
