@@ -54,8 +54,7 @@ class PolicyBase(abc.ABC):
         self.rng = random.Random(cfg.run.seed)
         self.step = 0  # trainer steps done == trainer weight version
         self.trained = 0
-        self.rollout_produced = 0  # samples whose group report came back
-        self.rollout_queued = 0  # ... of which the rollout actors queued
+        self.rollout_queued = 0  # samples the rollout actors reported queued
         self.rollout_dropped: Counter[str] = Counter()  # dropped by the rollout actors, by reason
         self.queue_dropped: Counter[str] = Counter()  # dropped by the queue, by reason (last statistics)
         self.queue_put = 0  # samples the queue registered (last statistics)
@@ -76,7 +75,6 @@ class PolicyBase(abc.ABC):
 
     def on_group(self, report: GroupReport) -> int:
         """Count a rollout actor's report on a group; returns the samples it queued."""
-        self.rollout_produced += report.num_samples
         self.rollout_queued += report.num_queued
         self.rollout_dropped.update(report.dropped)
         return report.num_queued

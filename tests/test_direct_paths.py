@@ -156,3 +156,23 @@ def test_local_runtime_policy_never_holds_a_sample_or_a_weight_tensor(probe: _Pr
     assert run.weight_transport == "inproc"
     assert set(queue_calls) <= {"statistics_async", "close"}, queue_calls
     assert any(k.startswith("_LocalHandle.weight_update (received)") for k in probe.messages)
+
+
+def test_a_failed_train_step_hands_its_batch_back_to_the_queue(tmp_path: pathlib.Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer acks only after its step; a step that raises nacks, so none
+    of the batch's samples is lost or left leased."""
+    import loop
+    from actors.backends.torch_backend import TorchBackend
+
+    def broken(self: Any, samples: Any, advantages: Any) -> Any:
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(TorchBackend, "train_step", broken)
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}")
+    with run:
+        with pytest.raises(RuntimeError, match="injected"):
+            run.train(steps=1)
+        stats = loop.run(run.queue.statistics_async())
+        assert stats.in_flight == 0 and stats.delivered == 0
+        assert stats.redelivered == run.cfg.batch_size and stats.pending >= run.cfg.batch_size
