@@ -50,6 +50,7 @@ class Run:
         self.policy: Any = None
         self.queue: Any = None
         self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
+        self.initial_eval: dict[str, Any] | None = None  # held-out eval before the first step (policy.eval_every)
         try:
             loop.run(self._setup())
         except BaseException:
@@ -73,8 +74,11 @@ class Run:
         from sync.link import weight_sync_fn
 
         cfg = self.cfg
-        make_task_fn = functools.partial(make_task, cfg.task.type, **cfg.task.kwargs)
+        make_task_fn = functools.partial(make_task, cfg.task.type, model_path=self.model_path,
+                                         reward_timeout_s=cfg.policy.reward_timeout_s, **self._task_kwargs())
         task = make_task_fn()
+        if cfg.policy.eval_every:  # a task without held-out prompts fails here, not at the first evaluation
+            task.eval_prompts(cfg.policy.eval_prompts)
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
@@ -108,6 +112,18 @@ class Run:
         self.weight_transport = await self._open_weight_link(trainer, rollouts)
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=weight_sync_fn(self.weight_transport, cfg.sync.colocated))
+
+    def _task_kwargs(self) -> dict[str, Any]:
+        """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
+        relative one is tried against the config file's directory, then the current
+        one, as ``model.path`` is (actors in other processes may run elsewhere)."""
+        kwargs = dict(self.cfg.task.kwargs)
+        for key in ("path", "eval_path"):
+            value = kwargs.get(key)
+            if isinstance(value, str) and value and not pathlib.Path(value).expanduser().is_absolute():
+                near_config = pathlib.Path(self.cfg.base_dir) / value
+                kwargs[key] = str((near_config if near_config.exists() else pathlib.Path.cwd() / value).resolve())
+        return kwargs
 
     async def _make_queue(self) -> Any:
         """The TransferQueue and the driver's client of it. Under ``process`` and
@@ -167,6 +183,9 @@ class Run:
                        dynamic_ncols=True, file=sys.stderr)
         out: list[dict[str, Any]] = []
         unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
+        if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
+            self.initial_eval = {"step": 0, **await self.policy.evaluate()}
+            self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
         try:
             for _ in range(steps):
                 (m,) = await self.policy.train(1)
@@ -192,14 +211,20 @@ class Run:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """First-10% vs last-10% reward, throughput and drops of the run so far."""
+        """First-10% vs last-10% reward, throughput and drops of the run so far, and
+        the held-out eval reward before the first step and at the last evaluation."""
         h = self.history
         if not h:
             return {"steps": 0, "run_dir": str(self.dir)}
         k = max(1, len(h) // 10)
         first = sum(m["reward"] for m in h[:k]) / k
         last = sum(m["reward"] for m in h[-k:]) / k
+        evals = [m for m in ([self.initial_eval] if self.initial_eval else []) + h if "eval/reward" in m]
+        held_out = {} if not evals else {
+            "eval_reward_first": round(evals[0]["eval/reward"], 4), "eval_reward_last": round(evals[-1]["eval/reward"], 4),
+            "eval_steps": [evals[0]["step"], evals[-1]["step"]]}
         return {
+            **held_out,
             "steps": len(h), "reward_first10": round(first, 4), "reward_last10": round(last, 4),
             "reward_gain": round(last - first, 4), "wall_s": round(h[-1]["elapsed_s"], 1),
             "samples_per_s": round(h[-1]["samples_per_s"], 2), "trained": h[-1]["trained"],

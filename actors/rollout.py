@@ -7,6 +7,7 @@ samples and puts them into the TransferQueue itself.
 Endpoints (all async):
     generate_group(group)      n samples of one prompt: generated, resumed across weight
                                syncs, scored and queued; returns a GroupReport (counts only)
+    evaluate(prompts)          one greedy response per held-out prompt, scored (rewards only)
     pause/abort/sleep/wake_up/update_weights/reset_prefix_cache/resume/get_version
                                the engine surface the weight-sync sequence drives
     placement/join_weight_group   where it runs; the broadcast group (``sync.link``)
@@ -26,6 +27,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from actors.runtime import Actor, quiet_transformers
 from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, SamplingParams
@@ -100,12 +103,22 @@ class RolloutActor(Actor):
             self.dropped.update(reasons)
         return report
 
-    async def _generate_one(self, sample: Sample) -> None:
+    async def evaluate(self, prompts: list[GroupRequest]) -> list[tuple[float | None, int]]:
+        """One greedy response to each prompt, scored: (reward, or None when the
+        reward failed; response tokens) per prompt. Nothing is queued."""
+        greedy = msgspec.structs.replace(self.sampling, temperature=0.0, seed=None)
+        samples = [Sample(uid=f"eval-{p.group_id}", group_id=p.group_id, prompt_ids=list(p.prompt_ids),
+                          meta=dict(p.meta)) for p in prompts]
+        await asyncio.gather(*(self._generate_one(s, greedy) for s in samples))
+        return [(s.reward if s.finish_reason in ("stop", "length") else None, len(s.response_ids))
+                for s in samples]
+
+    async def _generate_one(self, sample: Sample, sampling: SamplingParams | None = None) -> None:
         assert self._running is not None, "setup() was not awaited"
         while True:
             await self._running.wait()  # a sync in progress: resume on the new weights
             out: GenerateOutput = await self.engine.generate(
-                self._next_request(sample, self.max_response_tokens, self.sampling))
+                self._next_request(sample, self.max_response_tokens, sampling or self.sampling))
             if self._absorb(sample, out, self.max_response_tokens):
                 break
             if not self.partial_rollout:

@@ -198,8 +198,29 @@ class PolicyBase(abc.ABC):
             pending = await self.check_accounting()
             record = self._step_metrics(report, pending, wait_s=t2 - t0 - report.train_s, after_s=t3 - t2)
             self.last_sync, self._record = {}, (self.step, record)
+            every = self.cfg.policy.eval_every
+            if every and self.step % every == 0:
+                record.update(await self.evaluate())
             out.append(record)
         return out
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy responses to the task's fixed held-out prompts on the weights of
+        this step (a push still running is finished first), spread over the
+        rollout actors: ``eval/reward`` is their mean reward."""
+        await self.settle()
+        t0 = time.perf_counter()
+        prompts = self.task.eval_prompts(self.cfg.policy.eval_prompts)
+        requests = [GroupRequest(group_id=f"eval{i}", prompt_ids=list(p.prompt_ids), n=1, meta=dict(p.meta))
+                    for i, p in enumerate(prompts)]
+        k = len(self.rollouts)
+        parts = await asyncio.gather(*(h.evaluate(requests[i::k]) for i, h in enumerate(self.rollouts)))
+        scored = [r for part in parts for r in part]
+        rewards = [reward for reward, _ in scored if reward is not None]
+        return {"eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
+                "eval/num_prompts": len(scored), "eval/num_errors": len(scored) - len(rewards),
+                "eval/response_len_mean": sum(n for _, n in scored) / max(1, len(scored)),
+                "eval/at_trained": self.trained, "eval/s": time.perf_counter() - t0}
 
     def _step_metrics(self, report: StepReport, pending: int, *, wait_s: float, after_s: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._t_start

@@ -20,9 +20,19 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The task prompts come from and rewards are computed by."""
 
     type: str = "reverse_digits"
-    """Built-in task name (see ``policies.tasks``)."""
+    """Task name (see ``policies.tasks``): ``reverse_digits``, ``long_tail_copy``
+    (symbol tasks for the built-in tiny model), ``text_dataset`` (JSONL/Parquet
+    prompts and answers), ``text_arithmetic`` (generated arithmetic in words)."""
     kwargs: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
-    """Task-specific options (e.g. digit counts or a length distribution)."""
+    """Task-specific options (e.g. digit counts, a data file, a reward function).
+    Not ``model_path`` nor ``reward_timeout_s``: those come from ``model.path``
+    and ``policy.reward_timeout_s``."""
+
+    def __post_init__(self) -> None:
+        reserved = sorted({"model_path", "reward_timeout_s"} & set(self.kwargs))
+        if reserved:
+            raise ValueError(f"kwargs must not set {', '.join(reserved)} (taken from model.path and "
+                             "policy.reward_timeout_s)")
 
 
 class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -47,3 +57,10 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer's device is none of the engines' (the push then costs the trainer
     nothing), false when they share one, where the push would compete with the
     train step for that device (measured on one H200: bench/results/async_vs_sync_h200_process*.json)."""
+    eval_every: NonNegInt = 0
+    """Every this many trainer steps, score ``eval_prompts`` fixed held-out
+    prompts (the task's ``eval_prompts``), one greedy response each, on the
+    weights of that step: logged as ``eval/reward`` (with ``eval/at_trained``, the
+    samples trained so far, for comparisons at equal trained samples). 0 = never."""
+    eval_prompts: PosInt = 32
+    """Held-out prompts per evaluation."""

@@ -184,3 +184,20 @@ def test_an_overlapped_push_that_fails_stops_training_with_its_error(tmp_path):
         with pytest.raises(RuntimeError, match="link down during push 2"):
             run.train(steps=4)
         assert calls[0] == 2
+
+
+def test_held_out_eval_reward_is_logged_every_n_steps(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.eval_every=2", "policy.eval_prompts=6",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=4)
+    lines = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]  # step 0: the weights before training
+    assert ["eval/reward" in m for m in lines] == [True, False, True, False, True]
+    assert lines[0]["eval/at_trained"] == 0
+    summary = run.summary()
+    assert summary["eval_reward_first"] == round(lines[0]["eval/reward"], 4)
+    assert summary["eval_reward_last"] == round(lines[-1]["eval/reward"], 4)
+    for m in lines[2::2]:
+        assert 0.0 <= m["eval/reward"] <= 1.0 and m["eval/num_prompts"] == 6 and m["eval/num_errors"] == 0
+        assert m["eval/at_trained"] == m["trained"]

@@ -1,0 +1,179 @@
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+from policies.rewards import TimedReward, exact_match, extract_final_answer, math_answer, parse_number, resolve_reward
+
+# --- user reward functions, imported by path ("tests.test_rewards:...") -----------------------
+
+NOT_CALLABLE = 3
+_RELEASE = threading.Event()
+
+
+def always_one(text: str, answer: str) -> float:
+    return 1.0
+
+
+def hangs_on_request(text: str, answer: str) -> float:
+    """Hangs (until the test releases it, at most 10 s) when the text says so."""
+    if text == "hang":
+        _RELEASE.wait(10)
+    return 0.5
+
+
+class Graders:
+    @staticmethod
+    def length(text: str, answer: str) -> float:
+        return min(1.0, len(text) / 10)
+
+
+@pytest.fixture
+def release():
+    _RELEASE.clear()
+    yield _RELEASE
+    _RELEASE.set()  # let abandoned threads finish
+
+
+# --- exact match ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "answer", "reward"), [
+    ("Paris", "Paris", 1.0),
+    ("  Paris.\n", "Paris", 1.0),
+    ("Paris!?", "Paris.", 1.0),
+    ("paris", "Paris", 0.0),  # case-sensitive
+    ("Paris, France", "Paris", 0.0),
+    ("42", "42.0", 0.0),  # text, not numbers: use the math reward for those
+    ("", "", 1.0),
+])
+def test_exact_match_ignores_surrounding_space_and_trailing_punctuation_only(text, answer, reward):
+    assert exact_match(text, answer) == reward
+
+
+# --- math -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("42", 42), ("+42", 42), ("-7", -7), ("42.0", 42), ("3.50", Fraction(7, 2)), (".5", Fraction(1, 2)),
+    ("1,234", 1234), ("1,234,567.5", Fraction(2469135, 2)), ("3/4", Fraction(3, 4)), ("-3/4", Fraction(-3, 4)),
+    ("\\frac{3}{4}", Fraction(3, 4)), ("-\\dfrac{1}{2}", Fraction(-1, 2)), ("$12$", 12), ("\\$12", 12),
+    ("50%", 50), ("50\\%", 50), ("1e3", 1000), ("10\\text{ cm}", 10), ("7.", 7), ("\u22125", -5),
+    ("1,23", None), ("x", None), ("3/0", None), ("", None), ("1 000", 1000),
+])
+def test_parse_number_reads_the_usual_ways_of_writing_one(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(("text", "final"), [
+    ("so \\boxed{12} or rather \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last one, nested braces
+    ("\\boxed{{a}+{b}}", "{a}+{b}"),
+    ("\\boxed 5 apples", "5"),
+    ("\\boxed{12", "12"),  # unclosed box: falls through to the last number
+    ("She pays 3 * 24 = 72.\n#### 72", "72"),
+    ("#### 1,000 dollars\nthat's it", "1,000 dollars"),
+    ("First 3, then 4, finally 12.", "12"),
+    ("5-3 is 2", "2"), ("x=-3", "-3"), ("3.5 and 7/8", "7/8"),
+    ("no numbers here", None),
+])
+def test_the_final_answer_is_the_last_box_else_after_hashes_else_the_last_number(text, final):
+    assert extract_final_answer(text) == final
+
+
+@pytest.mark.parametrize(("text", "answer", "reward"), [
+    ("The answer is 85.", "85", 1.0),
+    ("The answer is 85.", "86", 0.0),
+    ("We get \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("We get \\boxed{0.75}", "3/4", 1.0),
+    ("Total: 1,234 apples", "1234", 1.0),
+    ("+7", "7.0", 1.0),
+    ("So x = \\boxed{x = 5}", "5", 1.0),
+    ("#### 72", "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", 1.0),  # a GSM8K solution as the answer
+    ("it is 8", "the total is \\boxed{8}", 1.0),  # a MATH solution as the answer
+    ("The answer is 50%", "50", 1.0),
+    ("The answer is \\boxed{B}", "B", 1.0),
+    ("The answer is \\boxed{C}", "B", 0.0),
+    ("I don't know", "4", 0.0),
+    ("4 is wrong, it is 5", "4", 0.0),  # only the final answer counts
+    ("-48", "-48", 1.0),
+    ("48", "-48", 0.0),
+])
+def test_math_answer_compares_the_final_answer_as_a_number(text, answer, reward):
+    assert math_answer(text, answer) == reward
+
+
+def test_math_answer_is_fast_on_long_adversarial_text():
+    text = "1," * 20000 + "\\boxed{" * 2000 + "9" * 5000 + "#" * 5000
+    t0 = time.perf_counter()
+    math_answer(text, "1")
+    assert time.perf_counter() - t0 < 1.0
+
+
+# --- user functions by import path ------------------------------------------------------------
+
+
+def test_builtin_names_resolve_to_the_builtin_functions():
+    assert resolve_reward("math", timeout_s=1) is math_answer
+    assert resolve_reward("exact_match", timeout_s=1) is exact_match
+
+
+def test_a_user_function_is_imported_by_path_and_wrapped_with_a_timeout():
+    fn = resolve_reward("tests.test_rewards:always_one", timeout_s=1.0)
+    assert isinstance(fn, TimedReward) and fn.timeout_s == 1.0
+    assert fn("x", "y") == 1.0
+    assert resolve_reward("tests.test_rewards:Graders.length", timeout_s=1.0)("hello", "") == 0.5
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nonsense", r"reward 'nonsense': expected one of exact_match, math or an import path"),
+    ("pkg.mod:", "import path"),
+    ("no_such_module_xyz:fn", r"reward 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+    ("tests.test_rewards:missing", r"module 'tests.test_rewards' has no attribute 'missing'"),
+    ("tests.test_rewards:NOT_CALLABLE", r"'NOT_CALLABLE' is a int, not a function"),
+])
+def test_a_bad_reward_path_is_a_value_error_naming_it(spec, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_reward(spec, timeout_s=1.0)
+
+
+def test_a_user_function_that_raises_or_returns_out_of_range_raises_to_its_caller():
+    def boom(text, answer):
+        raise KeyError("no grader")
+
+    with pytest.raises(KeyError, match="no grader"):
+        TimedReward(boom, name="boom", timeout_s=1.0)("a", "b")
+    with pytest.raises(ValueError, match=r"reward 'big' returned 2; expected a number in \[0, 1\]"):
+        TimedReward(lambda t, a: 2, name="big", timeout_s=1.0)("a", "b")
+    with pytest.raises(ValueError, match="returned nan"):
+        TimedReward(lambda t, a: float("nan"), name="nan", timeout_s=1.0)("a", "b")
+    assert TimedReward(lambda t, a: True, name="bool", timeout_s=1.0)("a", "b") == 1.0
+
+
+def test_a_hanging_user_function_times_out_without_holding_its_caller(release):
+    fn = resolve_reward("tests.test_rewards:hangs_on_request", timeout_s=0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"reward 'tests.test_rewards:hangs_on_request' took longer than 0.2 s"):
+        fn("hang", "")
+    assert 0.2 <= time.perf_counter() - t0 < 1.0
+    t0 = time.perf_counter()
+    assert fn("fine", "") == 0.5  # a fresh thread: not queued behind the hung call
+    assert time.perf_counter() - t0 < 0.15
+    assert fn.num_timeouts == 1
+
+
+def test_hung_calls_beyond_max_stuck_fail_at_once_until_they_end(release):
+    fn = TimedReward(hangs_on_request, name="hangs", timeout_s=0.05, max_stuck=2)
+    for _ in range(2):
+        with pytest.raises(TimeoutError):
+            fn("hang", "")
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="2 calls still running after timing out"):
+        fn("fine", "")
+    assert time.perf_counter() - t0 < 0.05
+    release.set()
+    for _ in range(100):  # the abandoned threads end and are no longer counted
+        if fn._num_stuck == 0:
+            break
+        time.sleep(0.01)
+    assert fn("fine", "") == 0.5
