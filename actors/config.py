@@ -245,6 +245,11 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.sync.transport not in ("auto", "inproc") and cfg.runtime.type == "local":
         raise ConfigError(f"sync.transport: {cfg.sync.transport!r} needs one process per actor "
                           "(runtime.type=process or ray)")
+    if cfg.sync.transport == "inproc" and cfg.runtime.type != "local":
+        raise ConfigError("sync.transport: 'inproc' needs the trainer and the engines in one process "
+                          "(runtime.type=local); leave it 'auto' to pick by placement")
+    if cfg.sync.transport == "ray" and cfg.runtime.type != "ray":
+        raise ConfigError("sync.transport: 'ray' (Ray's object store) needs runtime.type=ray")
     if cfg.sync.transport == "cuda_ipc" and not all(
             d.startswith("cuda") for d in (cfg.trainer.device, cfg.rollout.engine.device)):
         raise ConfigError(f"sync.transport: 'cuda_ipc' needs the trainer and the engines on GPUs; got "

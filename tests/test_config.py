@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -176,3 +177,12 @@ def test_fully_async_overlaps_a_push_with_training_only_off_the_engines_device(t
     cfg = load_config(None, [f"trainer.device={trainer}", f"rollout.engine.device={engine}",
                              f"policy.overlap_push={setting}"])
     assert FullyAsyncPolicy.overlap_push.fget(SimpleNamespace(cfg=cfg)) is overlap
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["sync.transport=inproc", "runtime.type=process"], "sync.transport: 'inproc' needs the trainer and the engines in one process"),
+    (["sync.transport=ray", "runtime.type=process"], "sync.transport: 'ray' (Ray's object store) needs runtime.type=ray"),
+])
+def test_a_forced_transport_that_cannot_reach_the_engines_is_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
