@@ -149,8 +149,6 @@ class TrainerLink:
         published, self._published = self._published, []
         for handle in published:
             self._transport.release(handle)
-        if self.kind == "cuda_ipc":
-            self._transport.close()
 
 
 class EngineLink:
