@@ -59,6 +59,7 @@ class PolicyBase(abc.ABC):
         self.queue_dropped: Counter[str] = Counter()  # dropped by the queue, by reason (last statistics)
         self.queue_put = 0  # samples the queue registered (last statistics)
         self._in_flight = 0
+        self.admitted = 0  # samples ever sent to rollout (in flight, reported or not)
         self._t_rollout_busy_s = 0.0
         self._t_busy_since = 0.0
         self._t_start = time.perf_counter()
@@ -111,6 +112,7 @@ class PolicyBase(abc.ABC):
         now = time.perf_counter()
         if self._in_flight > 0:
             self._t_rollout_busy_s += now - self._t_busy_since
+        self.admitted += max(0, value - self._in_flight)
         self._in_flight, self._t_busy_since = value, now
 
     def rollout_busy_s(self) -> float:
@@ -132,20 +134,23 @@ class PolicyBase(abc.ABC):
     async def check_accounting(self) -> int:
         """Read the queue's counters and raise :class:`AccountingError` unless
         produced == trained + dropped + pending; returns pending."""
+        # Reports keep arriving while the queue answers: bound what it may hold by the
+        # counters before the read (queued) and after it (admitted).
+        queued_before, dropped_before = self.rollout_queued, sum(self.rollout_dropped.values())
         stats = await self.queue.statistics_async()
         self.queue_put = stats.put
         self.queue_dropped = Counter(stats.dropped_by_reason)
         pending = stats.pending + stats.in_flight
         delivered = stats.consumers[self.consumer].delivered if self.consumer in stats.consumers else 0
         total_dropped = sum(self.dropped.values())
-        # the queue may hold groups whose report is still on its way, never more than are in flight
-        unreported = stats.put - self.rollout_queued
+        # the queue holds every group reported queued, and may hold some whose report is
+        # on its way, never more than were admitted and not reported dropped
         if (self.produced != self.trained + total_dropped + pending or delivered != self.trained
-                or not 0 <= unreported <= self.in_flight):
+                or not queued_before <= stats.put <= self.admitted - dropped_before):
             raise AccountingError(f"produced={self.produced} != trained={self.trained} + "
                                   f"dropped={total_dropped} + pending={pending} (queue: put={stats.put}, "
                                   f"acknowledged={delivered}; rollout actors reported {self.rollout_queued} "
-                                  f"queued, {self.in_flight} in flight)")
+                                  f"queued, {self.admitted} admitted)")
         return pending
 
     # -- the trainer side ---------------------------------------------------
