@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("tool", ["tools.warmstart", "tools.rl_smoke"])
+@pytest.mark.parametrize("tool", ["tools.warmstart", "tools.rl_smoke", "tools.sft_text"])
 def test_each_tool_runs_as_a_module(tool):
     res = subprocess.run([sys.executable, "-m", tool, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
