@@ -156,9 +156,9 @@ class RayReceiver:
         self.ray.shutdown()
 
 
-def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: Any, outbox: Any) -> None:
+def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, conn: Any) -> None:
     """Receiver process: ``gloo`` (torch.distributed rank 1), ``cuda_ipc`` (handles over a
-    queue) or ``pickle`` (the update itself over a queue: device buckets travel as host arrays)."""
+    pipe) or ``pickle`` (the update itself over a pipe: device buckets travel as host arrays)."""
     torch.set_num_threads(2)
     weights = {k: torch.zeros(s, dtype=torch.bfloat16, device=device) for k, s in shapes.items()}
     version = 0
@@ -171,8 +171,8 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: A
     elif kind == "cuda_ipc":
         transport = make_transport("cuda_ipc", device=device)
     else:
-        transport = make_transport("inproc")  # what arrives is the unpickled update
-    outbox.put("ready")
+        transport = None  # pickle: what arrives is the update itself, buckets as host arrays
+    conn.send("ready")
     while True:
         if kind == "gloo":
             cmd = torch.zeros(1, dtype=torch.int64)
@@ -181,15 +181,15 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, inbox: A
                 break
             update = transport.receive(None)
         else:
-            handle = inbox.get()
+            handle = conn.recv()
             if handle is None:
                 break
-            update = transport.receive(handle)
+            update = transport.receive(handle) if transport is not None else handle
         t0 = time.perf_counter()
         version = apply_update(weights, update, version)
         _sync(device)
         del update
-        outbox.put(((time.perf_counter() - t0) * 1e3, version))
+        conn.send(((time.perf_counter() - t0) * 1e3, version))
     if kind == "gloo":
         dist.destroy_process_group()
 
@@ -204,11 +204,11 @@ class SubprocessReceiver:
 
         self.name, self.kind, self.device = kind, kind, device
         ctx = mp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.conn, there = ctx.Pipe()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.proc = ctx.Process(target=_subprocess_engine, args=(kind, port, shapes, device, self.inbox, self.outbox))
+        self.proc = ctx.Process(target=_subprocess_engine, args=(kind, port, shapes, device, there))
         self.proc.start()
         if kind == "gloo":
             import torch.distributed as dist
@@ -217,8 +217,9 @@ class SubprocessReceiver:
             dist.init_process_group("gloo", rank=0, world_size=2)
             self.transport = make_transport("dist", src=0)
         else:
-            self.transport = make_transport("cuda_ipc", device=device) if kind == "cuda_ipc" else make_transport("inproc")
-        assert self.outbox.get(timeout=300) == "ready"
+            self.transport = make_transport("cuda_ipc", device=device) if kind == "cuda_ipc" else None
+        if not self.conn.poll(300) or self.conn.recv() != "ready":
+            raise RuntimeError(f"{kind} receiver process did not start")
 
     def push(self, update: WeightUpdate) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -228,11 +229,13 @@ class SubprocessReceiver:
             dist.broadcast(torch.ones(1, dtype=torch.int64), src=0)
             self.transport.send(update)
         else:
-            handle = self.transport.send(update)
-            self.inbox.put(handle)
-        apply_ms, _ = self.outbox.get(timeout=600)
+            handle = self.transport.send(update) if self.transport is not None else update
+            self.conn.send(handle)
+        if not self.conn.poll(600):
+            raise RuntimeError(f"{self.kind} receiver did not answer in 600 s")
+        apply_ms, _ = self.conn.recv()
         total_ms = (time.perf_counter() - t0) * 1e3
-        if self.kind != "gloo":
+        if self.kind == "cuda_ipc":
             self.transport.release(handle)
         return total_ms - apply_ms, apply_ms
 
@@ -243,7 +246,7 @@ class SubprocessReceiver:
             dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)
             dist.destroy_process_group()
         else:
-            self.inbox.put(None)
+            self.conn.send(None)
         self.proc.join(timeout=60)
 
 
@@ -282,6 +285,28 @@ def machine(device: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def copy_limit(nbytes: int, device: str) -> dict[str, Any]:
+    """The floor under a full push: one device-to-device copy of its bytes
+    (each byte read once and written once), timed with CUDA events."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    del src, dst
+    return {"bytes": nbytes, "copy_ms_median": round(ms, 3),
+            "read_plus_write_TB_s": round(2 * nbytes / (ms * 1e-3) / 1e12, 2),
+            "what": "a full push moves its bytes once into the engine: this copy is its limit"}
 
 
 def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repeat: int = 1,
@@ -366,7 +391,10 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
             del delta
             row["full_bytes"] = full_bytes
             # shared host: the fastest of the repeats is the closest to the uncontended cost
-            row["encode_ms"] = {k: round(min(v), 1) for k, v in encode_ms.items()}
+            row["encode_ms"] = {k: round(min(v), 2) for k, v in encode_ms.items()}
+            row["encode_ms_max"] = {k: round(max(v), 2) for k, v in encode_ms.items()}
+            spread = {name: {k: [round(min(sum(t) for t in v), 2), round(max(sum(t) for t in v), 2)]
+                             for k, v in by_kind.items()} for name, by_kind in timings.items()}
             timings = {name: {k: (min(t[0] for t in v), min(t[1] for t in v)) for k, v in by_kind.items()}
                        for name, by_kind in timings.items()}
             row["transports"] = {}
@@ -376,8 +404,10 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                 for kind in ("full", "delta"):
                     transfer_ms, apply_ms = by_kind[kind]
                     total = row["encode_ms"][kind] + transfer_ms + apply_ms
-                    out[kind] = {"transfer_ms": round(transfer_ms, 1), "apply_ms": round(apply_ms, 1),
-                                 "total_ms": round(total, 1)}
+                    out[kind] = {"transfer_ms": round(transfer_ms, 2), "apply_ms": round(apply_ms, 2),
+                                 "total_ms": round(total, 2),
+                                 # transfer + apply: what the engines wait through (encode runs before the pause)
+                                 "paused_ms_min_max": spread[name][kind]}
                     policy.observe(kind, total)
                 out["delta_over_full"] = round(out["delta"]["total_ms"] / out["full"]["total_ms"], 3)
                 out["faster"] = "delta" if out["delta_over_full"] < 1 else "full"
@@ -389,8 +419,10 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
     finally:
         for r in receivers:
             r.close()
+    limit = copy_limit(full_bytes, device) if device.startswith("cuda") else None
     return {
         "benchmark": "weight_sync",
+        "copy_limit": limit,
         "machine": machine(device),
         "model": {"shape": "small" if small else "Qwen2.5-0.5B", "num_params": sum(p.numel() for p in model.parameters()),
                   "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW",

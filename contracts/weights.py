@@ -134,7 +134,11 @@ class Manifest(msgspec.Struct, kw_only=True):
     """What one update contains. ``base_version`` is None for ``full`` updates
     (they apply to any receiver). ``num_elements`` counts every element the
     sender holds, ``num_changed`` those that differ from the base version
-    (all of them for a full update)."""
+    (all of them for a full update). ``layout``: a digest of the entries'
+    placement (names, ranges, buckets, offsets; not the checksums) when the
+    sender laid the payload out for the device fast path (``sync.device``):
+    a receiver that has checked a layout once applies later updates of the
+    same layout without per-piece work; empty otherwise."""
 
     version: int
     base_version: int | None
@@ -143,10 +147,16 @@ class Manifest(msgspec.Struct, kw_only=True):
     bucket_sizes: list[int]
     num_elements: int
     num_changed: int
+    layout: str = ""
 
     @property
     def payload_bytes(self) -> int:
         return sum(self.bucket_sizes)
+
+    def __reduce__(self) -> tuple:
+        """Pickled as msgpack: a 0.5B model's manifest (~300 entries) pickles and
+        unpickles in a fraction of the time, on every push between processes."""
+        return (_decode_manifest, (msgspec.msgpack.encode(self),))
 
     @property
     def changed_fraction(self) -> float:
@@ -171,6 +181,13 @@ class WeightUpdate(msgspec.Struct, kw_only=True):
         on a transport and only its manifest and bucket references travel
         (``sync.link``); transport references pickle as themselves."""
         return (_rebuild_update, (self.manifest, [_to_host(b) for b in self.buckets]))
+
+
+def _decode_manifest(data: bytes) -> Manifest:
+    return _MANIFEST_DECODER.decode(data)
+
+
+_MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)
 
 
 def _to_host(bucket: Any) -> Any:

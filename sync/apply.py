@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sync import checksum as cks
+from sync import device
 from sync import native
 from sync.codec import apply_sparse_np, decode_sparse
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
@@ -80,6 +81,13 @@ class _Piece:
         if e.shard is not None and not e.shard.is_contiguous:
             return None
         return cks.int_view(self._flat).numpy()[self._base : self._base + e.count]
+
+    def region_view(self) -> torch.Tensor | None:
+        """The piece's elements as a view of the receiver tensor when they are
+        contiguous there and held in the entry's dtype; None otherwise."""
+        if self._positions is not None or self._flat.dtype != self.dtype:
+            return None
+        return self._flat[self._base : self._base + self.entry.count]
 
     def _index(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx.to(self.device) + self.entry.start
@@ -246,6 +254,56 @@ def _check_delta_sums(e: TensorEntry, old_sum: cks.Checksum, new_sum: cks.Checks
         raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
 
 
+_PLANS: dict[tuple[int, str], device.ReceiverPlan] = {}  # (id of the weights dict, layout) -> checked plan
+_MAX_PLANS = 4
+
+
+def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
+    """Apply a full update laid out for the device fast path (:mod:`sync.device`)
+    when its layout checks out against ``weights``; False to take the generic path."""
+    m = update.manifest
+    if len(update.buckets) != len(m.bucket_sizes) or not m.entries:
+        return False
+    region = device.contiguous_region([bucket_tensor(b) for b in update.buckets], m.bucket_sizes)
+    if region is None:
+        return False
+    key = (id(weights), m.layout)
+    plan = _PLANS.get(key)
+    if plan is None or not plan.still_valid(weights):
+        plan = _plan_receiver(weights, m, region)
+        if plan is None:
+            return False
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    plan.apply(m, region)
+    return True
+
+
+def _plan_receiver(weights: dict[str, torch.Tensor], m: Any, region: torch.Tensor) -> device.ReceiverPlan | None:
+    """Check a layout once: every piece raw, block-aligned, and a contiguous
+    run of a receiver tensor of exactly its dtype on the buckets' device."""
+    if device.layout_digest(m.entries, m.bucket_sizes) != m.layout:
+        return None
+    try:
+        pieces = [_Piece(weights, e) for e in m.entries]
+    except ManifestMismatch:
+        return None  # the generic path reports it
+    itemsize = pieces[0].dtype.itemsize
+    block_bytes = device.BLOCK * itemsize
+    offsets = device.bucket_offsets(m.bucket_sizes)
+    if sum(m.bucket_sizes) % block_bytes or itemsize not in (2, 4):
+        return None
+    for piece in pieces:
+        e = piece.entry
+        if (e.encoding != "raw" or piece.dtype.itemsize != itemsize or piece.device != region.device
+                or piece.region_view() is None or e.nbytes != e.count * itemsize
+                or not 0 <= e.bucket < len(offsets) or e.offset < 0 or e.offset + e.nbytes > m.bucket_sizes[e.bucket]
+                or (offsets[e.bucket] + e.offset) % block_bytes):
+            return None
+    return device.ReceiverPlan(weights, m, region, pieces)
+
+
 def apply_update(
     weights: dict[str, torch.Tensor],
     update: WeightUpdate,
@@ -264,6 +322,8 @@ def apply_update(
     also re-reads every written piece afterwards (costs a pass over them).
     """
     m = update.manifest
+    if m.layout and m.kind == "full" and verify != "full" and _apply_planned(weights, update):
+        return m.version
     if m.kind == "delta" and m.base_version != current_version:
         raise BaseVersionMismatch(m.base_version, current_version)
     if len(update.buckets) != len(m.bucket_sizes):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from sync import checksum as cks
+from sync import device
 from sync import native
 from sync.auto import AutoConfig, AutoPolicy, Kind
 from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
@@ -103,6 +104,9 @@ class WeightSender:
     it; other tensors keep theirs). ``dedup_tied``: send a tensor that shares
     storage with one already sent (``lm_head.weight`` tied to the embedding)
     only once, under its first name, since receivers tie it the same way.
+    ``device_plan``: full updates of GPU tensors take the fixed-layout fast
+    path of :mod:`sync.device` (``auto``); ``always`` on any device (tests),
+    ``never`` not at all.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class WeightSender:
         dtype: torch.dtype = torch.bfloat16,
         auto: AutoConfig | None = None,
         dedup_tied: bool = True,
+        device_plan: Literal["auto", "always", "never"] = "auto",
     ) -> None:
         if mode not in ("full", "delta", "auto"):
             raise ValueError(f"WeightSender.mode must be 'full', 'delta' or 'auto', got {mode!r}")
@@ -137,6 +142,10 @@ class WeightSender:
         self._unreported: tuple[Kind, float, int] | None = None
         self._scratch: torch.Tensor | None = None
         self._native_scratch = native.EncodeScratch()
+        self.device_plan = device_plan
+        self._plan: device.SenderPlan | None = None
+        self._plan_given: list[tuple] = []  # (name, tensor, shard, address) the plan was built for
+        self._plan_holds_prev = False  # the plan's storage holds the last version, not self._prev
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, dtype: torch.dtype | str) -> WeightSender:
@@ -197,15 +206,17 @@ class WeightSender:
         undo: list[tuple] = []  # per delta piece: what revert_update needs
         revertible = kind == "delta"
         num_elements = num_changed = 0
-        seen: set[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
         pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
-        for name, tensor, shard in _iter_named(named_tensors):
-            if self.dedup_tied and tensor.numel():
-                alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-                if alias in seen:
-                    continue
-                seen.add(alias)
-            dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        given = list(_iter_named(named_tensors))
+        planned = kind == "full" and self.device_plan != "never"
+        if planned and self._plan_fits(given):
+            return self._encode_planned(version, t0)
+        items = self._collect(given)
+        if planned and device.plan_items(items, self.device_plan == "always"):
+            self._build_plan(given, items)
+            return self._encode_planned(version, t0)
+        self._fill_prev()
+        for name, tensor, shard, dtype in items:
             piece_elems = max(1, self.bucket_bytes // dtype.itemsize)
             shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)
             if shard is not None and tuple(tensor.shape) != shard.local_shape:
@@ -267,8 +278,14 @@ class WeightSender:
         # a full update could only be undone from a whole second copy, so not at all
         # re-sending the same version in full (after a refusal) leaves the
         # copy as it was, so the delta that produced that version can still be undone
-        if revertible:
-            self._undo = (self.version, undo)
+        return self._sent(WeightUpdate(manifest=manifest, buckets=writer.buckets), t0,
+                          (self.version, undo) if revertible else None)
+
+    def _sent(self, update: WeightUpdate, t0: float, undo: tuple | None) -> WeightUpdate:
+        """Record ``update`` as the last version sent."""
+        version, kind = update.manifest.version, update.manifest.kind
+        if undo is not None:
+            self._undo = undo
         elif version != self.version:
             self._undo = None
         self.version = version
@@ -276,8 +293,63 @@ class WeightSender:
         self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
         self._last_kind = kind
         self.last_encode_ms = (time.perf_counter() - t0) * 1e3
-        self._unreported = (kind, self.last_encode_ms, manifest.payload_bytes)
-        return WeightUpdate(manifest=manifest, buckets=writer.buckets)
+        self._unreported = (kind, self.last_encode_ms, update.manifest.payload_bytes)
+        return update
+
+    def _collect(self, given: list[tuple[str, torch.Tensor, ShardSpec | None]]
+                 ) -> list[tuple[str, torch.Tensor, ShardSpec | None, torch.dtype]]:
+        """(name, tensor, shard, engine dtype) to send: tied aliases once."""
+        items, seen = [], set()
+        for name, tensor, shard in given:
+            if self.dedup_tied and tensor.numel():
+                alias = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+                if alias in seen:
+                    continue
+                seen.add(alias)
+            items.append((name, tensor, shard, self.dtype if tensor.is_floating_point() else tensor.dtype))
+        return items
+
+    def _fill_prev(self) -> None:
+        """The last-sent copies, up to date (a planned full update leaves the
+        last version in its storage until a delta needs them)."""
+        if self._plan_holds_prev:
+            self._plan.fill_prev()
+            self._plan_holds_prev = False
+
+    def _plan_fits(self, given: list[tuple[str, torch.Tensor, ShardSpec | None]]) -> bool:
+        """The plan was built for exactly these tensors (same objects, same memory)."""
+        plan_given = self._plan_given
+        if self._plan is None or len(given) != len(plan_given):
+            return False
+        for (name, t, shard), (name0, t0, shard0, ptr0) in zip(given, plan_given):
+            if t is not t0 or name != name0 or shard != shard0 or t.data_ptr() != ptr0:
+                return False
+        return True
+
+    def _build_plan(self, given: list, items: list) -> None:
+        """Lay out a full update of ``items`` for the device fast path (:mod:`sync.device`)."""
+        self._fill_prev()
+        self._plan = None  # its storage goes before the new one is allocated
+        planned = []
+        for name, t, shard, dtype in items:
+            if shard is not None and tuple(t.shape) != shard.local_shape:
+                raise ValueError(f"{name}: shard tensor shape {tuple(t.shape)} != ShardSpec {shard.local_shape}")
+            src = t.detach().reshape(-1)
+            prev = self._prev.get((name, shard))
+            if prev is None or prev.numel() != src.numel() or prev.dtype != dtype or prev.device != src.device:
+                prev = self._prev[(name, shard)] = torch.empty(src.numel(), dtype=dtype, device=src.device)
+            shape = tuple(shard.full_shape) if shard else tuple(t.shape)
+            planned.append((name, src, shard, dtype, prev, shape))
+        self._plan = device.SenderPlan(planned, self.bucket_bytes, items[0][1].device)
+        self._plan_given = [(name, t, shard, t.data_ptr()) for name, t, shard in given]
+
+    def _encode_planned(self, version: int, t0: float) -> WeightUpdate:
+        """A full update through the plan: a few kernels, no per-tensor Python."""
+        update, checksums = self._plan.encode(version)
+        self._plan_holds_prev = True
+        for e, checksum in zip(update.manifest.entries, checksums):
+            self._prev_sums[(e.name, e.shard, e.start)] = checksum
+        return self._sent(update, t0, None)
 
     def revert_update(self) -> WeightUpdate | None:
         """Take back the last update: restore the last-sent copy to the
@@ -286,6 +358,7 @@ class WeightSender:
         None when the last update was full (it cannot be undone cheaply)."""
         if self._undo is None or self._undo[0] is None:
             return None
+        self._fill_prev()
         prev_version, undo = self._undo
         writer = _BucketWriter(self.bucket_bytes)
         entries: list[TensorEntry] = []

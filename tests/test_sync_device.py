@@ -1,0 +1,178 @@
+"""The device fast path of a full push (sync/device.py): same checksums and
+bytes as the generic path, refused payloads leave the receiver untouched, and
+a receiver whose tensors change rebuilds its plan. On CPU it runs with
+``device_plan="always"`` and the torch block sums; the GPU tests run the
+Triton kernel and CUDA IPC between processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from contracts.weights import ShardSpec
+from sync import WeightSender, apply_update
+from sync import apply as sync_apply
+from sync import device
+from sync.errors import ChecksumError
+
+
+def _weights(seed: int = 0, dev: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = {"embed": torch.randn(300, 70, generator=g), "norm": torch.randn(5000, generator=g),
+         "proj": torch.randn(17, 3, generator=g)}
+    w = {k: v.to(dev) for k, v in w.items()}
+    w["lm_head"] = w["embed"]  # tied: sent once
+    return w
+
+
+def _receiver(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(v.shape, dtype=torch.bfloat16, device=v.device) for k, v in w.items() if k != "lm_head"}
+
+
+def _sender(plan: str, **kw) -> WeightSender:
+    return WeightSender(mode=kw.pop("mode", "full"), bucket_bytes=8192, dtype=torch.bfloat16, device_plan=plan, **kw)
+
+
+def test_planned_full_matches_the_generic_checksums_and_applies() -> None:
+    w = _weights()
+    generic, planned = _sender("never").encode(w, 1), _sender("always").encode(w, 1)
+    assert planned.manifest.layout and not generic.manifest.layout
+    sums = lambda u: {(e.name, e.start, e.count): e.checksum for e in u.manifest.entries}  # noqa: E731
+    assert sums(planned) == sums(generic)
+    for verify in ("incremental", "full"):  # the planned receiver, then the generic one (verify=full)
+        recv = _receiver(w)
+        assert apply_update(recv, planned, 0, verify=verify) == 1
+        assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+
+
+def test_planned_payload_corruption_is_refused_and_nothing_written() -> None:
+    w = _weights()
+    sender, recv = _sender("always"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    with torch.no_grad():
+        w["norm"].add_(1.0)
+    update = sender.encode(w, 2)
+    e = next(e for e in update.manifest.entries if e.name == "norm")
+    update.buckets[e.bucket][e.offset + 3] ^= 1
+    before = {k: v.clone() for k, v in recv.items()}
+    with pytest.raises(ChecksumError, match=r"norm\[0:4096\]: payload checksum mismatch"):
+        apply_update(recv, update, 1)
+    assert all(torch.equal(recv[k], before[k]) for k in recv)
+
+
+def test_buckets_are_reused_and_new_receiver_tensors_rebuild_the_plan() -> None:
+    w = _weights()
+    sender, recv = _sender("always"), _receiver(w)
+    first = sender.encode(w, 1)
+    apply_update(recv, first, 0)
+    with torch.no_grad():
+        w["proj"].mul_(2)
+    second = sender.encode(w, 2)
+    assert [b.data_ptr() for b in second.buckets] == [b.data_ptr() for b in first.buckets]
+    recv = {k: v.clone() for k, v in recv.items()}  # an engine that reloaded its weights
+    apply_update(recv, second, 1)
+    assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+
+
+def test_delta_after_a_planned_full_is_exact() -> None:
+    w = _weights()
+    sender, recv = _sender("always", mode="delta"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    with torch.no_grad():
+        w["norm"] += 1.0
+    sender.force_full()  # a second planned full: the storage, not the last-sent copy, holds version 2
+    apply_update(recv, sender.encode(w, 2), 1)
+    with torch.no_grad():
+        w["embed"][3] += 0.5
+    delta = sender.encode(w, 3)
+    assert delta.manifest.kind == "delta" and 0 < delta.manifest.num_changed <= 70
+    apply_update(recv, delta, 2)
+    assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+
+
+def test_contiguous_shards_go_through_the_plan() -> None:
+    full = torch.randn(8, 600)
+    shards = [("w", full[:5], ShardSpec(full_shape=(8, 600), offset=0, length=5)),
+              ("w", full[5:], ShardSpec(full_shape=(8, 600), offset=5, length=3))]
+    update = _sender("always").encode(shards, 1)
+    assert update.manifest.layout
+    recv = {"w": torch.zeros(8, 600, dtype=torch.bfloat16)}
+    apply_update(recv, update, 0)
+    assert torch.equal(recv["w"], full.bfloat16())
+
+
+def test_block_sums_match_the_checksum_definition() -> None:
+    x = torch.randint(-(2**15), 2**15, (3 * device.BLOCK,), dtype=torch.int16)
+    got = device.block_sums(x)
+    for b in range(3):
+        blk = x[b * device.BLOCK : (b + 1) * device.BLOCK].to(torch.int64)
+        assert got[b, 0] == blk.sum() and got[b, 1] == (blk * torch.arange(device.BLOCK)).sum()
+
+
+def test_a_layout_digest_that_does_not_match_takes_the_generic_path() -> None:
+    w = _weights()
+    update = _sender("always").encode(w, 1)
+    update.manifest.layout = "0" * 32  # lies about its layout: checked the generic way, still applied
+    recv = _receiver(w)
+    n = len(sync_apply._PLANS)
+    apply_update(recv, update, 0)
+    assert len(sync_apply._PLANS) == n and all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_triton_block_sums_equal_torch() -> None:
+    x = torch.randint(-(2**15), 2**15, (4096 * device.BLOCK,), dtype=torch.int16, device="cuda")
+    fallback = device._KERNEL
+    got = device.block_sums(x)
+    device._KERNEL = False  # force the torch path
+    try:
+        want = device.block_sums(x)
+    finally:
+        device._KERNEL = fallback
+    assert torch.equal(got, want)
+
+
+def _ipc_receiver(shapes: dict, conn) -> None:
+    from sync.transport import make_transport
+
+    transport = make_transport("cuda_ipc")
+    recv = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()}
+    version = 0
+    while (handle := conn.recv()) is not None:
+        try:
+            version = apply_update(recv, transport.receive(handle), version)
+            conn.send((version, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            conn.send((version, repr(exc)))
+
+
+@pytest.mark.gpu
+def test_planned_pushes_over_cuda_ipc_between_processes() -> None:
+    from sync.transport import make_transport
+
+    w = _weights(dev="cuda")
+    shapes = {k: tuple(v.shape) for k, v in w.items() if k != "lm_head"}
+    sender, transport = WeightSender(mode="full", bucket_bytes=8192), make_transport("cuda_ipc")
+    here, there = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_ipc_receiver, args=(shapes, there))
+    proc.start()
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                w["norm"].add_(0.25)
+            update = sender.encode(w, version)
+            assert update.manifest.layout
+            handle = transport.send(update)
+            here.send(handle)
+            got_version, got = here.recv()
+            transport.release(handle)
+            assert got_version == version, got
+            assert all(torch.equal(torch.from_numpy(got[k]), w[k].bfloat16().cpu().view(torch.int16)) for k in shapes)
+        here.send(None)
+    finally:
+        proc.join(timeout=60)
