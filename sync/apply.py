@@ -254,8 +254,8 @@ def _check_delta_sums(e: TensorEntry, old_sum: cks.Checksum, new_sum: cks.Checks
         raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: delta does not produce the target checksum")
 
 
-_PLANS: dict[tuple[int, str], device.ReceiverPlan] = {}  # (id of the weights dict, layout) -> checked plan
-_MAX_PLANS = 4
+_PLANS: dict[str, list[device.ReceiverPlan]] = {}  # layout -> checked plans (one per receiver in this process)
+_MAX_PLANS = 4  # per layout
 
 
 def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
@@ -267,15 +267,14 @@ def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bo
     region = device.contiguous_region([bucket_tensor(b) for b in update.buckets], m.bucket_sizes)
     if region is None:
         return False
-    key = (id(weights), m.layout)
-    plan = _PLANS.get(key)
-    if plan is None or not plan.still_valid(weights):
+    plans = _PLANS.setdefault(m.layout, [])
+    plan = next((p for p in plans if p.still_valid(weights)), None)  # engines pass a fresh dict each time
+    if plan is None:
         plan = _plan_receiver(weights, m, region)
         if plan is None:
             return False
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        plans.insert(0, plan)
+        del plans[_MAX_PLANS:]
     plan.apply(m, region)
     return True
 

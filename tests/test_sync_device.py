@@ -74,6 +74,9 @@ def test_buckets_are_reused_and_new_receiver_tensors_rebuild_the_plan() -> None:
     recv = {k: v.clone() for k, v in recv.items()}  # an engine that reloaded its weights
     apply_update(recv, second, 1)
     assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+    plans = list(sync_apply._PLANS[second.manifest.layout])
+    apply_update(dict(recv), second, 2)  # a new dict of the same tensors (as engines pass): the same plan
+    assert sync_apply._PLANS[second.manifest.layout] == plans
 
 
 def test_delta_after_a_planned_full_is_exact() -> None:
@@ -116,9 +119,8 @@ def test_a_layout_digest_that_does_not_match_takes_the_generic_path() -> None:
     update = _sender("always").encode(w, 1)
     update.manifest.layout = "0" * 32  # lies about its layout: checked the generic way, still applied
     recv = _receiver(w)
-    n = len(sync_apply._PLANS)
     apply_update(recv, update, 0)
-    assert len(sync_apply._PLANS) == n and all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+    assert not sync_apply._PLANS.get("0" * 32) and all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
 
 
 # ---------------------------------------------------------------- GPU
