@@ -14,14 +14,58 @@ steady state (fully-async starts the timed window with its pipeline full and end
 work in flight alike). Prints one JSON object: per policy the wall time of the timed
 steps (setup excluded), samples/s, trainer and rollout idle ratios and the final
 reward (mean over the last 10% of steps), each as mean and spread over seeds,
-and the speedup of each policy over sync. ``fully_async`` syncs weights after
-every trainer step like the baselines; ``fully_async_k2`` every second step.
+and the speedup of each policy over sync (in wall time, steps/s and trained
+tokens/s). ``fully_async`` syncs weights after every trainer step like the
+baselines; ``fully_async_k2`` every second step.
+
+Learning, at equal trained samples: ``--eval-prompts N`` scores N fixed
+held-out prompts of the task (one greedy response each, ``policy.eval_prompts``)
+before the first step and after the last, both untimed; ``--eval-every K``
+adds evaluations every K trainer steps (``policy.eval_every``), whose time is
+subtracted from the timed window (``wall_s``; ``wall_with_eval_s`` keeps it).
+Each run reports ``eval_reward_first``, ``eval_reward_last``,
+``eval_at_trained`` (samples trained at the last evaluation: the same for every
+policy, which all train the same steps of the same batch) and ``eval_curve``
+(``[step, trained, reward]``). Fully-async's rollout may keep generating during
+an in-loop evaluation; ``--eval-every 0`` gives the strictest throughput comparison.
+
+A text task on a 402M-parameter model (the Qwen2.5-0.5B body over SmolLM2's
+tokenizer), on one GPU. Here, where the converted SmolLM2 checkpoint is (only
+its tokenizer travels: a few MB):
+
+    python -m bench.make_model --export-tokenizer models/smollm2-135m-instruct --out models/smollm2-tokenizer
+
+then on the GPU machine (carry ``models/smollm2-tokenizer`` and ``.whl``; no
+Ray there, so ``--runtime process``):
+
+    pip install -q --no-index --find-links .whl msgspec pyyaml tqdm
+    python -m bench.make_model --out /tmp/q05-smol --tokenizer models/smollm2-tokenizer
+    python -m tools.sft_text --model /tmp/q05-smol --task text_arithmetic \
+        --task-kwargs '{"digits": 2, "ops": "+"}' --steps 1500 --max-seconds 75 --batch-size 64 \
+        --lr 3e-4 --device cuda --dtype bfloat16 --eval-prompts 128
+    python -m bench.async_vs_sync --device cuda --runtime process --task text_arithmetic \
+        --task-kwargs '{"digits": 2, "ops": "+"}' --policies sync,fully_async --seeds 3 \
+        --steps 30 --warmup-steps 2 --batch-prompts 8 --n 8 --max-response-tokens 16 \
+        --eval-prompts 128 --eval-every 10 --out $OUT/async_vs_sync_h200_text.json \
+        model.path=/tmp/q05-smol trainer.lr=2e-5 trainer.dtype=bfloat16
+
+The warm start prints its held-out ``eval_reward``: it should be above 0 (and
+well below 1) for RL's gain to be measurable; if it is 0, give it more steps.
+The same sequence with ``make_model --shape tiny --dtype float32``, SFT and the
+benchmark on ``--device cpu`` (6.7M parameters, most of them SmolLM2's
+embedding), on this project's 2-core CPU: make_model 6 s; SFT 77 s (202 steps
+in its 75 s, held-out reward still 0: a CPU-sized model learns this slowly);
+one benchmark run (process runtime, 2 + 30 steps of 64 samples, 4
+evaluations of 128 prompts) about 220 s with setup, 190 s timed, so the whole
+3-seed, 2-policy benchmark about 20 min. ``tests/test_text_bench.py`` runs a
+1-seed, 3-step version in a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import json
 import os
 import pathlib
@@ -46,16 +90,47 @@ POLICIES = {
 }
 
 
-def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict[str, Any]:
+def task_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The task's options: ``--task-max-len`` / ``--tail-alpha`` for the symbol tasks
+    whose factory takes them (``long_tail_copy`` both, ``reverse_digits`` max_len),
+    then ``--task-kwargs`` (JSON) over them; text tasks get ``--task-kwargs`` alone."""
+    from policies.tasks import _TASKS
+
+    if args.task not in _TASKS:
+        raise ValueError(f"--task: unknown task {args.task!r}; known tasks: {', '.join(sorted(_TASKS))}")
+    params = inspect.signature(_TASKS[args.task]).parameters
+    out: dict[str, Any] = {}
+    if "max_len" in params:  # a symbol task (text tasks take max_digits, not max_len)
+        out["max_len"] = args.task_max_len
+        if "tail_alpha" in params:
+            out["tail_alpha"] = args.tail_alpha
+    return {**out, **args.task_kwargs}
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """``--max-model-len``, or room for the prompt and ``--max-response-tokens``:
+    a symbol task's prompt is at most its answer plus 3 tokens; a text task's
+    rendered prompt (chat template, system turn) is given 256."""
+    if args.max_model_len:
+        return args.max_model_len
+    kwargs = task_kwargs(args)
+    return (kwargs["max_len"] + 16 if "max_len" in kwargs else 256) + args.max_response_tokens
+
+
+def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> list[str]:
+    """The config overrides of one run (over ``fully_async.yaml``)."""
     overrides = [
         f"run.seed={seed}", f"run.total_steps={args.warmup_steps + args.steps}", "run.progress=false",
         f"run.output_dir={args.output_dir}", f"task.type={args.task}",
         f"rollout.max_response_tokens={args.max_response_tokens}",
-        f"rollout.engine.max_model_len={args.task_max_len + args.max_response_tokens + 16}",
-        f"task.kwargs.max_len={args.task_max_len}", f"task.kwargs.tail_alpha={args.tail_alpha}",
+        f"rollout.engine.max_model_len={max_model_len(args)}",
+        # JSON values are YAML scalars as the override parser reads them ("+-*" stays a string)
+        *(f"task.kwargs.{k}={json.dumps(v)}" for k, v in task_kwargs(args).items()),
         f"trainer.batch_prompts={args.batch_prompts}", f"rollout.n={args.n}",
         f"policy.staleness_threshold={args.staleness_threshold}",
         f"policy.max_staleness={args.max_staleness}",
+        f"policy.eval_every={args.eval_every}",
+        *([f"policy.eval_prompts={args.eval_prompts}"] if args.eval_prompts else []),
         f"runtime.type={runtime}", *POLICIES[policy], *args.overrides,
     ]
     if args.device != "cpu":
@@ -67,15 +142,26 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict
     if args.placement == "disaggregated":  # separate processes, weights by broadcast
         overrides += ["sync.colocated=false", "sync.transport=broadcast",
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
-    run = launch(ROOT / "fully_async.yaml", *overrides)
+    return overrides
+
+
+def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict[str, Any]:
+    run = launch(ROOT / "fully_async.yaml", *run_overrides(policy, seed, runtime, args))
     transport = run.weight_transport
     with run:
+        evals = [_evaluate(run)] if args.eval_prompts else []  # step 0: the weights every policy starts from
         warm = run.train(args.warmup_steps)  # untimed: one-time costs of the actors' processes land here
         engine0 = loop.run(run.policy.rollouts[0].statistics())
         t0 = time.perf_counter()
         hist = run.train(args.steps)
-        wall_s = time.perf_counter() - t0
+        wall_with_eval_s = time.perf_counter() - t0
         engine1 = loop.run(run.policy.rollouts[0].statistics())
+        evals += [m for m in warm + hist if "eval/reward" in m]
+        if args.eval_prompts and (not evals or evals[-1]["step"] != args.warmup_steps + args.steps):
+            evals.append(_evaluate(run))  # after the timed window: the weights of the last step
+    # evaluations inside the timed window (--eval-every) do not count as training time
+    eval_s = sum(m.get("eval/s", 0.0) for m in hist)
+    wall_s = wall_with_eval_s - eval_s
     # the engine's counters over the timed steps only (gauges such as num_running: at the end)
     gauges = ("num_running", "num_waiting", "kv_cache_bytes", "weights_bytes")
     engine = {k: v if k in gauges or not isinstance(v, (int, float)) else round(v - engine0.get(k, 0), 4)
@@ -85,14 +171,19 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict
     start = warm[-1] if warm else {"trained": 0, "elapsed_s": 0.0, "trainer_idle_ratio": 0.0,
                                    "rollout_idle_ratio": 0.0}
 
-    def idle(key: str) -> float:  # over the timed steps (the policy's counters run from its start)
+    def idle(key: str) -> float:  # over the timed steps less their evaluations (the counters run from the start)
         busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
-        return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"])))
+        return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"] - eval_s)))
     return {
         "weight_transport": transport,
         "wall_s": wall_s,
+        "wall_with_eval_s": wall_with_eval_s,
+        "eval_s": eval_s,
+        "steps_per_s": len(hist) / wall_s,
+        # trained response tokens (the trainer's count) per second
+        "tokens_per_s": sum(m["num_tokens"] for m in hist) / wall_s,
         "samples_per_s": (last["trained"] - start["trained"]) / wall_s,
-        "tokens_per_s": sum(m["response_len_mean"] for m in hist) * run.cfg.batch_size / wall_s,
+        **_eval_fields(evals),
         "trainer_idle_ratio": idle("trainer_idle_ratio"),
         "rollout_idle_ratio": idle("rollout_idle_ratio"),
         "final_reward": sum(m["reward"] for m in hist[-k:]) / k,
@@ -111,6 +202,24 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict
     }
 
 
+def _evaluate(run: Any) -> dict[str, Any]:
+    """The policy's held-out evaluation on the weights of its latest step, untimed."""
+    return {"step": run.policy.step, **loop.run(run.policy.evaluate())}
+
+
+def _eval_fields(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Held-out eval reward before the first step and after the last, with the
+    trained samples at each evaluation (equal across policies: the same steps
+    of the same batch size), and the whole curve."""
+    if not evals:
+        return {}
+    return {
+        "eval_reward_first": evals[0]["eval/reward"], "eval_reward_last": evals[-1]["eval/reward"],
+        "eval_at_trained": evals[-1]["eval/at_trained"],
+        "eval_curve": [[m["step"], m["eval/at_trained"], round(m["eval/reward"], 4)] for m in evals],
+    }
+
+
 def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     syncs = [m for m in hist if "sync/total_ms" in m]
     if not syncs:
@@ -123,17 +232,52 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     return parts
 
 
+#: Summarised over seeds (mean and spread), in this order: throughput side by side, then learning.
+SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
+                "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
+                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "eval_s")
+
+
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"seeds": runs}
-    for key in ("wall_s", "samples_per_s", "tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio",
-                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean"):
-        values = [r[key] for r in runs]
+    out: dict[str, Any] = {}
+    for key in SUMMARY_KEYS:
+        values = [r[key] for r in runs if key in r]
+        if not values:  # e.g. no evaluations asked for
+            continue
         out[key] = {"mean": statistics.fmean(values),
                     "spread": (max(values) - min(values)) if len(values) > 1 else 0.0}
+    out["seeds"] = runs
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each policy's runs summarised over seeds (``policies``), and each policy's
+    speedup over sync: in wall time (mean, and per seed), in steps/s and in
+    trained tokens/s (the two differ as response lengths do)."""
+    pol = {policy: _summarise(r) for policy, r in runs.items()}
+    out: dict[str, Any] = {"policies": pol}
+    for name in pol:
+        if name != "sync" and "sync" in pol:
+            out[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
+            out[f"speedup_{name}_over_sync_per_seed"] = [
+                round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
+            for rate in ("steps_per_s", "tokens_per_s"):
+                out[f"speedup_{rate}_{name}_over_sync"] = pol[name][rate]["mean"] / pol["sync"][rate]["mean"]
+    return out
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (an unknown policy, runtime or task exits naming it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--placement", choices=["colocated", "disaggregated"], default="colocated",
@@ -149,12 +293,29 @@ def main(argv: list[str] | None = None) -> int:
                         "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--task", default="long_tail_copy")
+    p.add_argument("--task", default="long_tail_copy",
+                   help="long_tail_copy | reverse_digits (built-in symbol tasks) | text_arithmetic | text_dataset "
+                        "(text tasks: a model.path=DIR override whose tokenizer has the text)")
+    p.add_argument("--task-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help='the task\'s options as a JSON object, e.g. \'{"digits": 2, "ops": "+"}\' '
+                        "(over --task-max-len / --tail-alpha)")
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-response-tokens", type=int, default=100)
-    p.add_argument("--task-max-len", type=int, default=96, help="longest answer of the long-tail task")
-    p.add_argument("--tail-alpha", type=float, default=0.8, help="Pareto shape of answer lengths")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="the engine's max_model_len (0: the longest prompt plus --max-response-tokens; "
+                        "256 prompt tokens for a text task)")
+    p.add_argument("--task-max-len", type=int, default=96,
+                   help="longest answer of the symbol tasks (not passed to text tasks)")
+    p.add_argument("--tail-alpha", type=float, default=0.8,
+                   help="Pareto shape of long_tail_copy's answer lengths (not passed to text tasks: "
+                        "use --task-kwargs)")
+    p.add_argument("--eval-prompts", type=int, default=0,
+                   help="held-out prompts per evaluation (greedy, policy.eval_prompts); > 0 evaluates "
+                        "before the first step and after the last, untimed (0: no evaluation)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also evaluate every this many trainer steps (policy.eval_every); their time is "
+                        "subtracted from the timed window")
     p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async,fully_async_k2")
@@ -163,6 +324,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
+    policies = args.policies.split(",")
+    unknown = [name for name in policies if name not in POLICIES]
+    if unknown:
+        p.error(f"--policies: unknown {', '.join(map(repr, unknown))} (known: {', '.join(POLICIES)})")
+    if args.eval_every < 0 or args.eval_prompts < 0:
+        p.error("--eval-every and --eval-prompts must be >= 0")
+    if args.eval_every and not args.eval_prompts:
+        p.error("--eval-every needs --eval-prompts > 0")
+    try:
+        task_kwargs(args)
+    except ValueError as e:
+        p.error(str(e))
+    for rt in args.runtime.split(","):
+        if rt not in ("process", "ray", "local"):
+            p.error(f"--runtime: {rt!r} is not one of process, ray, local")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = args.policies.split(",")
     result: dict[str, Any] = {
         "bench": "async_vs_sync", "device": args.device, "placement": args.placement,
         "runtime": args.runtime, "free_kv": args.free_kv,
@@ -170,16 +352,19 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "load_average_start": os.getloadavg(),
         "task": args.task, "steps": args.steps, "seeds": args.seeds,
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
-        "task_max_len": args.task_max_len, "tail_alpha": args.tail_alpha,
+        "task_kwargs": task_kwargs(args), "max_model_len": max_model_len(args),
+        "eval_prompts": args.eval_prompts, "eval_every": args.eval_every,
+        "timing": "wall_s: the timed steps less the evaluations inside them (eval_s, --eval-every); "
+                  "steps_per_s, tokens_per_s (trained response tokens) and samples_per_s over wall_s; "
+                  "the evaluations before the first step and after the last are untimed. "
+                  "eval_reward_*: greedy mean reward on the task's held-out prompts, "
+                  "eval_at_trained: trained samples at the last evaluation (equal across policies); "
+                  "fully-async's rollout may keep generating during an in-loop evaluation",
         "staleness_threshold": args.staleness_threshold, "max_staleness": args.max_staleness,
         "overrides": args.overrides,
         "policies": {},
     }
-    policies = args.policies.split(",")
     runtimes = args.runtime.split(",")
-    for rt in runtimes:
-        if rt not in ("process", "ray", "local"):
-            p.error(f"--runtime: {rt!r} is not one of process, ray, local")
     every: dict[str, dict[str, list[dict[str, Any]]]] = {rt: {policy: [] for policy in policies} for rt in runtimes}
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         for policy in policies:
@@ -191,13 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     pathlib.Path(args.out).write_text(json.dumps({**result, "partial": True, "runs_so_far": every},
                                                                  indent=1))
     runs = every[runtimes[0]]
-    result["policies"] = {policy: _summarise(r) for policy, r in runs.items()}
-    pol = result["policies"]
-    for name in pol:
-        if name != "sync" and "sync" in pol:
-            result[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
-            result[f"speedup_{name}_over_sync_per_seed"] = [
-                round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
+    result.update(compare(runs))
     if len(runtimes) > 1:  # the same policies under the other runtimes, and their sync cost against the first's
         result["other_runtimes"] = {rt: {policy: _summarise(r) for policy, r in every[rt].items()}
                                     for rt in runtimes[1:]}
