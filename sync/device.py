@@ -59,7 +59,8 @@ def _triton_kernel() -> Any:
 
         @triton.jit
         def block_sums_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
-            # int64 partial sums: a [32, 32] int32 split of the same sums measured 2.4x slower on an H200
+            # int64 partial sums: a [32, 32] int32 split of the same sums measured 2.4x slower on an H200,
+            # several blocks per program no faster than one at 2 warps
             pid = tl.program_id(0).to(tl.int64)
             offs = tl.arange(0, BLOCK)
             x = tl.load(x_ptr + pid * BLOCK + offs).to(tl.int64)
@@ -82,7 +83,8 @@ def block_sums(x: torch.Tensor) -> torch.Tensor:
     kernel = _triton_kernel() if x.is_cuda else False
     if kernel:
         if rows:
-            kernel[(rows,)](x, out, BLOCK=BLOCK)
+            # 2 warps: 0.31 ms for a 0.5B model's 988 MB on an H200 (4 warps 0.42, 8 warps 0.74)
+            kernel[(rows,)](x, out, BLOCK=BLOCK, num_warps=2)
         return out
     pos = torch.arange(BLOCK, dtype=torch.int64, device=x.device)
     view = x.view(rows, BLOCK)

@@ -144,7 +144,7 @@ class WeightSender:
         self._native_scratch = native.EncodeScratch()
         self.device_plan = device_plan
         self._plan: device.SenderPlan | None = None
-        self._plan_given: list[tuple] = []  # (name, tensor, shard, address) the plan was built for
+        self._plan_given: list[tuple] = []  # (name, address, shape, dtype, shard) the plan was built for
         self._plan_holds_prev = False  # the plan's storage holds the last version, not self._prev
 
     @classmethod
@@ -317,12 +317,14 @@ class WeightSender:
             self._plan_holds_prev = False
 
     def _plan_fits(self, given: list[tuple[str, torch.Tensor, ShardSpec | None]]) -> bool:
-        """The plan was built for exactly these tensors (same objects, same memory)."""
+        """The plan was built for these tensors: the same names over the same
+        memory (trainers hand over fresh detached views every time, so not the
+        same objects; the plan's own views keep that memory from being reused)."""
         plan_given = self._plan_given
         if self._plan is None or len(given) != len(plan_given):
             return False
-        for (name, t, shard), (name0, t0, shard0, ptr0) in zip(given, plan_given):
-            if t is not t0 or name != name0 or shard != shard0 or t.data_ptr() != ptr0:
+        for (name, t, shard), (name0, ptr0, shape0, dtype0, shard0) in zip(given, plan_given):
+            if t.data_ptr() != ptr0 or name != name0 or t.shape != shape0 or t.dtype != dtype0 or shard != shard0:
                 return False
         return True
 
@@ -341,7 +343,7 @@ class WeightSender:
             shape = tuple(shard.full_shape) if shard else tuple(t.shape)
             planned.append((name, src, shard, dtype, prev, shape))
         self._plan = device.SenderPlan(planned, self.bucket_bytes, items[0][1].device)
-        self._plan_given = [(name, t, shard, t.data_ptr()) for name, t, shard in given]
+        self._plan_given = [(name, t.data_ptr(), t.shape, t.dtype, shard) for name, t, shard in given]
 
     def _encode_planned(self, version: int, t0: float) -> WeightUpdate:
         """A full update through the plan: a few kernels, no per-tensor Python."""
