@@ -227,8 +227,11 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     parts = {k: statistics.fmean(m[f"sync/{k}_ms"] for m in syncs)
              for k in ("encode", "transfer", "apply", "total", "paused")}
     parts["sequence"] = parts["total"] - parts["encode"] - parts["transfer"] - parts["apply"]
+    # the trainer's own encode time (the "encode" above also holds the call that fetched it)
+    parts["sender_encode"] = statistics.fmean(m.get("sync/sender_encode_ms", 0.0) for m in syncs)
     parts = {k: round(v, 2) for k, v in parts.items()}
     parts["kinds"] = dict(collections.Counter(m["sync/kind"] for m in syncs))
+    parts["device_plan"] = sum(bool(m.get("sync/device_plan")) for m in syncs)  # syncs on the device fast path
     return parts
 
 

@@ -138,7 +138,9 @@ class Manifest(msgspec.Struct, kw_only=True):
     placement (names, ranges, buckets, offsets; not the checksums) when the
     sender laid the payload out for the device fast path (``sync.device``):
     a receiver that has checked a layout once applies later updates of the
-    same layout without per-piece work; empty otherwise."""
+    same layout without per-piece work; empty otherwise. ``encode_ms``: the
+    sender's own time to produce the update (for logs: a policy's measure of
+    the encode also holds the call that fetched it)."""
 
     version: int
     base_version: int | None
@@ -148,6 +150,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     num_elements: int
     num_changed: int
     layout: str = ""
+    encode_ms: float = 0.0
 
     @property
     def payload_bytes(self) -> int:

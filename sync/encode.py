@@ -292,7 +292,7 @@ class WeightSender:
         self._force_full = False
         self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
         self._last_kind = kind
-        self.last_encode_ms = (time.perf_counter() - t0) * 1e3
+        self.last_encode_ms = update.manifest.encode_ms = (time.perf_counter() - t0) * 1e3
         self._unreported = (kind, self.last_encode_ms, update.manifest.payload_bytes)
         return update
 

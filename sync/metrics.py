@@ -14,7 +14,10 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     on the trainer, ``transfer_ms`` publishing through the transport,
     ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` the whole
     sequence, ``paused_ms`` the part of it the engines did not generate (pause to
-    resume: without ``colocated`` the encode runs before the pause)."""
+    resume: without ``colocated`` the encode runs before the pause).
+    ``sender_encode_ms``: the encode as the sender timed it, without the call
+    that fetched it; ``device_plan``: the update took the device fast path
+    (:mod:`sync.device`)."""
 
     version: int
     kind: Literal["full", "delta"]
@@ -28,6 +31,8 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     num_engines: int = 0
     num_full_retries: int = 0
     num_aborted: int = 0
+    sender_encode_ms: float = 0.0
+    device_plan: bool = False
 
 
 class SyncResult(msgspec.Struct, kw_only=True):

@@ -152,6 +152,8 @@ async def sync_weights(
             versions = list(await asyncio.gather(*(engine_version(e) for e in engines)))
             raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
         metrics.encode_ms = src.encode_ms
+        metrics.sender_encode_ms = update.manifest.encode_ms
+        metrics.device_plan = bool(update.manifest.layout)
     finally:
         # whatever happened, engines must run again, and never on caches of other weights
         if colocated:
