@@ -42,6 +42,7 @@ import torch
 from actors.models import load_causal_lm, load_tokenizer
 from bench.make_model import copy_tokenizer
 from policies.tasks import Prompt, make_task
+from tools.warmstart import pad_answers
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -55,20 +56,7 @@ def answer_ids(task, meta: dict[str, str]) -> list[int]:
 
 def sft_batch(task, prompts: list[Prompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``[B, T]`` input ids, attention mask and labels (-100 off the answer)."""
-    rows, labels = [], []
-    for p in prompts:
-        answer = answer_ids(task, p.meta)
-        rows.append(list(p.prompt_ids) + answer)
-        labels.append([-100] * len(p.prompt_ids) + answer)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        ids[i, : len(r)] = torch.tensor(r)
-        lab[i, : len(l)] = torch.tensor(l)
-        mask[i, : len(r)] = 1
-    return ids, mask, lab
+    return pad_answers([(list(p.prompt_ids), answer_ids(task, p.meta)) for p in prompts], pad_id)
 
 
 @torch.no_grad()

@@ -50,11 +50,15 @@ def build_config(tokenizer, *, num_layers: int = 2) -> transformers.Qwen2Config:
 
 def sft_batch(task, prompts: list[Prompt], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``[B, T]`` input ids, attention mask and labels (-100 off the answer)."""
-    rows, labels = [], []
-    for p in prompts:
-        answer = task.answer_ids(p.meta) + list(task.stop_token_ids[:1])
-        rows.append(p.prompt_ids + answer)
-        labels.append([-100] * len(p.prompt_ids) + answer)
+    return pad_answers([(list(p.prompt_ids), task.answer_ids(p.meta) + list(task.stop_token_ids[:1]))
+                        for p in prompts], pad_id)
+
+
+def pad_answers(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(prompt ids, answer ids)`` pairs as right-padded ``[B, T]`` input ids,
+    attention mask and labels (-100 off the answer)."""
+    rows = [prompt + answer for prompt, answer in pairs]
+    labels = [[-100] * len(prompt) + answer for prompt, answer in pairs]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     lab = torch.full((len(rows), width), -100, dtype=torch.long)

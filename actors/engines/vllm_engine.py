@@ -52,7 +52,10 @@ class _Stream:
 
 
 class VllmEngine(RolloutEngine):
-    """``device``: ``cpu`` or ``cuda[:i]``; ``dtype``: the weights' and compute dtype."""
+    """``device``: ``cpu`` or ``cuda`` (vLLM picks its GPU itself: choose one with
+    ``CUDA_VISIBLE_DEVICES``; a ``cuda:i`` index is not passed on); ``dtype``: the
+    weights' and compute dtype. The host copy of the weights costs one model's
+    size of host memory."""
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 128,
                  max_model_len: int = 128, seed: int = 0, memory_utilization: float | None = None) -> None:
