@@ -94,11 +94,12 @@ def task_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The task's options: ``--task-max-len`` / ``--tail-alpha`` for the symbol tasks
     whose factory takes them (``long_tail_copy`` both, ``reverse_digits`` max_len),
     then ``--task-kwargs`` (JSON) over them; text tasks get ``--task-kwargs`` alone."""
-    from policies.tasks import _TASKS
+    from policies.tasks import task_factory
 
-    if args.task not in _TASKS:
-        raise ValueError(f"--task: unknown task {args.task!r}; known tasks: {', '.join(sorted(_TASKS))}")
-    params = inspect.signature(_TASKS[args.task]).parameters
+    try:
+        params = inspect.signature(task_factory(args.task)).parameters
+    except ValueError as exc:
+        raise ValueError(f"--task: {exc}") from None
     out: dict[str, Any] = {}
     if "max_len" in params:  # a symbol task (text tasks take max_digits, not max_len)
         out["max_len"] = args.task_max_len

@@ -446,6 +446,13 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
     _TASKS[name] = factory
 
 
+def task_factory(name: str) -> Callable[..., Task]:
+    """The factory registered as ``name``; ``ValueError`` naming the known ones otherwise."""
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_TASKS))}")
+    return _TASKS[name]
+
+
 def make_task(name: str, *, model_path: str | None = None, reward_timeout_s: float | None = None,
               **kwargs) -> Task:
     """Build the task registered as ``name`` with its keyword options.
@@ -457,9 +464,7 @@ def make_task(name: str, *, model_path: str | None = None, reward_timeout_s: flo
 
     Raises ``ValueError`` naming the task when it is unknown or its options are wrong.
     """
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(_TASKS))}")
-    factory = _TASKS[name]
+    factory = task_factory(name)
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or C callable: pass no context
