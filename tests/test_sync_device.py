@@ -45,6 +45,8 @@ def test_planned_full_matches_the_generic_checksums_and_applies() -> None:
         recv = _receiver(w)
         assert apply_update(recv, planned, 0, verify=verify) == 1
         assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+        planned_here = any(p.still_valid(recv) for p in sync_apply._PLANS.get(planned.manifest.layout, []))
+        assert planned_here == (verify == "incremental")
 
 
 def test_planned_payload_corruption_is_refused_and_nothing_written() -> None:
@@ -149,8 +151,10 @@ def _ipc_receiver(shapes: dict, conn) -> None:
     version = 0
     while (handle := conn.recv()) is not None:
         try:
-            version = apply_update(recv, transport.receive(handle), version)
-            conn.send((version, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
+            update = transport.receive(handle)
+            version = apply_update(recv, update, version)
+            planned = any(p.still_valid(recv) for p in sync_apply._PLANS.get(update.manifest.layout, []))
+            conn.send((version if planned else -1, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
         except Exception as exc:  # noqa: BLE001 - reported to the test
             conn.send((version, repr(exc)))
 
@@ -175,7 +179,7 @@ def test_planned_pushes_over_cuda_ipc_between_processes() -> None:
             here.send(handle)
             got_version, got = here.recv()
             transport.release(handle)
-            assert got_version == version, got
+            assert got_version == version, got  # -1: applied, but not on the receiver's planned path
             assert all(torch.equal(torch.from_numpy(got[k]), w[k].bfloat16().cpu().view(torch.int16)) for k in shapes)
         here.send(None)
     finally:
