@@ -273,6 +273,11 @@ def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bo
         plan = _plan_receiver(weights, m, region)
         if plan is None:
             return False
+        for layout, others in list(_PLANS.items()):  # this receiver's plans of other layouts: stale,
+            if layout != m.layout:                     # and they hold views of the sender's old buckets
+                others[:] = [p for p in others if not p.still_valid(weights)]
+                if not others:
+                    del _PLANS[layout]
         plans.insert(0, plan)
         del plans[_MAX_PLANS:]
     plan.apply(m, region)

@@ -201,12 +201,6 @@ class WeightSender:
         # a forced full may re-send the version a receiver refused as a delta
         if self.version is not None and (version < self.version or (version == self.version and kind != "full")):
             raise ValueError(f"version {version} must be greater than the last sent {self.version}")
-        writer = _BucketWriter(self.bucket_bytes)
-        entries: list[TensorEntry] = []
-        undo: list[tuple] = []  # per delta piece: what revert_update needs
-        revertible = kind == "delta"
-        num_elements = num_changed = 0
-        pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
         given = list(_iter_named(named_tensors))
         planned = kind == "full" and self.device_plan != "never"
         if planned and self._plan_fits(given):
@@ -216,6 +210,12 @@ class WeightSender:
             self._build_plan(given, items)
             return self._encode_planned(version, t0)
         self._fill_prev()
+        writer = _BucketWriter(self.bucket_bytes)
+        entries: list[TensorEntry] = []
+        undo: list[tuple] = []  # per delta piece: what revert_update needs
+        revertible = kind == "delta"
+        num_elements = num_changed = 0
+        pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
         for name, tensor, shard, dtype in items:
             piece_elems = max(1, self.bucket_bytes // dtype.itemsize)
             shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)

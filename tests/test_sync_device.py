@@ -81,6 +81,12 @@ def test_buckets_are_reused_and_new_receiver_tensors_rebuild_the_plan() -> None:
     plans = list(sync_apply._PLANS[second.manifest.layout])
     apply_update(dict(recv), second, 2)  # a new dict of the same tensors (as engines pass): the same plan
     assert sync_apply._PLANS[second.manifest.layout] == plans
+    w["extra"] = torch.randn(40)  # the sender's tensors change: a new layout, and its old plan here goes
+    recv["extra"] = torch.zeros(40, dtype=torch.bfloat16)
+    third = sender.encode(w, 3)
+    apply_update(recv, third, 2)
+    assert third.manifest.layout != second.manifest.layout
+    assert not any(p.still_valid(recv) for p in sync_apply._PLANS.get(second.manifest.layout, []))
 
 
 def test_delta_after_a_planned_full_is_exact() -> None:
