@@ -224,7 +224,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
-    if (reason := engine_unavailable(cfg.rollout.engine.type)) is not None:
+    if (reason := engine_unavailable(cfg.rollout.engine.type, cfg.rollout.engine.url)) is not None:
         raise ConfigError(f"rollout.engine.type: {reason}")
     if (reason := backend_unavailable(cfg.trainer.backend)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")

@@ -60,7 +60,7 @@ def test_an_engine_or_backend_this_build_lacks_is_refused_at_load(override, key,
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     msg = str(err.value)
-    why = f"{extra} is not installed; " if extra == "vllm" else f"this build has no {extra} "
+    why = f"{extra} is not installed; " if extra in ("vllm", "sglang") else f"this build has no {extra} "
     assert msg.startswith(f"{key}: '{extra}' is not available: {why}")
     assert f'pip install -e ".[{extra}]"' in msg
 

@@ -3,8 +3,10 @@
     make_engine(cfg.rollout.engine, model_path, seed=cfg.run.seed)  # not set up: await engine.setup()
 
 ``type: torch`` is built in; ``vllm`` runs where vLLM is installed
-(``actors/engines/vllm_engine.py``); ``sglang`` is refused (the config loader
-refuses what this machine cannot build first, naming ``rollout.engine.type``).
+(``actors/engines/vllm_engine.py``); ``sglang`` talks to an SGLang server over
+HTTP (``actors/engines/sglang_engine.py``): the one at ``url``, or one it
+launches where SGLang is installed. The config loader refuses what this machine
+cannot build first, naming ``rollout.engine.type``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,14 @@ def make_engine(cfg: EngineConfig, model_path: str, *, seed: int) -> RolloutEngi
     actor's: the run's seed plus its index). Raises ``ValueError`` naming
     ``rollout.engine.type`` for an engine this build does not have.
     """
-    reason = engine_unavailable(cfg.type)
+    reason = engine_unavailable(cfg.type, cfg.url)
     if reason is not None:
         raise ValueError(f"rollout.engine.type: {reason}")
+    if cfg.type == "sglang":
+        from actors.engines.sglang_engine import SglangEngine
+
+        return SglangEngine(model_path, url=cfg.url, device=cfg.device, dtype=cfg.dtype,
+                            max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, seed=seed)
     if cfg.type == "vllm":
         from actors.engines.vllm_engine import VllmEngine
 

