@@ -27,6 +27,7 @@ import torch
 
 from sync import checksum as cks
 from sync import device
+from sync import device_delta
 from sync import native
 from sync.codec import apply_sparse_np, decode_sparse
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
@@ -308,6 +309,59 @@ def _plan_receiver(weights: dict[str, torch.Tensor], m: Any, region: torch.Tenso
     return device.ReceiverPlan(weights, m, region, pieces)
 
 
+_DELTA_PLANS: dict[str, list[device_delta.DeltaReceiverPlan]] = {}  # layout -> plans (one per receiver here)
+
+
+def _apply_planned_delta(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
+    """Apply a delta packed over a planned layout (:mod:`sync.device_delta`)
+    with the delta kernels when the receiver's pieces are GPU tensors of the
+    sent dtype; False to take the generic path."""
+    m = update.manifest
+    if len(update.buckets) != len(m.bucket_sizes) or not m.entries:
+        return False
+    region = device.contiguous_region([bucket_tensor(b) for b in update.buckets], m.bucket_sizes)
+    if region is None or not device_delta.receiver_kernels_available(region):
+        return False
+    offsets = device.bucket_offsets(m.bucket_sizes)
+    blob_offsets = []
+    itemsize = dtype_from_name(m.entries[0].dtype).itemsize
+    for e in m.entries:
+        k, mb = e.num_changed, -(-e.count // 8)
+        if (e.encoding != "sparse" or e.index_codec != "bitmask" or e.value_codec != "raw" or k <= 0
+                or not 0 <= e.bucket < len(offsets) or e.offset < 0 or e.offset + e.nbytes > m.bucket_sizes[e.bucket]
+                or tuple(e.parts) != (mb, itemsize * k, 0) or e.nbytes != mb + itemsize * k
+                or e.base_checksum is None):
+            return False
+        blob_offsets.append(offsets[e.bucket] + e.offset)
+    keys = [(e.name, e.shard, e.start, e.count) for e in m.entries]
+    plans = _DELTA_PLANS.setdefault(m.layout, [])
+    plan, found = None, None
+    for p in plans:  # engines pass a fresh dict each time
+        if (found := p.find(weights, keys)) is not None:
+            plan = p
+            break
+    if plan is None:
+        # pieces of this receiver's older plan that this delta leaves out stay covered
+        known = set(keys)
+        older = next((p for p in plans if p.find(weights, []) is not None), None)
+        entries = list(m.entries) + ([] if older is None else [
+            e for e in older.entries if (e.name, e.shard, e.start, e.count) not in known])
+        try:
+            pieces = [_Piece(weights, e) for e in entries]
+        except ManifestMismatch:
+            return False  # the generic path reports it
+        views = [p.region_view() for p in pieces]
+        if any(v is None or v.device != region.device or v.element_size() != itemsize for v in views):
+            return False
+        plan = device_delta.DeltaReceiverPlan(weights, entries, pieces)
+        found = list(range(len(m.entries)))
+        plans[:] = [plan] + [p for p in plans if p is not older][: _MAX_PLANS - 1]
+        for layout in [k for k in _DELTA_PLANS if k != m.layout][: max(0, len(_DELTA_PLANS) - _MAX_PLANS)]:
+            del _DELTA_PLANS[layout]  # layouts long replaced
+    plan.apply(m, region, blob_offsets, found)
+    return True
+
+
 def apply_update(
     weights: dict[str, torch.Tensor],
     update: WeightUpdate,
@@ -330,6 +384,8 @@ def apply_update(
         return m.version
     if m.kind == "delta" and m.base_version != current_version:
         raise BaseVersionMismatch(m.base_version, current_version)
+    if m.layout and m.kind == "delta" and verify != "full" and _apply_planned_delta(weights, update):
+        return m.version
     if len(update.buckets) != len(m.bucket_sizes):
         raise ManifestMismatch(f"{len(update.buckets)} buckets for a manifest of {len(m.bucket_sizes)}")
     pieces = [_Piece(weights, e) for e in m.entries]

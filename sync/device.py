@@ -110,8 +110,11 @@ class _PieceSums:
         self.total_blocks = total_blocks
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        blocks = block_sums(values)
-        prefix = torch.zeros(2, self.total_blocks + 1, dtype=torch.int64, device=values.device)
+        return self.from_blocks(block_sums(values))
+
+    def from_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Piece sums from block sums (int64 [blocks, 2], as :func:`block_sums` gives them)."""
+        prefix = torch.zeros(2, self.total_blocks + 1, dtype=torch.int64, device=blocks.device)
         torch.cumsum(blocks[:, 0], 0, out=prefix[0, 1:])
         torch.cumsum(blocks[:, 1] + self.scaled_rank * blocks[:, 0], 0, out=prefix[1, 1:])
         s = prefix[:, self.ends] - prefix[:, self.starts]
@@ -176,11 +179,16 @@ class SenderPlan:
                                 [_piece_first(f["shard"], f["start"]) for f, *_ in pieces],
                                 self.values.numel() // BLOCK, device)
         self.num_elements = sum(item[1].numel() for item in items)
+        self.delta: Any = None  # sync.device_delta.DeltaPacker, made by the first planned delta
 
     def fill_prev(self) -> None:
-        """Copy the last full update into the sender's last-sent copies (a delta
-        is about to compare against them; until then the storage holds it)."""
+        """Copy the last version sent from the storage into the sender's
+        last-sent copies (the generic path is about to compare against them)."""
         torch._foreach_copy_(self.prev, self.dst)
+
+    def load_prev(self) -> None:
+        """The reverse: the storage takes the last version the generic path sent."""
+        torch._foreach_copy_(self.dst, self.prev)
 
     def encode(self, version: int) -> tuple[WeightUpdate, list[cks.Checksum]]:
         """Copy the sources in and checksum them (see :meth:`fill_prev`)."""

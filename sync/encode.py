@@ -29,6 +29,7 @@ import torch
 
 from sync import checksum as cks
 from sync import device
+from sync import device_delta
 from sync import native
 from sync.auto import AutoConfig, AutoPolicy, Kind
 from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
@@ -138,7 +139,7 @@ class WeightSender:
         self._updates_since_full = 0
         self._last_kind: Kind | None = None
         self.dedup_tied = dedup_tied
-        self._undo: tuple[int | None, list[tuple]] | None = None
+        self._undo: tuple[int | None, list[tuple] | str] | None = None  # "planned": the packer holds it
         self._unreported: tuple[Kind, float, int] | None = None
         self._scratch: torch.Tensor | None = None
         self._native_scratch = native.EncodeScratch()
@@ -202,9 +203,12 @@ class WeightSender:
         if self.version is not None and (version < self.version or (version == self.version and kind != "full")):
             raise ValueError(f"version {version} must be greater than the last sent {self.version}")
         given = list(_iter_named(named_tensors))
+        if self.device_plan != "never" and self._plan_fits(given):
+            if kind == "full":
+                return self._encode_planned(version, t0)
+            prev_version = self.version
+            return self._sent(self._encode_planned_delta(version), t0, (prev_version, "planned"))
         planned = kind == "full" and self.device_plan != "never"
-        if planned and self._plan_fits(given):
-            return self._encode_planned(version, t0)
         items = self._collect(given)
         if planned and device.plan_items(items, self.device_plan == "always"):
             self._build_plan(given, items)
@@ -353,6 +357,28 @@ class WeightSender:
             self._prev_sums[(e.name, e.shard, e.start)] = checksum
         return self._sent(update, t0, None)
 
+    def _encode_planned_delta(self, version: int, restore: bool = False) -> WeightUpdate:
+        """A delta against the last version sent, through the plan
+        (:mod:`sync.device_delta`); ``restore``: to the version before it."""
+        plan = self._plan
+        if not self._plan_holds_prev:  # the generic path sent last: its copies hold that version
+            plan.load_prev()
+            self._plan_holds_prev = True
+        if plan.delta is None:
+            plan.delta = device_delta.DeltaPacker(plan)
+        packer = plan.delta
+        if restore:
+            packer.restore_previous()
+        else:
+            torch._foreach_copy_(packer.cur_dst, plan.src)
+        rows = packer.pack()
+        keys = [(e.name, e.shard, e.start) for e in plan.entries]
+        update, new_sums = device_delta.delta_update(plan, packer, rows, version, self.version,
+                                                     [self._prev_sums[k] for k in keys], self.bucket_bytes)
+        for i, checksum in new_sums.items():
+            self._prev_sums[keys[i]] = checksum
+        return update
+
     def revert_update(self) -> WeightUpdate | None:
         """Take back the last update: restore the last-sent copy to the
         previous version and return the delta (base = the last version,
@@ -360,8 +386,12 @@ class WeightSender:
         None when the last update was full (it cannot be undone cheaply)."""
         if self._undo is None or self._undo[0] is None:
             return None
-        self._fill_prev()
         prev_version, undo = self._undo
+        if undo == "planned":  # the packer still holds what that delta replaced
+            update = self._encode_planned_delta(prev_version, restore=True)
+            self.version, self._undo = prev_version, None
+            return update
+        self._fill_prev()
         writer = _BucketWriter(self.bucket_bytes)
         entries: list[TensorEntry] = []
         num_changed = 0

@@ -100,7 +100,7 @@ def test_delta_after_a_planned_full_is_exact() -> None:
     with torch.no_grad():
         w["embed"][3] += 0.5
     delta = sender.encode(w, 3)
-    assert delta.manifest.kind == "delta" and 0 < delta.manifest.num_changed <= 70
+    assert delta.manifest.kind == "delta" and delta.manifest.layout and 0 < delta.manifest.num_changed <= 70
     apply_update(recv, delta, 2)
     assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
 
@@ -133,6 +133,102 @@ def test_a_layout_digest_that_does_not_match_takes_the_generic_path() -> None:
     assert not sync_apply._PLANS.get("0" * 32) and all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
 
 
+# ---------------------------------------------------------------- planned deltas
+
+
+def _step(w: dict[str, torch.Tensor], seed: int, frac: float = 0.05) -> None:
+    """Move a random ``frac`` of every tensor's elements (lm_head stays tied)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for k, v in w.items():
+            if k != "lm_head":
+                hit = (torch.rand(v.shape, generator=g) < frac).to(v.device)
+                v.add_(hit * torch.randn(v.shape, generator=g).to(v.device))
+
+
+def _exact(recv: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(recv[k], w[k].to(recv[k].dtype)) for k in recv)
+
+
+def test_planned_delta_is_an_ordinary_delta_that_any_receiver_applies() -> None:
+    w = _weights()
+    planned, generic = _sender("always", mode="delta"), _sender("never", mode="delta")
+    recv, recv_generic = _receiver(w), _receiver(w)
+    apply_update(recv, planned.encode(w, 1), 0)
+    apply_update(recv_generic, generic.encode(w, 1), 0)
+    for version in (2, 3, 4):
+        _step(w, version)
+        update, reference = planned.encode(w, version), generic.encode(w, version)
+        m = update.manifest
+        assert m.kind == "delta" and m.layout and m.base_version == version - 1
+        assert {(e.encoding, e.index_codec, e.value_codec) for e in m.entries} == {("sparse", "bitmask", "raw")}
+        assert m.num_changed == reference.manifest.num_changed > 0
+        pieces = lambda u: {(e.name, e.start): (e.num_changed, e.checksum) for e in u.manifest.entries}  # noqa: E731
+        assert pieces(update) == pieces(reference)  # the same changes, the same target checksums
+        assert apply_update(recv, update, version - 1) == version  # generic receiver: payload checksums checked
+        assert _exact(recv, w)
+    unchanged = planned.encode(w, 5)  # nothing moved: an empty delta still advances the version
+    assert unchanged.manifest.entries == [] and apply_update(recv, unchanged, 4) == 5
+
+
+def test_planned_delta_buckets_cut_at_piece_boundaries_and_reuse_the_payload() -> None:
+    w = _weights()
+    sender, recv = _sender("always", mode="delta"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    ptrs = []
+    for version in (2, 3):
+        _step(w, version, frac=0.9)  # most elements: blobs near a piece's raw size, several buckets
+        update = sender.encode(w, version)
+        m = update.manifest
+        assert len(m.bucket_sizes) > 1 and max(m.bucket_sizes) <= 8192 * 1.2
+        assert device.contiguous_region(update.buckets, m.bucket_sizes) is not None
+        ptrs.append(update.buckets[0].data_ptr())
+        apply_update(recv, update, version - 1)
+        assert _exact(recv, w)
+    assert ptrs[0] == ptrs[1]
+
+
+def test_planned_delta_corruption_is_refused_and_nothing_written() -> None:
+    w = _weights()
+    sender, recv = _sender("always", mode="delta"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    _step(w, 2)
+    update = sender.encode(w, 2)
+    e = update.manifest.entries[0]
+    update.buckets[e.bucket][e.offset + e.nbytes - 1] ^= 1  # a value byte
+    before = {k: v.clone() for k, v in recv.items()}
+    with pytest.raises(ChecksumError):
+        apply_update(recv, update, 1)
+    assert _exact(recv, before)
+
+
+def test_planned_delta_reverts_and_follows_a_generic_encode() -> None:
+    w = _weights()
+    sender, recv = _sender("always", mode="delta"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    before = {k: v.clone() for k, v in recv.items()}
+    _step(w, 2)
+    apply_update(recv, sender.encode(w, 2), 1)
+    undo = sender.revert_update()
+    assert undo.manifest.layout and undo.manifest.base_version == 2 and undo.manifest.version == 1
+    assert apply_update(recv, undo, 2) == 1 and _exact(recv, before)
+    assert sender.revert_update() is None  # one step back only
+    # tensors the plan was not built for go the generic way; the next planned delta starts from them
+    moved = {k: (v.clone() if k == "norm" else v) for k, v in w.items()}
+    _step(moved, 3)
+    generic = sender.encode(moved, 2)
+    assert not generic.manifest.layout
+    apply_update(recv, generic, 1)
+    with torch.no_grad():
+        for k in w:
+            w[k].copy_(moved[k])
+    _step(w, 4)
+    update = sender.encode(w, 3)
+    assert update.manifest.layout and update.manifest.kind == "delta"
+    apply_update(recv, update, 2)
+    assert _exact(recv, w)
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -159,7 +255,10 @@ def _ipc_receiver(shapes: dict, conn) -> None:
         try:
             update = transport.receive(handle)
             version = apply_update(recv, update, version)
-            planned = any(p.still_valid(recv) for p in sync_apply._PLANS.get(update.manifest.layout, []))
+            m = update.manifest
+            keys = [(e.name, e.shard, e.start, e.count) for e in m.entries]
+            planned = (any(p.still_valid(recv) for p in sync_apply._PLANS.get(m.layout, [])) if m.kind == "full"
+                       else any(p.find(recv, keys) is not None for p in sync_apply._DELTA_PLANS.get(m.layout, [])))
             conn.send((version if planned else -1, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
         except Exception as exc:  # noqa: BLE001 - reported to the test
             conn.send((version, repr(exc)))
@@ -176,11 +275,11 @@ def test_planned_pushes_over_cuda_ipc_between_processes() -> None:
     proc = mp.get_context("spawn").Process(target=_ipc_receiver, args=(shapes, there))
     proc.start()
     try:
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                w["norm"].add_(0.25)
+        for version in (1, 2, 3, 4, 5, 6):
+            sender.mode = "full" if version <= 3 else "delta"  # full pushes, then planned deltas
+            _step(w, version)
             update = sender.encode(w, version)
-            assert update.manifest.layout
+            assert update.manifest.layout and update.manifest.kind == sender.mode
             handle = transport.send(update)
             here.send(handle)
             got_version, got = here.recv()
@@ -190,3 +289,66 @@ def test_planned_pushes_over_cuda_ipc_between_processes() -> None:
         here.send(None)
     finally:
         proc.join(timeout=60)
+
+
+@pytest.mark.gpu
+def test_planned_delta_kernels_write_the_torch_paths_bytes() -> None:
+    from sync import device_delta
+
+    w = _weights(dev="cuda")
+    senders = [_sender("auto", mode="delta"), _sender("auto", mode="delta")]
+    for s in senders:
+        s.encode(w, 1)
+    _step(w, 2, frac=0.3)
+    got = senders[0].encode(w, 2)
+    kernels, device_delta._K = device_delta._K, False  # the second sender packs with torch
+    try:
+        want = senders[1].encode(w, 2)
+    finally:
+        device_delta._K = kernels
+    assert got.manifest.entries == want.manifest.entries and got.manifest.bucket_sizes == want.manifest.bucket_sizes
+    blob = lambda u, e: u.buckets[e.bucket][e.offset : e.offset + e.nbytes]  # noqa: E731 - gaps between are not written
+    assert all(torch.equal(blob(got, e), blob(want, e)) for e in got.manifest.entries)
+    assert torch.equal(senders[0]._plan.values, senders[1]._plan.values)  # last-sent moved alike
+
+
+@pytest.mark.gpu
+def test_planned_delta_receiver_kernels_check_everything_before_writing() -> None:
+    w = _weights(dev="cuda")
+    sender, recv = _sender("auto", mode="delta"), _receiver(w)
+    apply_update(recv, sender.encode(w, 1), 0)
+    for version in (2, 3):
+        _step(w, version)
+        update = sender.encode(w, version)
+        assert apply_update(recv, update, version - 1) == version and _exact(recv, w)
+        keys = [(e.name, e.shard, e.start, e.count) for e in update.manifest.entries]
+        assert any(p.find(recv, keys) is not None for p in sync_apply._DELTA_PLANS[update.manifest.layout])
+    with torch.no_grad():  # a delta that leaves pieces out: the same plan covers it
+        w["proj"][0, 0] += 1.0
+    plans = list(sync_apply._DELTA_PLANS[update.manifest.layout])
+    update = sender.encode(w, 4)
+    assert [e.name for e in update.manifest.entries] == ["proj"]
+    apply_update(recv, update, 3)
+    assert _exact(recv, w) and sync_apply._DELTA_PLANS[update.manifest.layout] == plans
+    sender.revert_update()  # (engines would apply it; here the sender just goes back to version 3)
+    with torch.no_grad():
+        w["proj"][0, 0] -= 1.0
+    recv["proj"].copy_(w["proj"])
+    _step(w, 4)
+    update = sender.encode(w, 4)
+    e = update.manifest.entries[0]
+    before = {k: v.clone() for k, v in recv.items()}
+    update.buckets[e.bucket][e.offset + e.nbytes - 1] ^= 1  # a value byte
+    with pytest.raises(ChecksumError, match="target checksum"):
+        apply_update(recv, update, 3)
+    assert _exact(recv, before)
+    update.buckets[e.bucket][e.offset + e.nbytes - 1] ^= 1
+    # a receiver drifted at an element the delta does not touch: the whole piece's base is checked
+    flat = recv[e.name].view(-1)
+    mask = update.buckets[e.bucket][e.offset : e.offset + e.parts[0]].cpu()
+    unchanged = next(i for i in range(e.count) if not (int(mask[i // 8]) >> (i % 8)) & 1)
+    flat[e.start + unchanged] += 1
+    before = {k: v.clone() for k, v in recv.items()}
+    with pytest.raises(ChecksumError, match="differ from the base version"):
+        apply_update(recv, update, 3)
+    assert _exact(recv, before)

@@ -25,7 +25,7 @@ from contracts.weights import WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
 _KEPT: dict[Any, torch.Tensor] = {}  # receiver side: storages of planned updates, by IPC handle
-_MAX_KEPT = 1  # the current plan's storage; one that a new plan replaced is let go
+_MAX_KEPT = 2  # the current plan's storage and its delta payload; those a new plan replaced are let go
 
 
 class SharedStorage:
