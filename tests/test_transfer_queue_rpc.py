@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transfer_queue.errors import QueueFull
-from transfer_queue.rpc import PeerLost, RpcClient, RpcServer, oob
+from transfer_queue.rpc import AuthenticationFailed, PeerLost, RpcClient, RpcServer, oob
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -87,10 +87,13 @@ async def test_a_client_without_the_secret_is_dropped_before_anything_runs() -> 
     target = Target()
     server = await serve(target)
     intruder = RpcClient(server.address, b"x" * 32, "the target")
-    with pytest.raises(ConnectionError, match="lost the connection to the target"):
+    # the server proves itself first: the client finds it holds another secret and hangs up
+    with pytest.raises(AuthenticationFailed, match="the target at 127.0.0.1:.* failed to prove it knows the secret"):
         await intruder.call("note", "intruder")
     assert target.seen == []
     intruder.close()
+    await server.close()
+    assert server.refused == {"hung_up": 1}
 
 
 @pytest.mark.asyncio

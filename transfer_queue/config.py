@@ -44,6 +44,19 @@ class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     """``ray`` only: the TCP ports [first, last] its actors listen on (each
     takes the first free one on its node); null: any free port. For a
     cluster whose firewall opens only a range between nodes."""
+    max_frame_bytes: Annotated[int, Meta(ge=1)] = 1 << 30
+    """Served over sockets (``transfer_queue/rpc.py``: the ``ray`` deployment, or the
+    ``local`` one under the ``process`` and ``ray`` runtimes): the largest message,
+    its pickle and buffers (a put's or a batch's rows). Its sender refuses a larger one
+    (``FrameTooLarge``) and its receiver closes the connection on it, from its header."""
+    hello_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    """Served over sockets: seconds a peer has to complete the authentication
+    handshake (each side proves it knows the deployment's secret) before it is dropped."""
+
+    @property
+    def rpc_limits(self) -> dict[str, float]:
+        """The socket transport's bounds, as ``RpcServer`` / ``RpcClient`` keywords."""
+        return {"max_frame_bytes": self.max_frame_bytes, "hello_timeout_s": self.hello_timeout_s}
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -56,6 +69,10 @@ class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError(f"deployment must be 'local' or 'ray', got {self.deployment!r}")
         if self.ray_num_cpus < 0:
             raise ValueError(f"ray_num_cpus must be >= 0, got {self.ray_num_cpus}")
+        if self.max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {self.max_frame_bytes}")
+        if not self.hello_timeout_s > 0:
+            raise ValueError(f"hello_timeout_s must be > 0, got {self.hello_timeout_s}")
         if self.ports is not None and not (
             isinstance(self.ports, (tuple, list)) and len(self.ports) == 2
             and all(isinstance(p, int) for p in self.ports) and 1 <= self.ports[0] <= self.ports[1] <= 65535

@@ -78,9 +78,9 @@ class StorageActor:
 
     SERVED = ("put_new", "put_commit", "put", "get", "delete", "num_rows")
 
-    def __init__(self, unit_id: int, secret: bytes) -> None:
+    def __init__(self, unit_id: int, secret: bytes, limits: dict[str, float] | None = None) -> None:
         self._unit = StorageUnit(unit_id)
-        self._secret = secret
+        self._secret, self._limits = secret, dict(limits or {})
         self._controller: RpcClient | None = None
         self._unparsed: collections.deque[tuple[list[int], bytes]] = collections.deque()
         # Rows of new samples kept whole (a msgpack slice of their write, never parsed): a
@@ -90,7 +90,7 @@ class StorageActor:
 
     async def serve(self, ports: tuple[int, int] | None = None) -> Address:
         loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
-        self._server = RpcServer(self, self.SERVED, self._secret)
+        self._server = RpcServer(self, self.SERVED, self._secret, **self._limits)
         return await self._server.start(node_address(), ports)
 
     async def loop_info(self) -> tuple[str, bool]:
@@ -99,7 +99,7 @@ class StorageActor:
         return loop.loop_name(), loop.in_loop()
 
     def connect(self, controller: Address) -> int:
-        self._controller = RpcClient(controller, self._secret, "the TransferQueue controller")
+        self._controller = RpcClient(controller, self._secret, "the TransferQueue controller", **self._limits)
         return self._unit.unit_id
 
     def put(self, indices: list[int], buf: bytes) -> None:
@@ -188,9 +188,10 @@ class ControllerActor:
 
     async def setup(self, units: list[Address]) -> Address:
         loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
-        self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}") for i, a in enumerate(units)]
+        limits = self._cfg.rpc_limits
+        self._units = [RpcClient(a, self._secret, f"TransferQueue storage unit {i}", **limits) for i, a in enumerate(units)]
         self._controller = Controller(self._cfg, free=self._free)
-        self._server = RpcServer(self, self.SERVED, self._secret)
+        self._server = RpcServer(self, self.SERVED, self._secret, **limits)
         return await self._server.start(node_address(), self._cfg.ports)
 
     async def loop_info(self) -> tuple[str, bool]:
@@ -224,11 +225,13 @@ class ControllerActor:
 class RayDeployment:
     """Client side of the Ray deployment: actor handles and addresses only, so it pickles."""
 
-    def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes) -> None:
+    def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes,
+                 limits: dict[str, float] | None = None) -> None:
         self._controller, self.units, self._owner = controller, units, owner
-        self._addresses, self._secret = addresses, secret
-        self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller")
-        self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}") for i, a in enumerate(addresses[1:])]
+        self._addresses, self._secret, self._limits = addresses, secret, dict(limits or {})
+        self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller", **self._limits)
+        self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}", **self._limits)
+                          for i, a in enumerate(addresses[1:])]
         self._next_unit = 0
         self._lost: set[int] = set()  # storage units this client found dead
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
@@ -240,15 +243,16 @@ class RayDeployment:
         secret = secrets.token_bytes(32)
         # No runtime_env: Ray makes each actor's loop with uvloop already (the loop module says
         # where), and a per-actor runtime_env would cost each one a fresh worker process.
-        units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret) for i in range(cfg.num_storage_units)]
+        units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret, cfg.rpc_limits)
+                 for i in range(cfg.num_storage_units)]
         controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, secret)
         unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote(cfg.ports) for u in units)))
         address = await _unwrap(controller.setup.remote(unit_addresses))
         await _unwrap(asyncio.gather(*(u.connect.remote(address) for u in units)))
-        return cls(controller, units, True, [address, *unit_addresses], secret)
+        return cls(controller, units, True, [address, *unit_addresses], secret, cfg.rpc_limits)
 
     def __reduce__(self) -> tuple:  # copies never kill the actors
-        return (RayDeployment, (self._controller, self.units, False, self._addresses, self._secret))
+        return (RayDeployment, (self._controller, self.units, False, self._addresses, self._secret, self._limits))
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self._rpc.call("call", method, *args)

@@ -16,10 +16,29 @@ copied into the pickle. Calls on one connection run concurrently on the actor
 id. An exception raised by the actor's method is raised by the caller's ``call``,
 as itself.
 
-Security: a connection must first send the deployment's secret (32 random bytes
-that the creating client made and handed to the actors and to other clients
-through Ray, which authenticates its peers); a peer without it is dropped
-before anything it sent is unpickled.
+Security: the deployment's secret (32 random bytes that the creating client made
+and handed to the actors and to other clients through Ray, which authenticates
+its peers) never crosses the wire. A connection opens with a challenge-response
+handshake, each side proving it knows the secret:
+
+    client -> server   magic, client nonce Nc (32 random bytes)
+    server -> client   server nonce Ns, HMAC-SHA256(secret, "server" | Nc | Ns)
+    client -> server   HMAC-SHA256(secret, "client" | Nc | Ns)      (only if the server's proof holds)
+    server -> client   one accept byte                               (only if the client's proof holds)
+
+Proofs are compared with ``hmac.compare_digest``; the role labels keep either
+side's proof from being replayed as the other's. The whole handshake must end
+within ``hello_timeout_s`` (a peer that connects and says nothing is dropped).
+Nothing is unpickled before it succeeds, on either side: a peer that fails is
+dropped (the server counts it in ``refused``; the client raises
+``AuthenticationFailed``) having sent only bytes that were compared, never
+decoded. This authenticates peers; it does not encrypt: anyone who can read the
+network between nodes can read the frames.
+
+Frames are bounded: a message (its pickle and out-of-band buffers) over
+``max_frame_bytes`` is refused by its sender with ``FrameTooLarge`` before
+anything is written, and by its receiver from the header alone, before the body
+is read (the server then tells the client why and closes the connection).
 
 Failure: when an actor dies its connections close, and every call in flight on
 them (and every later one) raises ``PeerLost`` (a ``ConnectionError``) naming
@@ -30,14 +49,26 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import hmac
 import itertools
 import pickle
+import secrets
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["PeerLost", "RpcClient", "RpcServer", "oob"]
+__all__ = [
+    "DEFAULT_HELLO_TIMEOUT_S",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "AuthenticationFailed",
+    "FrameTooLarge",
+    "PeerLost",
+    "RpcClient",
+    "RpcServer",
+    "oob",
+]
 
 _HEAD = struct.Struct("<QI")  # pickle length, number of out-of-band buffers (each: its u64 length follows)
 _NO_REPLY = 0  # request id of a call whose caller wants no answer
@@ -46,8 +77,45 @@ _NO_REPLY = 0  # request id of a call whose caller wants no answer
 _READ_LIMIT = 32 << 20
 
 
+DEFAULT_HELLO_TIMEOUT_S = 10.0
+"""Seconds a peer has to complete the handshake (``TransferQueueConfig.hello_timeout_s``)."""
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+"""The largest message, pickle and buffers (``TransferQueueConfig.max_frame_bytes``)."""
+
+_MAGIC = b"asyncrl-tq-rpc/2"  # names the protocol: an old or foreign peer is refused at once
+_NONCE_BYTES = 32
+_MAC_BYTES = hashlib.sha256().digest_size
+_ACCEPT = b"\x01"
+_MIN_SECRET_BYTES = 16
+
+
 class PeerLost(ConnectionError):
     """The connection to the actor is gone (it died, or cannot be reached)."""
+
+
+class AuthenticationFailed(PeerLost):
+    """The handshake failed: the peer does not know the secret, does not speak this
+    protocol, or did not finish within the hello timeout. Nothing it sent was unpickled."""
+
+
+class FrameTooLarge(ValueError):
+    """A message is over ``max_frame_bytes`` (its sender's or its receiver's bound)."""
+
+    def __reduce__(self) -> tuple:
+        return (FrameTooLarge, self.args)
+
+
+def _proof(secret: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(secret, role + b"|" + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def _check_limits(secret: bytes, hello_timeout_s: float, max_frame_bytes: int) -> None:
+    if not isinstance(secret, bytes) or len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"the secret must be at least {_MIN_SECRET_BYTES} bytes")
+    if not hello_timeout_s > 0:
+        raise ValueError(f"hello_timeout_s must be > 0, got {hello_timeout_s}")
+    if max_frame_bytes < 1:
+        raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
 
 
 def oob(buf: bytes | bytearray | memoryview) -> pickle.PickleBuffer:
@@ -55,17 +123,28 @@ def oob(buf: bytes | bytearray | memoryview) -> pickle.PickleBuffer:
     return pickle.PickleBuffer(buf)
 
 
-def _frame(obj: Any) -> list[Any]:
+def _frame(obj: Any, max_bytes: int) -> list[Any]:
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
+    total = len(body) + sum(r.nbytes for r in raws)
+    if total > max_bytes:
+        raise FrameTooLarge(f"a message of {total} bytes is over max_frame_bytes={max_bytes} "
+                            "(transfer_queue.max_frame_bytes)")
     head = _HEAD.pack(len(body), len(raws)) + struct.pack(f"<{len(raws)}Q", *(r.nbytes for r in raws))
     return [head, body, *raws]
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
+async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> Any:
+    """One message; ``FrameTooLarge`` from its header, before its body is read."""
     size, num = _HEAD.unpack(await reader.readexactly(_HEAD.size))
+    if size + 8 * num > max_bytes:
+        raise FrameTooLarge(f"a message of more than {max_bytes} bytes arrived (header: {size}-byte pickle, "
+                            f"{num} buffers); max_frame_bytes={max_bytes} (transfer_queue.max_frame_bytes)")
     sizes = struct.unpack(f"<{num}Q", await reader.readexactly(8 * num)) if num else ()
+    if size + sum(sizes) > max_bytes:
+        raise FrameTooLarge(f"a message of {size + sum(sizes)} bytes arrived; max_frame_bytes={max_bytes} "
+                            "(transfer_queue.max_frame_bytes)")
     body = await reader.readexactly(size)
     buffers = [await reader.readexactly(n) for n in sizes]
     return pickle.loads(body, buffers=buffers)
@@ -80,13 +159,23 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 class RpcServer:
-    """Serves ``methods`` of ``target`` to clients that know ``secret``."""
+    """Serves ``methods`` of ``target`` to clients that prove they know ``secret``.
 
-    def __init__(self, target: Any, methods: Iterable[str], secret: bytes) -> None:
+    ``refused`` counts the connections dropped, by reason: ``hello_timeout``,
+    ``bad_hello`` (not this protocol), ``bad_proof`` (wrong secret), ``hung_up``
+    (closed during the handshake: a client that refused our proof does this),
+    ``frame_too_large`` (after the handshake)."""
+
+    def __init__(self, target: Any, methods: Iterable[str], secret: bytes, *,
+                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        _check_limits(secret, hello_timeout_s, max_frame_bytes)
         self._target, self._methods, self._secret = target, frozenset(methods), secret
+        self._hello_timeout_s, self._max_frame_bytes = hello_timeout_s, max_frame_bytes
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._connections: dict[asyncio.StreamWriter, asyncio.Future] = {}  # -> done when its handler ends
+        self.refused: Counter[str] = Counter()
 
     async def start(self, host: str, ports: tuple[int, int] | None = None) -> tuple[str, int]:
         """Listen on ``host``: on any free port, or on the first free one in
@@ -113,14 +202,42 @@ class RpcServer:
         if self._connections:
             await asyncio.wait(list(self._connections.values()), timeout=timeout_s)
 
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+        """The server's half of the handshake (module docstring); None when the client
+        proved it knows the secret, else the reason it is refused. Only compares bytes."""
+        hello = await reader.readexactly(len(_MAGIC) + _NONCE_BYTES)
+        if not hmac.compare_digest(hello[: len(_MAGIC)], _MAGIC):
+            return "bad_hello"
+        client_nonce, server_nonce = hello[len(_MAGIC):], secrets.token_bytes(_NONCE_BYTES)
+        writer.write(server_nonce + _proof(self._secret, b"server", client_nonce, server_nonce))
+        await writer.drain()
+        answer = await reader.readexactly(_MAC_BYTES)
+        if not hmac.compare_digest(answer, _proof(self._secret, b"client", client_nonce, server_nonce)):
+            return "bad_proof"
+        writer.write(_ACCEPT)
+        return None
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ended = self._connections[writer] = asyncio.get_running_loop().create_future()
         try:
-            hello = await reader.readexactly(len(self._secret))
-            if not hmac.compare_digest(hello, self._secret):
+            try:
+                refused = await asyncio.wait_for(self._handshake(reader, writer), self._hello_timeout_s)
+            except asyncio.TimeoutError:
+                refused = "hello_timeout"
+            except (asyncio.IncompleteReadError, ConnectionError):
+                refused = "hung_up"  # during the handshake (a client refusing our proof does this)
+            if refused is not None:
+                self.refused[refused] += 1
                 return
             while True:
-                rid, method, args = await _read_frame(reader)
+                try:
+                    rid, method, args = await _read_frame(reader, self._max_frame_bytes)
+                except FrameTooLarge as e:
+                    self.refused["frame_too_large"] += 1
+                    # the rest of the stream cannot be framed: say why (rid 0: the connection), then close
+                    writer.writelines(_frame((_NO_REPLY, False, e), self._max_frame_bytes))
+                    await writer.drain()
+                    return
                 task = asyncio.get_running_loop().create_task(self._run(rid, method, args, writer))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -145,7 +262,11 @@ class RpcServer:
             reply = (rid, False, _picklable(e))
         if rid == _NO_REPLY or writer.is_closing():
             return
-        writer.writelines(_frame(reply))
+        try:
+            frame = _frame(reply, self._max_frame_bytes)
+        except FrameTooLarge as e:  # the answer is too big to send: the caller gets why
+            frame = _frame((rid, False, e), self._max_frame_bytes)
+        writer.writelines(frame)
         try:
             await writer.drain()
         except ConnectionError:
@@ -153,8 +274,9 @@ class RpcServer:
 
 
 class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> None:
-        self.writer, self.name = writer, name
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
+                 max_frame_bytes: int) -> None:
+        self.writer, self.name, self.max_frame_bytes = writer, name, max_frame_bytes
         self.pending: dict[int, asyncio.Future] = {}
         self.closed: BaseException | None = None
         self.reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader))
@@ -162,7 +284,9 @@ class _Connection:
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                rid, ok, value = await _read_frame(reader)
+                rid, ok, value = await _read_frame(reader, self.max_frame_bytes)
+                if rid == _NO_REPLY and not ok:  # the server refused this connection (e.g. a frame too large)
+                    raise value
                 fut = self.pending.pop(rid, None)
                 if fut is None or fut.done():
                     continue
@@ -172,9 +296,11 @@ class _Connection:
                     fut.set_exception(value)
         except BaseException as e:  # EOF, a reset, or the loop going away: fail every call in flight
             self.closed = PeerLost(f"lost the connection to {self.name} ({type(e).__name__}: {e})")
+            # a frame over a bound (ours, or the server's notice) fails the calls in flight as itself
+            error = FrameTooLarge(f"{self.name}: {e}") if isinstance(e, FrameTooLarge) else self.closed
             for fut in self.pending.values():
                 if not fut.done():
-                    fut.set_exception(self.closed)
+                    fut.set_exception(error)
             self.pending.clear()
             self.writer.close()
             if isinstance(e, asyncio.CancelledError):
@@ -183,17 +309,22 @@ class _Connection:
 
 class RpcClient:
     """Calls an ``RpcServer`` at ``address``; connects on first use, once per loop, and
-    reconnects after a lost connection (which fails if the actor is gone)."""
+    reconnects after a lost connection (which fails if the actor is gone). Before the
+    first call on a connection the server must prove it knows ``secret`` (module docstring)."""
 
-    def __init__(self, address: tuple[str, int], secret: bytes, name: str) -> None:
+    def __init__(self, address: tuple[str, int], secret: bytes, name: str, *,
+                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        _check_limits(secret, hello_timeout_s, max_frame_bytes)
         self._address, self._secret, self._name = tuple(address), secret, name
+        self._hello_timeout_s, self._max_frame_bytes = hello_timeout_s, max_frame_bytes
         self._conn: _Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future | None = None
         self._ids: Callable[[], int] = itertools.count(1).__next__
 
     def __reduce__(self) -> tuple:  # to another process: the address, not the connection
-        return (RpcClient, (self._address, self._secret, self._name))
+        return (_client, (self._address, self._secret, self._name, self._hello_timeout_s, self._max_frame_bytes))
 
     async def _connection(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -207,9 +338,19 @@ class RpcClient:
             try:
                 reader, writer = await asyncio.open_connection(*self._address, limit=_READ_LIMIT)
             except OSError as e:
-                raise PeerLost(f"cannot reach {self._name} at {self._address[0]}:{self._address[1]}: {e}") from None
-            writer.write(self._secret)
-            self._conn = _Connection(reader, writer, self._name)
+                raise PeerLost(f"cannot reach {self._name} at {self._where()}: {e}") from None
+            try:
+                await asyncio.wait_for(self._handshake(reader, writer), self._hello_timeout_s)
+            except BaseException as e:
+                writer.close()
+                if isinstance(e, asyncio.TimeoutError):
+                    raise AuthenticationFailed(f"{self._name} at {self._where()} did not answer the handshake "
+                                               f"within {self._hello_timeout_s} s") from None
+                if isinstance(e, (asyncio.IncompleteReadError, ConnectionError)) and not isinstance(e, PeerLost):
+                    raise AuthenticationFailed(f"{self._name} at {self._where()} closed the connection during the "
+                                               f"handshake ({type(e).__name__})") from None
+                raise
+            self._conn = _Connection(reader, writer, self._name, self._max_frame_bytes)
             self._connecting.set_result(self._conn)
             return self._conn
         except BaseException as e:
@@ -218,6 +359,26 @@ class RpcClient:
             raise
         finally:
             self._connecting = None
+
+    def _where(self) -> str:
+        return f"{self._address[0]}:{self._address[1]}"
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The client's half (module docstring): the server proves itself first, so a
+        peer without the secret never gets a call, nor anything of ours unpickled."""
+        client_nonce = secrets.token_bytes(_NONCE_BYTES)
+        writer.write(_MAGIC + client_nonce)
+        await writer.drain()
+        reply = await reader.readexactly(_NONCE_BYTES + _MAC_BYTES)
+        server_nonce, server_proof = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
+        if not hmac.compare_digest(server_proof, _proof(self._secret, b"server", client_nonce, server_nonce)):
+            raise AuthenticationFailed(f"{self._name} at {self._where()} failed to prove it knows the secret "
+                                       "(another deployment's server, or not ours): refused")
+        writer.write(_proof(self._secret, b"client", client_nonce, server_nonce))
+        await writer.drain()
+        if await reader.read(1) != _ACCEPT:
+            raise AuthenticationFailed(f"{self._name} at {self._where()} refused this client's proof "
+                                       "(it holds another secret)")
 
     async def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the actor; its result, or its exception raised here."""
@@ -236,7 +397,7 @@ class RpcClient:
         await self._write(await self._connection(), (_NO_REPLY, method, args))
 
     async def _write(self, conn: _Connection, message: tuple) -> None:
-        conn.writer.writelines(_frame(message))
+        conn.writer.writelines(_frame(message, self._max_frame_bytes))  # FrameTooLarge before a byte is written
         try:
             await conn.writer.drain()
         except ConnectionError as e:
@@ -247,3 +408,8 @@ class RpcClient:
             self._conn.writer.close()
             self._conn.reader_task.cancel()
             self._conn = None
+
+
+def _client(address: tuple[str, int], secret: bytes, name: str, hello_timeout_s: float,
+            max_frame_bytes: int) -> RpcClient:
+    return RpcClient(address, secret, name, hello_timeout_s=hello_timeout_s, max_frame_bytes=max_frame_bytes)

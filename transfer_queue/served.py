@@ -48,7 +48,7 @@ class QueueHost:
 
     async def setup(self) -> None:
         self._d = LocalDeployment(self._cfg)
-        self._server = RpcServer(self, self.SERVED, self._secret)
+        self._server = RpcServer(self, self.SERVED, self._secret, **self._cfg.rpc_limits)
         self._address = await self._server.start(self._host or node_address(), self._cfg.ports)
 
     async def address(self) -> Address:
@@ -73,14 +73,15 @@ class QueueHost:
 
 
 class ServedDeployment:
-    """Client side of a :class:`QueueHost`: its address and secret only, so it pickles."""
+    """Client side of a :class:`QueueHost`: its address, secret and the socket
+    transport's bounds (``TransferQueueConfig.rpc_limits``) only, so it pickles."""
 
-    def __init__(self, address: Address, secret: bytes) -> None:
-        self._address, self._secret = tuple(address), secret
-        self._rpc = RpcClient(self._address, secret, "the TransferQueue host")
+    def __init__(self, address: Address, secret: bytes, limits: dict[str, float] | None = None) -> None:
+        self._address, self._secret, self._limits = tuple(address), secret, dict(limits or {})
+        self._rpc = RpcClient(self._address, secret, "the TransferQueue host", **self._limits)
 
     def __reduce__(self) -> tuple:
-        return (ServedDeployment, (self._address, self._secret))
+        return (ServedDeployment, (self._address, self._secret, self._limits))
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self._rpc.call("call", method, *args)
