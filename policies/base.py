@@ -33,11 +33,16 @@ from typing import Any
 from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import BatchRequest, StepReport
 
-__all__ = ["PolicyBase", "AccountingError"]
+__all__ = ["PolicyBase", "AccountingError", "NoProgressError"]
 
 
 class AccountingError(AssertionError):
     """produced != trained + dropped + pending: a sample was lost or counted twice."""
+
+
+class NoProgressError(RuntimeError):
+    """No trainer step finished within the watchdog's time (``run.watchdog_s``);
+    the message says what each part of the run was waiting on."""
 
 
 class PolicyBase(abc.ABC):
@@ -152,6 +157,35 @@ class PolicyBase(abc.ABC):
                                   f"acknowledged={delivered}; rollout actors reported {self.rollout_queued} "
                                   f"queued, {self.admitted} admitted)")
         return pending
+
+    # -- the watchdog's report ---------------------------------------------
+
+    async def waiting_on(self) -> str:
+        """What each part of the run waits on now, in one line: the watchdog's
+        report of a run whose trainer step does not finish."""
+        p, n = self.cfg.policy, self.cfg.rollout.n
+        need = self.cfg.batch_size * p.require_batches
+        try:
+            stats = await asyncio.wait_for(self.queue.statistics_async(), 10)
+            queue = (f"queue: {stats.pending} samples waiting, {stats.in_flight} leased, {stats.put} put, dropped "
+                     f"{dict(stats.dropped_by_reason) or 0}")
+        except Exception as err:  # the report must not fail on what it reports
+            queue = f"queue: no statistics ({type(err).__name__}: {err})"
+        return "; ".join([
+            f"trainer: step {self.step + 1} waits for {need} samples in whole groups of {n}, none older than "
+            f"version {self.step - p.max_staleness} (trainer version {self.step}, policy.max_staleness={p.max_staleness})",
+            queue,
+            f"rollout actors: {self.in_flight} samples being generated{self._rollout_detail()}, dropped by them "
+            f"{dict(self.rollout_dropped) or 0}",
+            *self._waiting_detail(),
+        ])
+
+    def _rollout_detail(self) -> str:
+        return ""
+
+    def _waiting_detail(self) -> list[str]:
+        """Subclasses: what else waits (admission, a weight push), a phrase each."""
+        return []
 
     # -- the trainer side ---------------------------------------------------
 

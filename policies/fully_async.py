@@ -37,6 +37,14 @@ from policies.base import PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
+# How often a trainer step that waits for its batch looks for samples the queue dropped as stale.
+_DROP_POLL_S = 0.25
+
+
+def _stale_drops(stats: Any) -> int:
+    """Samples the queue dropped as too old (its trainer-side staleness filter), ever."""
+    return stats.dropped_by_reason.get("stale", 0) + stats.dropped_by_reason.get("stale_group", 0)
+
 
 class FullyAsyncPolicy(PolicyBase):
     """Rollout and training run at once; generation never runs more than the
@@ -54,6 +62,7 @@ class FullyAsyncPolicy(PolicyBase):
         self._failure: asyncio.Future[None] | None = None
         self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
         self._sync_step = 0  # ... and the step whose weights it pushes
+        self._released_queue_drops = 0  # the queue's stale drops whose admission slots went back
 
     async def _start_background(self) -> None:
         if self._feeder is None:
@@ -100,7 +109,16 @@ class FullyAsyncPolicy(PolicyBase):
     async def _train_once(self) -> StepReport:
         assert self._failure is not None
         step = asyncio.ensure_future(super()._train_once())
-        await asyncio.wait([step, self._failure], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            while not (await asyncio.wait([step, self._failure], timeout=_DROP_POLL_S,
+                                          return_when=asyncio.FIRST_COMPLETED))[0]:
+                # a get that waits may be dropping stale samples: their slots go back now, not
+                # when the step ends (a window full of them would leave it nothing to wait for)
+                await self._release_queue_drops()
+        except BaseException:  # cancelled (the run's watchdog), or the poll failed: the trainer's get ends too
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+            raise
         if self._failure.done():
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
@@ -124,7 +142,7 @@ class FullyAsyncPolicy(PolicyBase):
             return
         if not self.overlap_push:
             await self.sync_weights()
-            await self.admission.open_window(await self.outstanding())
+            await self._open_window()
         else:
             await self.settle()
             released = asyncio.Event()
@@ -139,7 +157,7 @@ class FullyAsyncPolicy(PolicyBase):
     async def _sync_and_open(self, released: asyncio.Event) -> None:
         try:
             await self.sync_weights(released)
-            await self.admission.open_window(await self.outstanding())
+            await self._open_window()
         except asyncio.CancelledError:
             raise
         except BaseException as err:
@@ -152,8 +170,34 @@ class FullyAsyncPolicy(PolicyBase):
         task, self._sync = self._sync, None
         await task
 
+    def _rollout_detail(self) -> str:
+        return " (groups per actor: " + ", ".join(str(self._load[i]) for i in range(len(self.rollouts))) + ")"
+
+    def _waiting_detail(self) -> list[str]:
+        a = self.admission
+        free = a.budget - a.carried - a.admitted_in_window
+        sync = "" if self._sync is None or self._sync.done() else f"; a weight push of step {self._sync_step} is running"
+        return [f"admission: {a.carried} carried + {a.admitted_in_window} admitted of a window of {a.budget} "
+                f"({free} free; a group needs {self.cfg.rollout.n}){sync}"]
+
+    async def _open_window(self) -> None:
+        """A sync happened: a new window carries what is outstanding now. Queue drops
+        until now are not outstanding: none of them is released again later."""
+        in_flight = self.in_flight  # read first: a group put meanwhile counts twice, never not at all
+        stats = await self.queue.statistics_async()
+        self._released_queue_drops = _stale_drops(stats)
+        await self.admission.open_window(in_flight + stats.pending + stats.in_flight)
+
+    async def _release_queue_drops(self) -> None:
+        """Give back the admission slots of samples the queue dropped as stale since the
+        last release (or window): counted from the queue's own totals, so none twice."""
+        total = _stale_drops(await self.queue.statistics_async())
+        new, self._released_queue_drops = total - self._released_queue_drops, max(total, self._released_queue_drops)
+        if new > 0:  # counted before the await: a window opened meanwhile resets the count, not this
+            await self.admission.release(new)
+
     async def _on_drop_after_queue(self, n: int) -> None:
-        await self.admission.release(n)
+        await self._release_queue_drops()
 
     async def close(self) -> None:
         await self.admission.close()
