@@ -19,11 +19,12 @@ applied: over the whole layout at once, a few kernels, no per-piece Python.
       one read of [pieces, 9] to the host
     receiver (DeltaReceiverPlan, a GPU with Triton; others take the generic path)
       count per block: changed elements in its mask bytes -> value ranks
-      check per block: sums of the receiver's values, and of (new - old) at
-            the changed elements; one read to the host: every piece's base
-            checksum (the whole piece, not only where the delta writes),
-            num_changed and target checksum compared before anything is written
-      write per block: the new values at the changed elements
+      apply per block: the new values written at the changed elements, the
+            old ones kept; sums of the receiver's old values and of (new - old)
+            there; one read to the host: every piece's base checksum (the
+            whole piece, not only where the delta writes), num_changed and
+            target checksum compared; any mismatch puts the kept values back
+            (one more pass) before the error is raised
 
 A blob is ``ceil(count / 8)`` mask bytes then ``num_changed`` values; blobs of
 changed pieces follow each other at 8-byte aligned offsets in one payload
@@ -44,6 +45,7 @@ from sync.device import BLOCK, _PieceSums, _piece_first
 
 MASK_BYTES = BLOCK // 8
 _CHUNK_WORDS = 1024  # 8-byte words of payload per program of the payload-sum kernel
+_COUNT_PER = 8  # blocks per program of the receiver's count kernel
 WARPS = {"scan": 4, "pack": 4, "words": 4, "count": 4, "apply": 4}
 _STATS = 9  # per piece: changed, blob offset, blob length, new (2), old at changed (2), payload (2)
 
@@ -131,20 +133,27 @@ def _kernels() -> Any:
                 tl.store(out + qv + t, ((xi >> (8 * t)) & 0xFF).to(tl.uint8), mask=changed)
 
         @triton.jit
-        def count_kernel(payload_ptr, blk_ptr, piece_ptr, cnt_ptr, BLOCK: tl.constexpr):
-            pid = tl.program_id(0).to(tl.int64)
-            p = tl.load(blk_ptr + pid * 4)
-            j = tl.load(blk_ptr + pid * 4 + 1).to(tl.int32)
-            row = piece_ptr + p * 4
-            mbytes = tl.load(row + 1).to(tl.int32)
-            q = j * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-            mb = tl.load(payload_ptr + tl.load(row) + q, mask=q < mbytes, other=0).to(tl.int32)
-            bits = (mb[:, None] >> tl.arange(0, 8)[None, :]) & 1
-            tl.store(cnt_ptr + pid, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
+        def count_kernel(payload_ptr, blk_ptr, piece_ptr, cnt_ptr, num_blocks, BLOCK: tl.constexpr,
+                         PER: tl.constexpr):
+            # changed elements of PER blocks per program: the mask is an eighth of the values, and one
+            # block's worth of it is too little work for a program
+            for r in tl.static_range(PER):
+                b = tl.program_id(0).to(tl.int64) * PER + r
+                live = b < num_blocks
+                p = tl.load(blk_ptr + b * 4, mask=live, other=0)
+                j = tl.load(blk_ptr + b * 4 + 1, mask=live, other=0).to(tl.int32)
+                row = piece_ptr + p * 4
+                mbytes = tl.load(row + 1).to(tl.int32)
+                q = j * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+                mb = tl.load(payload_ptr + tl.load(row) + q, mask=(q < mbytes) & live, other=0).to(tl.int32)
+                bits = (mb[:, None] >> tl.arange(0, 8)[None, :]) & 1
+                tl.store(cnt_ptr + b, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
 
         @triton.jit
-        def apply_kernel(payload_ptr, blk_ptr, piece_ptr, prefix_ptr, sums_ptr, like_ptr,
-                         ITEM: tl.constexpr, BLOCK: tl.constexpr, WRITE: tl.constexpr):
+        def apply_kernel(payload_ptr, blk_ptr, piece_ptr, prefix_ptr, sums_ptr, undo_ptr, undo_cap, like_ptr,
+                         ITEM: tl.constexpr, BLOCK: tl.constexpr, UNDO: tl.constexpr):
+            # write the new values where the mask says, keeping the old ones in undo (in order), and sum
+            # the old values and (new - old) for the host's check; UNDO: put the kept values back
             pid = tl.program_id(0).to(tl.int64)
             p = tl.load(blk_ptr + pid * 4)
             j = tl.load(blk_ptr + pid * 4 + 1).to(tl.int32)
@@ -160,18 +169,23 @@ def _kernels() -> Any:
             bits = tl.load(blob + j * (BLOCK // 8) + (offs >> 3), mask=valid, other=0).to(tl.int32)
             ch = ((bits >> (offs & 7)) & 1) * valid.to(tl.int32)
             rank = tl.cumsum(ch, axis=0) - ch
-            qv = mbytes + ITEM * ((tl.load(prefix_ptr + pid) - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
-            changed = ch != 0
-            new = tl.zeros((BLOCK,), dtype=tl.int32)
-            for t in tl.static_range(ITEM):  # a corrupt mask cannot send the reads outside the blob
-                inside = changed & (qv + t < n)
-                new |= tl.load(blob + qv + t, mask=inside, other=0).to(tl.int32) << (8 * t)
-            if ITEM == 2:
-                new = (new << 16) >> 16  # sign-extend the 16-bit value
-            if WRITE:
-                tl.store(dst + offs, new.to(like_ptr.dtype.element_ty), mask=changed)
+            before = tl.load(prefix_ptr + pid)
+            slot = before + rank
+            changed = (ch != 0) & (slot < undo_cap)  # a corrupt mask cannot write what could not be undone
+            if UNDO:
+                tl.store(dst + offs, tl.load(undo_ptr + slot, mask=changed), mask=changed)
             else:
-                old = tl.load(dst + offs, mask=valid, other=0).to(tl.int64)
+                qv = mbytes + ITEM * ((before - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
+                new = tl.zeros((BLOCK,), dtype=tl.int32)
+                for t in tl.static_range(ITEM):  # nor read outside the blob
+                    inside = changed & (qv + t < n)
+                    new |= tl.load(blob + qv + t, mask=inside, other=0).to(tl.int32) << (8 * t)
+                if ITEM == 2:
+                    new = (new << 16) >> 16  # sign-extend the 16-bit value
+                old = tl.load(dst + offs, mask=valid, other=0)
+                tl.store(undo_ptr + slot, old, mask=changed)
+                tl.store(dst + offs, new.to(like_ptr.dtype.element_ty), mask=changed)
+                old = old.to(tl.int64)
                 d = tl.where(changed, new.to(tl.int64) - old, 0)
                 out = sums_ptr + pid * 4
                 tl.store(out, tl.sum(old, axis=0))
@@ -407,7 +421,7 @@ class DeltaReceiverPlan:
         return found  # type: ignore[return-value]
 
     def apply(self, manifest: Manifest, region: torch.Tensor, blob_offsets: list[int], found: list[int]) -> None:
-        """Check every piece (nothing written), then write the changed elements."""
+        """Write the changed elements and check every piece; undone on any mismatch (all or nothing)."""
         from sync.errors import ChecksumError
 
         kernels = _kernels()
@@ -420,26 +434,33 @@ class DeltaReceiverPlan:
         table = torch.tensor(rows, dtype=torch.int64).to(region.device, non_blocking=True)
         nb = self.blocks.shape[0]
         counts = torch.empty(nb, dtype=torch.int64, device=region.device)
-        kernels["count"][(nb,)](region, self.blocks, table, counts, BLOCK=BLOCK, num_warps=WARPS["count"])
+        kernels["count"][(-(-nb // _COUNT_PER),)](region, self.blocks, table, counts, nb, BLOCK=BLOCK, PER=_COUNT_PER,
+                                                   num_warps=WARPS["count"])
         prefix = _exclusive_cumsum(counts)
         sums = torch.empty(nb, 4, dtype=torch.int64, device=region.device)
-        args = (region, self.blocks, table, prefix, sums, self.like)
+        cap = sum(e.num_changed for e in entries)
+        undo = torch.empty(max(cap, 1), dtype=self.like.dtype, device=region.device)
+        args = (region, self.blocks, table, prefix, sums, undo, cap, self.like)
         itemsize = self.like.element_size()
-        kernels["apply"][(nb,)](*args, ITEM=itemsize, BLOCK=BLOCK, WRITE=False, num_warps=WARPS["apply"])
+        kernels["apply"][(nb,)](*args, ITEM=itemsize, BLOCK=BLOCK, UNDO=False, num_warps=WARPS["apply"])
         got = torch.cat(((prefix[self.ends] - prefix[self.starts])[:, None], self.sums.from_blocks(sums[:, 0:2]),
                          self.sums.from_blocks(sums[:, 2:4])), 1).tolist()  # the one wait
         m64 = cks.MASK64
-        for i, e in zip(found, entries):
-            # the whole piece's base, and base + (new - old) at the changed elements = the target: a
-            # payload whose mask or values are off, or a receiver drifted anywhere in the piece, fails
-            k, b0, b1, d0, d1 = got[i]
-            where = f"{e.name}[{e.start}:{e.start + e.count}]"
-            if (b0 & m64, b1 & m64) != tuple(e.base_checksum or ()):
-                raise ChecksumError(f"{where}: receiver values differ from the base version")
-            if k != e.num_changed or ((b0 + d0) & m64, (b1 + d1) & m64) != tuple(e.checksum):
-                raise ChecksumError(f"{where}: delta does not produce the target checksum")
-        kernels["apply"][(nb,)](*args, ITEM=itemsize, BLOCK=BLOCK, WRITE=True, num_warps=WARPS["apply"])
-        torch.cuda.current_stream(region.device).synchronize()  # the sender may refill its payload after this
+        try:
+            for i, e in zip(found, entries):
+                # the whole piece's base, and base + (new - old) at the changed elements = the target: a
+                # payload whose mask or values are off, or a receiver drifted anywhere in the piece, fails
+                k, b0, b1, d0, d1 = got[i]
+                where = f"{e.name}[{e.start}:{e.start + e.count}]"
+                if (b0 & m64, b1 & m64) != tuple(e.base_checksum or ()):
+                    raise ChecksumError(f"{where}: receiver values differ from the base version")
+                if k != e.num_changed or ((b0 + d0) & m64, (b1 + d1) & m64) != tuple(e.checksum):
+                    raise ChecksumError(f"{where}: delta does not produce the target checksum")
+        except ChecksumError:
+            kernels["apply"][(nb,)](*args, ITEM=itemsize, BLOCK=BLOCK, UNDO=True, num_warps=WARPS["apply"])
+            raise
+        finally:  # the sender may refill its payload once this returns
+            torch.cuda.current_stream(region.device).synchronize()
 
 
 def receiver_kernels_available(region: torch.Tensor) -> bool:
