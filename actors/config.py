@@ -20,6 +20,7 @@ got str``); so are engine and backend types this build does not have. After
 
 from __future__ import annotations
 
+import inspect
 import math
 import pathlib
 import re
@@ -78,6 +79,9 @@ class RunConfig(_Section):
     """Trainer steps (optimizer steps) of the run."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    watchdog_s: Annotated[float, Meta(ge=0)] = 1800.0
+    """A trainer step that does not finish within this many seconds stops the run
+    with ``NoProgressError``, saying what each part was waiting on (0 = never)."""
 
 
 class RuntimeConfig(_Section):
@@ -233,6 +237,8 @@ def _check_consistency(cfg: Config) -> None:
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
             f"the prompt in rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}"
         )
+    _check_task(cfg.task)
+    _check_progress(cfg)
     from policies.admission import window_budget
 
     p = cfg.policy
@@ -266,6 +272,44 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
 
 
+def _check_task(task: TaskConfig) -> None:
+    """The task exists and takes ``task.kwargs`` (by its signature: nothing is built)."""
+    from policies.tasks import CONTEXT_OPTIONS, task_factory
+
+    try:
+        factory = task_factory(task.type)
+    except ValueError as err:
+        raise ConfigError(f"task.type: {err}") from None
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: its options are checked when it is built
+        return
+    context = {k: None for k in CONTEXT_OPTIONS if k in signature.parameters}  # make_task passes these
+    try:
+        signature.bind(**task.kwargs, **context)
+    except TypeError as err:
+        raise ConfigError(f"task.kwargs: bad options for task {task.type!r}: {err}") from None
+
+
+def _check_progress(cfg: Config) -> None:
+    """Refuse the schedules that cannot train as configured (each was tried: the
+    fully-async one waits forever; one-step-off drops every batch it generates ahead)."""
+    p = cfg.policy
+    k, ms = p.trigger_parameter_sync_step, p.max_staleness
+    if p.type == "fully_async" and ms < k - 1:
+        # step j of a sync window trains at version v + j - 1 on samples the engines made at v
+        raise ConfigError(
+            f"policy.max_staleness: {ms} is below policy.trigger_parameter_sync_step - 1 = {k - 1}: the engines keep "
+            f"one version for the {k} trainer steps between syncs, so step {ms + 2} of each window finds every sample "
+            f"{ms + 1} version{'s' if ms else ''} old, drops it and waits for a sync that only comes after that step; set "
+            f"policy.max_staleness >= {k - 1} or policy.trigger_parameter_sync_step <= {ms + 1}")
+    if p.type == "one_step_off" and ms < 1:
+        raise ConfigError(
+            "policy.max_staleness: 0 with policy.type=one_step_off: that schedule trains each batch it generates "
+            "ahead one version after the weights that made it, so every such batch is dropped as stale; set "
+            "policy.max_staleness >= 1, or policy.type=sync to train on-policy")
+
+
 def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
     """Decode a raw tree into a :class:`Config` or raise :class:`ConfigError`."""
     if not isinstance(tree, dict):
@@ -282,6 +326,36 @@ def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
     return cfg
 
 
+def _read_yaml(p: pathlib.Path) -> dict[str, Any]:
+    """The mapping of sections in config file ``p``; :class:`ConfigError` (one line)
+    for a file that cannot be read, is binary, is not UTF-8, is empty or is not YAML."""
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read the config file ({err.strerror or err})") from None
+    if b"\0" in data:
+        raise ConfigError(f"{p}: a binary file (NUL byte at offset {data.index(0)}), not a YAML config")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}): a binary "
+                          "file, or text in another encoding; a config is UTF-8 YAML") from None
+    try:
+        tree = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+    except (ValueError, RecursionError) as err:  # a scalar YAML accepts but cannot build (a bad date), nesting
+        raise ConfigError(f"{p}: malformed YAML: {type(err).__name__}: {err}") from None
+    if tree is None:
+        raise ConfigError(f"{p}: the config file is empty (expected a mapping of sections: run, policy, ...)")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    return tree
+
+
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config file (or only defaults when ``path`` is None), apply overrides."""
     tree: Any = {}
@@ -290,15 +364,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
         p = pathlib.Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            tree = yaml.load(p.read_text(), Loader=_Loader) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+        tree = _read_yaml(p)
         base_dir = str(p.resolve().parent)
     tree = apply_overrides(tree, list(overrides))
     return build_config(tree, base_dir)

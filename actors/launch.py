@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 import loop
@@ -39,13 +42,12 @@ class Run:
         self.cfg = cfg
         # a wrong model path fails before anything is created on disk
         self.model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.dir = pathlib.Path(cfg.run.output_dir) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        made = self._make_dir()  # what this run created on disk: removed again if setup fails
         (self.dir / "config.yaml").write_text(to_yaml(cfg))
         self.history: list[dict[str, Any]] = []
         self._metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)
         self._closed = False
+        self._discarded = False  # setup failed: no summary, the run directory removed
         self.runtime: Any = None
         self.policy: Any = None
         self.queue: Any = None
@@ -54,8 +56,39 @@ class Run:
         try:
             loop.run(self._setup())
         except BaseException:
-            self.close()
+            self._discard(made)
             raise
+
+    def _make_dir(self) -> list[pathlib.Path]:
+        """Create ``self.dir`` (a new one: a second run in the same second gets a suffix);
+        returns the directories created, deepest first."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = f"{self.cfg.run.name}-{stamp}-{os.getpid()}"
+        out = pathlib.Path(self.cfg.run.output_dir)
+        for i in itertools.count():
+            self.dir = out / (name if i == 0 else f"{name}-{i}")
+            made = [d for d in (self.dir, *self.dir.parents) if not d.exists()]
+            try:
+                self.dir.mkdir(parents=True)
+                return made
+            except FileExistsError:
+                continue
+        raise AssertionError("unreachable")
+
+    def _discard(self, made: list[pathlib.Path]) -> None:
+        """Setup failed: stop what was started and remove what this run created on
+        disk (its directory, and parents it made that are left empty). Nothing ran."""
+        self._discarded = True
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the setup error is the one to report; this one would hide it
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for d in made[1:]:
+            try:
+                d.rmdir()  # only while empty
+            except OSError:
+                break
 
     async def _setup(self) -> None:
         """Compose the run: runtime, queue, actors (each holding a queue client),
@@ -139,7 +172,7 @@ class Run:
             return await TransferQueue.create(q)
         secret = new_secret()
         host = await self.runtime.spawn(QueueHost, q, secret, name="transfer-queue", num_cpus=0)
-        return TransferQueue(q, ServedDeployment(await host.address(), secret))
+        return TransferQueue(q, ServedDeployment(await host.address(), secret, q.rpc_limits))
 
     async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
         """Pick the weight transport from where the actors run (``sync.transport``
@@ -188,7 +221,7 @@ class Run:
             self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
         try:
             for _ in range(steps):
-                (m,) = await self.policy.train(1)
+                (m,) = await self._watched(self.policy.train(1))
                 if unwritten is not None:
                     await self.policy.settle(unwritten["step"])  # its push (if still running) fills it in
                     self._metrics_file.write(json.dumps(unwritten) + "\n")
@@ -209,6 +242,23 @@ class Run:
             if bar is not None:
                 bar.close()
         return out
+
+    async def _watched(self, step: Any) -> Any:
+        """Await one trainer step; past ``run.watchdog_s`` stop it and raise
+        ``NoProgressError`` with what each part of the run was waiting on."""
+        from policies.base import NoProgressError
+
+        limit = self.cfg.run.watchdog_s
+        if not limit:
+            return await step
+        task = asyncio.ensure_future(step)
+        done, _ = await asyncio.wait([task], timeout=limit)
+        if done:
+            return task.result()
+        waiting = await self.policy.waiting_on()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise NoProgressError(f"no trainer step finished in {limit:g} s (run.watchdog_s): {waiting}")
 
     def summary(self) -> dict[str, Any]:
         """First-10% vs last-10% reward, throughput and drops of the run so far, and
@@ -255,7 +305,8 @@ class Run:
             loop.run(_close())
         finally:
             self._metrics_file.close()
-            (self.dir / "summary.json").write_text(json.dumps(self.summary(), indent=1))
+            if not self._discarded:
+                (self.dir / "summary.json").write_text(json.dumps(self.summary(), indent=1))
 
     def __enter__(self) -> Run:
         return self
@@ -281,26 +332,51 @@ def _parser() -> argparse.ArgumentParser:
                    help="dotted overrides applied after the file, e.g. trainer.lr=2e-6 runtime.type=local")
     p.add_argument("--steps", type=int, default=None, help="trainer steps (default: run.total_steps)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, print its whole traceback (by default: one line naming what is wrong)")
     return p
 
 
+# Errors that say what is wrong with the input or the machine in their message; any
+# other type is named too (it is more likely a bug: --traceback shows where).
+_USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
+
+
+def _error(err: BaseException, show_traceback: bool) -> None:
+    """One line on stderr: ``error: <what is wrong>``."""
+    if show_traceback:
+        traceback.print_exception(err)
+    what = " ".join(str(err).split()) or type(err).__name__
+    if not isinstance(err, _USER_ERRORS):
+        what = f"{type(err).__name__}: {what}" + ("" if show_traceback else " (--traceback for where)")
+    print(f"error: {what}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 after a run, 2 when the config or the setup is wrong (no
+    run directory is left behind), 1 when the run stops with an error."""
+    from policies.base import NoProgressError
+
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _error(err, args.traceback)
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
     try:
         run = Run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - the command line's boundary: one line, not a traceback
+        _error(err, args.traceback)
         return 2
     with run:
-        run.train(args.steps)
+        try:
+            run.train(args.steps)
+        except NoProgressError as err:
+            _error(err, args.traceback)
+            return 1
     print(json.dumps({"summary": run.summary()}))
     return 0
 

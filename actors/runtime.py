@@ -36,6 +36,7 @@ import multiprocessing
 import multiprocessing.util  # its exit hook joins child processes: registered before ours, it runs after
 import os
 import pickle
+import socket
 import sys
 import threading
 import traceback
@@ -431,7 +432,11 @@ class RayRuntime(Runtime):
 
         if not ray.is_initialized():
             if self.address is not None:
-                ray.init(address=self.address, log_to_driver=False)
+                _probe_ray_address(self.address)
+                try:
+                    ray.init(address=self.address, log_to_driver=False)
+                except ConnectionError as err:  # e.g. 'auto' and no cluster running here
+                    raise ConnectionError(f"runtime.address={self.address}: {err}") from None
             else:
                 ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
                 self._started_cluster = True
@@ -468,6 +473,20 @@ class RayRuntime(Runtime):
         if self._started_cluster:
             ray.shutdown()
             self._started_cluster = False
+
+
+def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """``ConnectionError`` naming ``runtime.address`` when a ``host:port`` address (or
+    ``ray://host:port``) refuses a TCP connection: ``ray.init`` would retry it for minutes.
+    ``auto`` is left to Ray, which says at once when it finds no cluster."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConnectionError(f"runtime.address: no Ray cluster answers at {address} "
+                              f"({err.strerror or type(err).__name__})") from None
 
 
 def make_runtime(type: str, *, address: str | None = None, num_cpus: int | None = None) -> Runtime:
