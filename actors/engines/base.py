@@ -4,13 +4,13 @@ vLLM / SGLang adapters.
 Token ids in; token ids, per-token log-probs, the weight version of every
 token and a finish reason out. The mapping onto the external engines:
 
-    this protocol            vLLM AsyncLLM                      SGLang Engine
-    generate/stream          generate()                         async_generate(stream=True)
-    abort(ids|None)          abort() -> partial RequestOutput   abort_request()
-    pause()/resume()         pause_generation(mode=...)         pause_generation()/continue_generation()
-    sleep(1|2)/wake_up(tags) sleep(level)/wake_up(tags)         release/resume_memory_occupation(tags)
-    update_weights(update)   collective_rpc / weight transfer   update_weights_from_tensor
-    reset_prefix_cache()     reset_prefix_cache()               flush_cache()
+    this protocol            vLLM AsyncLLM                      SGLang HTTP server
+    generate/stream          generate()                         POST /generate (stream: server-sent events)
+    abort(ids|None)          abort() -> partial RequestOutput   POST /abort_request
+    pause()/resume()         pause_generation(mode=...)         /pause_generation (abort) + /continue_generation
+    sleep(1|2)/wake_up(tags) sleep(level)/wake_up(tags)         /release_memory_occupation, /resume_memory_occupation
+    update_weights(update)   collective_rpc (reload_weights)    /update_weights_from_disk (a host copy, checked)
+    reset_prefix_cache()     reset_prefix_cache()               /flush_cache
 """
 
 from __future__ import annotations
