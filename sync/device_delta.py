@@ -47,7 +47,6 @@ MASK_BYTES = BLOCK // 8
 _CHUNK_WORDS = 1024  # 8-byte words of payload per program of the payload-sum kernel
 _COUNT_PER = 8  # blocks per program of the receiver's count kernel
 WARPS = {"scan": 4, "pack": 4, "words": 4, "count": 4, "apply": 4}
-_STATS = 9  # per piece: changed, blob offset, blob length, new (2), old at changed (2), payload (2)
 
 
 # ---------------------------------------------------------------- kernels
@@ -320,14 +319,11 @@ class DeltaPacker:
             last[idx] = cur[idx]
             at += -(-n // 8) * 8
         # piece sums as the kernel path gives them: positions shifted to the piece's first element
-        for row, e_first in zip(rows, self.sums_firsts()):
+        for row, e_first in zip(rows, self.sums.firsts.tolist()):
             for a in (3, 5):
                 row[a + 1] = row[a + 1] + e_first * row[a]
         self.num_changed = old_at
         return rows
-
-    def sums_firsts(self) -> list[int]:
-        return self.sums.firsts.tolist()
 
     def restore_previous(self) -> None:
         """cur <- the version before the last pack (last with the replaced values back)."""
