@@ -268,6 +268,16 @@ def _check_consistency(cfg: Config) -> None:
     if ports is not None and (cfg.transfer_queue.deployment != "ray" or ports[0] > ports[1]):
         raise ConfigError(f"transfer_queue.ports: expected [first, last] with first <= last, used with "
                           f"transfer_queue.deployment=ray; got {list(ports)} with {cfg.transfer_queue.deployment!r}")
+    n = cfg.trainer.num_workers
+    if n > 1 and cfg.runtime.type == "local":
+        raise ConfigError(f"trainer.num_workers: {n} trainer workers need one process each "
+                          "(runtime.type=process or ray)")
+    if cfg.trainer.batch_prompts % n:
+        raise ConfigError(f"trainer.batch_prompts: {cfg.trainer.batch_prompts} is not a multiple of "
+                          f"trainer.num_workers={n} (each worker trains whole groups)")
+    if n > 1 and cfg.sync.mode == "auto":
+        raise ConfigError("sync.mode: 'auto' with trainer.num_workers > 1 is not supported (each worker "
+                          "would pick full or delta from its own costs); use 'full' or 'delta'")
     if not math.isfinite(cfg.trainer.lr):
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
 

@@ -97,14 +97,14 @@ class Run:
 
         from actors.rollout import RolloutActor
         from actors.runtime import make_runtime
-        from actors.trainer import TrainerActor
+        from actors.trainer import TrainerActor, TrainerGroup
         from contracts.rollout import SamplingParams
         from policies import make_policy
         from policies.advantages import grpo_advantages
         from policies.losses import make_loss_from_config
         from policies.partial import absorb, next_request
         from policies.tasks import make_task
-        from sync.link import weight_sync_fn
+        from sync.link import TrainerLink, weight_sync_fn
 
         cfg = self.cfg
         make_task_fn = functools.partial(make_task, cfg.task.type, model_path=self.model_path,
@@ -122,12 +122,15 @@ class Run:
             torch.set_num_threads(1)
         self.queue = await self._make_queue()
         trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
-        trainer = await self.runtime.spawn(
-            TrainerActor, name="trainer", num_cpus=1, num_gpus=trainer_gpus,
+        n = cfg.trainer.num_workers
+        group_init = TrainerLink.rendezvous() if n > 1 else None  # the workers' own group meets here
+        workers = await asyncio.gather(*(self.runtime.spawn(  # together: their setup joins one group
+            TrainerActor, name="trainer" if n == 1 else f"trainer-{rank}", num_cpus=1, num_gpus=trainer_gpus,
             trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
             model_path=self.model_path, seed=cfg.run.seed, loss=make_loss_from_config(cfg.trainer),
             advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
-            torch_threads=1)
+            torch_threads=1, rank=rank, world_size=n, group_init=group_init) for rank in range(n)))
+        trainer = workers[0] if n == 1 else TrainerGroup(list(workers))
         r = cfg.rollout
         engine_gpus, engine_device = self._placement(r.engine.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -187,9 +190,10 @@ class Run:
             backend = self.cfg.sync.backend
             if backend == "auto":
                 backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
-            world = 1 + len(rollouts)
+            n = self.cfg.trainer.num_workers  # ranks 0..n-1: the trainer workers, each sends its shards
+            world = n + len(rollouts)
             await asyncio.gather(trainer.join_weight_group(init, world, backend),
-                                 *(h.join_weight_group(init, 1 + i, world, backend) for i, h in enumerate(rollouts)))
+                                 *(h.join_weight_group(init, n + i, world, backend, n) for i, h in enumerate(rollouts)))
         return kind
 
     def _placement(self, device: str) -> tuple[float, str]:

@@ -192,9 +192,11 @@ class RolloutActor(Actor):
 
         self._link = EngineLink(kind)
 
-    async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
-        """Join the weight-sync broadcast group (with the trainer and every other rollout actor)."""
-        await self.blocking(self._link.join, init_method, rank, world_size, backend)
+    async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str,
+                                sources: int = 1) -> None:
+        """Join the weight-sync broadcast group (with the ``sources`` trainer
+        workers, ranks below this one's, and every other rollout actor)."""
+        await self.blocking(self._link.join, init_method, rank, world_size, backend, sources)
 
     async def weights_digest(self) -> dict[str, str]:
         """sha256 of every weight the engine holds, by HF name (for bit-exactness checks)."""

@@ -25,7 +25,7 @@ from actors.runtime import Actor, quiet_transformers
 from contracts.sample import Sample, batch_stats
 from contracts.training import BatchRequest, StepReport
 
-__all__ = ["TrainerActor"]
+__all__ = ["TrainerActor", "TrainerGroup", "assemble_shards", "merge_reports"]
 
 
 class TrainerActor(Actor):
@@ -38,10 +38,13 @@ class TrainerActor(Actor):
 
     def __init__(self, *, trainer: Any, sync: Any, model_path: str, seed: int, loss: Any,
                  advantages: Callable[..., Any], queue: Any, engine_dtype: str,
-                 torch_threads: int | None = None) -> None:
+                 torch_threads: int | None = None, rank: int = 0, world_size: int = 1,
+                 group_init: str | None = None) -> None:
         self.trainer_cfg, self.sync_cfg, self.model_path, self.seed = trainer, sync, model_path, seed
         self.loss, self.advantages, self.queue, self.engine_dtype = loss, advantages, queue, engine_dtype
         self.torch_threads = torch_threads
+        # data parallel (trainer.num_workers > 1): this worker's rank in the trainers' group
+        self.rank, self.world_size, self.group_init = rank, world_size, group_init
         self.backend: Any = None
         self.sender: Any = None
         self._link: Any = None  # sync.link.TrainerLink once the transport is known
@@ -58,6 +61,17 @@ class TrainerActor(Actor):
         quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
+        if self.world_size > 1:  # the trainers' own group: the backend shards over it (FSDP2)
+            import datetime
+
+            import torch.distributed as dist
+
+            device = str(self.trainer_cfg.device)
+            if device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(device))
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=self.group_init,
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(minutes=10))
         self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss)
         self.backend.setup()
         self.sender = WeightSender.from_config(self.sync_cfg, dtype=getattr(torch, self.engine_dtype))
@@ -114,15 +128,19 @@ class TrainerActor(Actor):
         return TrainerLink.rendezvous() if kind == "dist" else None
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
-        """Join the broadcast group as rank 0 (with every rollout actor at once)."""
-        await self.blocking(self._link.join, init_method, world_size, backend)
+        """Join the broadcast group as rank ``self.rank`` (every trainer worker
+        sends its shards in rank order; with every rollout actor at once)."""
+        await self.blocking(self._link.join, init_method, world_size, backend, self.rank, self.world_size)
 
     async def weight_update(self) -> Any:
         """The update that brings the engines to this trainer's current version, published."""
         return await self.blocking(self._weight_update)
 
     def _weight_update(self) -> Any:
-        return self._link.publish(self.sender.encode(self.backend.named_weights(), self.backend.version))
+        weights, specs = self.backend.named_weights(), self.backend.shard_specs()
+        if specs is not None:  # this worker's shards: the engines merge every worker's update
+            weights = [(name, t, specs[name]) for name, t in weights.items()]
+        return self._link.publish(self.sender.encode(weights, self.backend.version))
 
     async def broadcast_pending(self) -> int:
         """Broadcast the last published update to the group; returns its bytes."""
@@ -150,8 +168,130 @@ class TrainerActor(Actor):
 
         return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 
+    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """This worker's weights in ``dtype`` (its shards, on the host) and their shard specs (for checks)."""
+        weights = await self.blocking(self.backend.named_weights, dtype)
+        return {k: v.detach().cpu() for k, v in weights.items()}, self.backend.shard_specs()
+
     async def save(self, path: str) -> None:
         await self.blocking(self.backend.save, path)
 
     async def load(self, path: str) -> None:
         await self.blocking(self.backend.load, path)
+
+
+class TrainerGroup:
+    """``trainer.num_workers`` trainer actors behind the one trainer the policy
+    and the weight link talk to (a drop-in for a single actor's handle).
+
+    A step asks every worker for its share of the batch's groups at once: each
+    takes its own from the queue (one consumer, so every sample goes to exactly
+    one of them), the backend reduces gradients across the trainers' group, and
+    the reports merge into one. A weight update is every worker's update of
+    its own shards, merged (``contracts.weights.merge_updates``); over ``dist``
+    the workers broadcast in rank order and each engine merges what it got."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import asyncio
+
+        return list(await asyncio.gather(*(getattr(w, method)(*args, **kwargs) for w in self.workers)))
+
+    async def train_step(self, request: BatchRequest) -> StepReport:
+        import msgspec
+
+        share = msgspec.structs.replace(request, batch_size=request.batch_size // len(self.workers))
+        return merge_reports(await self._all("train_step", share))
+
+    async def weight_update(self) -> Any:
+        return _merged(await self._all("weight_update"))
+
+    async def revert_update(self) -> Any:
+        return _merged(await self._all("revert_update"))
+
+    async def get_version(self) -> int:
+        return await self.workers[0].get_version()
+
+    async def placement(self) -> Any:
+        return await self.workers[0].placement()
+
+    async def open_weight_link(self, kind: str) -> str | None:
+        return (await self._all("open_weight_link", kind))[0]
+
+    async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
+        await self._all("join_weight_group", init_method, world_size, backend)
+
+    async def broadcast_pending(self) -> int:
+        return sum(await self._all("broadcast_pending"))
+
+    async def release_weights(self) -> None:
+        await self._all("release_weights")
+
+    async def weights_refused(self) -> None:
+        await self._all("weights_refused")
+
+    async def observe(self, kind: str, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
+        await self._all("observe", kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
+
+    async def save(self, path: str) -> None:
+        await self._all("save", path)
+
+    async def load(self, path: str) -> None:
+        await self._all("load", path)
+
+    async def weights_digest(self, dtype: str) -> dict[str, str]:
+        """sha256 of every full weight (the workers' shards assembled), by HF name."""
+        from sync.link import digest_named
+
+        parts = await self._all("local_weights", dtype)
+        return digest_named(assemble_shards(parts))
+
+
+def _merged(handles: list[Any]) -> Any:
+    from contracts.weights import merge_updates
+
+    return None if handles[0] is None else merge_updates(handles)
+
+
+def merge_reports(reports: list[StepReport]) -> StepReport:
+    """One step's report from every worker's: counts summed, the slowest
+    worker's times, batch statistics weighted by samples (maxima kept as
+    maxima); the backend's ``train/*`` figures are the whole batch's on every
+    worker (reduced across the group), so the first worker's are taken."""
+    versions = {r.version for r in reports}
+    if len(versions) != 1:
+        raise RuntimeError(f"trainer workers disagree on the version after a step: {sorted(versions)}")
+    n = sum(r.num_samples for r in reports)
+    dropped: dict[str, int] = {}
+    for r in reports:
+        for k, v in r.dropped.items():
+            dropped[k] = dropped.get(k, 0) + v
+    metrics = dict(reports[0].metrics)
+    for key in reports[0].metrics:
+        if key.startswith("train/"):
+            continue
+        values = [r.metrics[key] for r in reports]
+        metrics[key] = max(values) if key.endswith("_max") or key.startswith("max_") else (
+            sum(v * r.num_samples for v, r in zip(values, reports)) / max(n, 1))
+    return StepReport(version=reports[0].version, num_samples=n, num_tokens=sum(r.num_tokens for r in reports),
+                      wait_s=max(r.wait_s for r in reports), train_s=max(r.train_s for r in reports),
+                      dropped=dropped, metrics=metrics)
+
+
+def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> dict[str, Any]:
+    """Full tensors from every worker's ``(named local tensors, shard specs)``."""
+    import torch
+
+    first, specs = parts[0]
+    if specs is None:
+        return first
+    out = {}
+    for name, t in first.items():
+        full = torch.empty(specs[name].full_shape, dtype=t.dtype)
+        for weights, spec in parts:
+            s = spec[name]
+            full.narrow(s.dim, s.offset, s.length).copy_(weights[name])
+        out[name] = full
+    return out

@@ -118,8 +118,8 @@ def max_model_len(args: argparse.Namespace) -> int:
     return (kwargs["max_len"] + 16 if "max_len" in kwargs else 256) + args.max_response_tokens
 
 
-def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> list[str]:
-    """The config overrides of one run (over ``fully_async.yaml``)."""
+def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers: int = 1) -> list[str]:
+    """The config overrides of one run (over ``fully_async.yaml``); ``workers``: trainer actors."""
     overrides = [
         f"run.seed={seed}", f"run.total_steps={args.warmup_steps + args.steps}", "run.progress=false",
         f"run.output_dir={args.output_dir}", f"task.type={args.task}",
@@ -138,16 +138,18 @@ def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace
         engine_device = "cuda:1" if args.placement == "disaggregated" else args.device
         trainer_device = "cuda:0" if args.placement == "disaggregated" else args.device
         overrides += [f"rollout.engine.device={engine_device}", f"trainer.device={trainer_device}",
-                      "rollout.engine.dtype=bfloat16", "sync.mode=auto",
+                      "rollout.engine.dtype=bfloat16", f"sync.mode={'auto' if workers == 1 else 'delta'}",
                       f"sync.colocated={args.free_kv}"]
+    if workers != 1:
+        overrides.append(f"trainer.num_workers={workers}")
     if args.placement == "disaggregated":  # separate processes, weights by broadcast
         overrides += ["sync.colocated=false", "sync.transport=broadcast",
                       f"sync.backend={'gloo' if args.device == 'cpu' else 'nccl'}"]
     return overrides
 
 
-def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace) -> dict[str, Any]:
-    run = launch(ROOT / "fully_async.yaml", *run_overrides(policy, seed, runtime, args))
+def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers: int = 1) -> dict[str, Any]:
+    run = launch(ROOT / "fully_async.yaml", *run_overrides(policy, seed, runtime, args, workers))
     transport = run.weight_transport
     with run:
         evals = [_evaluate(run)] if args.eval_prompts else []  # step 0: the weights every policy starts from
@@ -326,8 +328,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3, help="trainer steps each run takes untimed before the timed --steps (0: none)")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--trainer-workers", default="1",
+                   help="trainer.num_workers; a comma list (e.g. 1,2) runs each policy with each count in "
+                        "turn (seed by seed) and compares their steps/s and step time")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
+    try:
+        args.workers = [int(n) for n in args.trainer_workers.split(",")]
+    except ValueError:
+        p.error(f"--trainer-workers: expected a comma list of integers, got {args.trainer_workers!r}")
+    if any(n < 1 for n in args.workers) or (len(args.workers) > 1 and len(args.runtime.split(",")) > 1):
+        p.error("--trainer-workers: counts >= 1, and with one --runtime only")
     policies = args.policies.split(",")
     unknown = [name for name in policies if name not in POLICIES]
     if unknown:
@@ -369,11 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         "policies": {},
     }
     runtimes = args.runtime.split(",")
+    # each side: a runtime, or with several --trainer-workers one runtime at each count
+    sides = {rt: (rt, 1) for rt in runtimes} if len(args.workers) == 1 and args.workers[0] == 1 else {
+        f"{rt}:w{n}": (rt, n) for rt in runtimes for n in args.workers}
+    runtimes = list(sides)
     every: dict[str, dict[str, list[dict[str, Any]]]] = {rt: {policy: [] for policy in policies} for rt in runtimes}
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         for policy in policies:
             for rt in runtimes:
-                every[rt][policy].append(_one(policy, seed, rt, args))
+                every[rt][policy].append(_one(policy, seed, sides[rt][0], args, sides[rt][1]))
                 print(f"[async_vs_sync] seed {seed} {policy} {rt}: {every[rt][policy][-1]['wall_s']:.2f} s",
                       file=sys.stderr)
                 if args.out:  # every finished run is kept, should the invocation be cut short
@@ -389,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                 policy: [round(a["sync_ms_mean"] / b["sync_ms_mean"], 3) if b["sync_ms_mean"] else None
                          for a, b in zip(runs[policy], every[rt][policy])]
                 for policy in policies}
+    if len(args.workers) > 1:  # how a step scales with trainer workers: steps/s against the first count's
+        first = runtimes[0]
+        result["trainer_workers"] = args.workers
+        for rt in runtimes[1:]:
+            result[f"steps_per_s_ratio_{rt.split(':')[1]}_over_{first.split(':')[1]}"] = {
+                policy: [round(a["steps_per_s"] / b["steps_per_s"], 3)
+                         for a, b in zip(every[rt][policy], runs[policy])] for policy in policies}
     result["load_average_end"] = os.getloadavg()
     text = json.dumps(result)
     if args.out:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import msgspec
 
 from contracts.placement import Placement, node_address
-from contracts.weights import WeightUpdate
+from contracts.weights import WeightUpdate, merge_updates
 from sync.sequence import sync_weights
 
 __all__ = ["DistPush", "EngineLink", "TrainerLink", "choose_transport", "digest_named", "push_weights",
@@ -73,15 +73,28 @@ def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
 
 
 def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> Any:
-    """Join the weight-sync process group (blocking: every member at once)."""
+    """Join the weight-sync process group (blocking: every member at once).
+    Over gloo it is a group of its own, not the default one (data-parallel
+    trainers have theirs); ``None`` means the default group (NCCL)."""
     import torch.distributed as dist
 
+    if backend == "gloo":
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=_TIMEOUT)
+        return dist.ProcessGroupGloo(dist.PrefixStore("asyncrl/weights", store), rank, world_size, _TIMEOUT)
+    if dist.is_initialized():
+        raise RuntimeError("a weight broadcast over NCCL needs the default process group of its own; "
+                           "data-parallel trainers on GPUs of one host push over CUDA IPC (sync.transport=auto)")
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=_TIMEOUT)
+    return None
+
+
+def _broadcasts(group: Any, sources: int) -> list[Any]:
+    """One broadcast transport per sending rank (the trainer workers are ranks 0..sources-1)."""
     from sync.transport.dist import BroadcastTransport
 
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=_TIMEOUT)
-    return BroadcastTransport(src=0)
+    return [BroadcastTransport(src=s, pg=group) for s in range(sources)]
 
 
 def _free_port(host: str) -> int:
@@ -122,8 +135,10 @@ class TrainerLink:
         host = node_address()
         return f"tcp://{host}:{_free_port(host)}"
 
-    def join(self, init_method: str, world_size: int, backend: str) -> None:
-        self._group = _join_group(init_method, 0, world_size, backend)
+    def join(self, init_method: str, world_size: int, backend: str, rank: int = 0, sources: int = 1) -> None:
+        """As rank ``rank`` of ``sources`` trainer workers, each sending its shards in turn."""
+        self._rank = rank
+        self._group = _broadcasts(_join_group(init_method, rank, world_size, backend), sources)
 
     def publish(self, update: WeightUpdate | None) -> WeightUpdate | None:
         """What the engines need to fetch ``update``: its manifest and references
@@ -142,7 +157,11 @@ class TrainerLink:
         if self._pending is None:
             raise RuntimeError("broadcast_pending() without an update published before it")
         update, self._pending = self._pending, None
-        self._group.send(update)
+        for src, transport in enumerate(self._group):  # every worker takes part in every worker's broadcast
+            if src == self._rank:
+                transport.send(update)
+            else:
+                transport.receive()
         return update.nbytes
 
     def release(self) -> None:
@@ -158,16 +177,19 @@ class EngineLink:
         self.kind = kind
         self._group: Any = None
 
-    def join(self, init_method: str, rank: int, world_size: int, backend: str) -> None:
-        self._group = _join_group(init_method, rank, world_size, backend)
+    def join(self, init_method: str, rank: int, world_size: int, backend: str, sources: int = 1) -> None:
+        """``sources``: trainer workers (ranks 0..sources-1) that each broadcast their shards."""
+        self._group = _broadcasts(_join_group(init_method, rank, world_size, backend), sources)
 
     def receive(self, handle: Any) -> Any:
-        """Blocking for ``dist`` (takes part in the broadcast); the others' buckets
-        are references that ``apply_update`` reads as it goes."""
+        """Blocking for ``dist`` (takes part in the broadcast: every trainer
+        worker's shards, merged); the others' buckets are references that
+        ``apply_update`` reads as it goes."""
         if isinstance(handle, DistPush):
             if self._group is None:
                 raise RuntimeError("a broadcast push reached an engine outside the weight group")
-            return self._group.receive()
+            parts = [t.receive() for t in self._group]
+            return parts[0] if len(parts) == 1 else merge_updates(parts)
         return handle
 
 

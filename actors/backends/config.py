@@ -44,6 +44,12 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: NonNegFloat = 0.0
     grad_clip: PosFloat = 1.0
     """Max global grad norm."""
+    num_workers: PosInt = 1
+    """Trainer actors, one process each, forming one torch.distributed group
+    (gloo on CPU, NCCL on GPUs): each takes its share of a step's groups from
+    the queue, gradients are reduced across them, parameters and optimizer
+    state are sharded (FSDP2), and each pushes its shards of the weights.
+    Above 1: runtime.type process or ray, batch_prompts a multiple of it."""
     batch_prompts: PosInt = 16
     """Prompts (whole groups) per trainer step; batch size = batch_prompts * rollout.n."""
     loss: Literal["ppo_clip", "decoupled_ppo", "tis_token", "tis_seq"] = "ppo_clip"

@@ -21,21 +21,28 @@ from sync.transport.base import Transport
 
 class BroadcastTransport(Transport):
     """``src``: the sending rank; ``group``: process group (None = world);
-    ``device``: where buckets travel (``cpu`` for gloo, ``cuda`` for NCCL;
-    default: cuda when the backend is nccl)."""
+    ``pg``: instead, a gloo group made on its own (``sync.link``), not
+    registered with torch.distributed; ``device``: where buckets travel
+    (``cpu`` for gloo, ``cuda`` for NCCL; default: cuda when the backend is nccl)."""
 
     name = "dist"
 
-    def __init__(self, src: int = 0, group: Any = None, device: str | torch.device | None = None) -> None:
-        if not dist.is_initialized():
+    def __init__(self, src: int = 0, group: Any = None, device: str | torch.device | None = None,
+                 pg: Any = None) -> None:
+        if pg is None and not dist.is_initialized():
             raise RuntimeError("BroadcastTransport needs torch.distributed to be initialised first")
-        self.src, self.group = src, group
+        self.src, self.group, self.pg = src, group, pg
         if device is None:
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            device = "cpu" if pg is not None or dist.get_backend(group) != "nccl" else "cuda"
         self.device = torch.device(device)
 
     def _bcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, src=self.src, group=self.group)
+        if self.pg is None:
+            dist.broadcast(t, src=self.src, group=self.group)
+            return
+        opts = dist.BroadcastOptions()  # a gloo group of its own (sync.link): called on directly
+        opts.rootRank = self.src
+        self.pg.broadcast([t], opts).wait()
 
     def send(self, update: WeightUpdate) -> None:
         wire = msgspec.msgpack.encode(update.manifest)
