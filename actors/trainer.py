@@ -74,6 +74,9 @@ class TrainerActor(Actor):
                                     timeout=datetime.timedelta(minutes=10))
         self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss)
         self.backend.setup()
+        if self.world_size > 1 and self.backend.shard_specs() is None:
+            raise RuntimeError(f"trainer.backend={self.trainer_cfg.backend!r} does not shard over "
+                               f"{self.world_size} trainer workers (trainer.num_workers)")
         self.sender = WeightSender.from_config(self.sync_cfg, dtype=getattr(torch, self.engine_dtype))
 
     async def get_version(self) -> int:
