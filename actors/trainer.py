@@ -66,7 +66,12 @@ class TrainerActor(Actor):
 
             import torch.distributed as dist
 
+            import msgspec
+
             device = str(self.trainer_cfg.device)
+            if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU a worker (Ray shows each its own)
+                device = f"cuda:{self.rank % torch.cuda.device_count()}"
+                self.trainer_cfg = msgspec.structs.replace(self.trainer_cfg, device=device)
             if device.startswith("cuda"):
                 torch.cuda.set_device(torch.device(device))
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=self.group_init,
