@@ -67,6 +67,7 @@ from typing import Any
 
 import msgspec
 
+from actors.engines.adapted import copy_output, first_of
 from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine
 
 _LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -436,7 +437,7 @@ class SglangEngine(RolloutEngine):
                         kind, num_new = self._take(st, event, base, raw_ok)
                         if kind is None:
                             if num_new:
-                                yield _copy(out)
+                                yield copy_output(out)
                             continue
                         if kind == "abort" and not (st.aborted or st.cut or self._paused):
                             raise SglangServerError(f"the SGLang server at {self.url} aborted request "
@@ -454,7 +455,7 @@ class SglangEngine(RolloutEngine):
                     break
                 # cut, or aborted by our pause: a pause parks the stream, an abort ends it
             out.finish_reason = "abort" if st.aborted else finish or "length"
-            yield _copy(out)
+            yield copy_output(out)
         finally:
             st.parked.set()
             st.done.set()
@@ -473,7 +474,7 @@ class SglangEngine(RolloutEngine):
             for st in targets:
                 st.cut_connection()
             await asyncio.gather(*(st.done.wait() for st in targets))
-        return [_copy(st.out) for st in targets]
+        return [copy_output(st.out) for st in targets]
 
     async def pause(self) -> None:
         """SGLang aborts every request in flight and holds new ones; each stream
@@ -485,7 +486,7 @@ class SglangEngine(RolloutEngine):
         streams = list(self._streams.values())
         for st in streams:  # what they read from now on is dropped: no token comes after pause()
             st.cut_connection()
-        await asyncio.gather(*(_first(st.parked, st.done) for st in streams))
+        await asyncio.gather(*(first_of(st.parked, st.done) for st in streams))
 
     async def resume(self) -> None:
         if not self._paused:
@@ -573,18 +574,3 @@ class SglangEngine(RolloutEngine):
 
     def statistics(self) -> dict[str, Any]:
         return {"num_running": len(self._streams), "version": self._version}
-
-
-def _copy(out: GenerateOutput) -> GenerateOutput:
-    return GenerateOutput(request_id=out.request_id, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                          raw_logprobs=list(out.raw_logprobs), token_versions=list(out.token_versions),
-                          finish_reason=out.finish_reason)
-
-
-async def _first(*events: asyncio.Event) -> None:
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()

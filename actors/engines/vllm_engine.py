@@ -31,6 +31,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.engines.adapted import copy_output, first_of
 from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
@@ -161,7 +162,7 @@ class VllmEngine(RolloutEngine):
                         out.token_versions.extend([self._version] * len(new))
                     sub_finish = o.finish_reason
                     if sub_finish is None and new:
-                        yield _copy(out)
+                        yield copy_output(out)
                 st.vllm_id = None
                 if sub_finish == "abort" and not st.aborted:
                     continue  # cut by a pause: park, then go on with the rest of the budget
@@ -170,7 +171,7 @@ class VllmEngine(RolloutEngine):
             if st.aborted:
                 finish = "abort"
             out.finish_reason = finish
-            yield _copy(out)
+            yield copy_output(out)
         finally:
             st.vllm_id = None
             st.parked.set()
@@ -187,7 +188,7 @@ class VllmEngine(RolloutEngine):
         if in_flight and self._llm is not None:
             await self._llm.abort(in_flight)
         await asyncio.gather(*(st.done.wait() for st in targets))
-        return [_copy(st.out) for st in targets]
+        return [copy_output(st.out) for st in targets]
 
     async def pause(self) -> None:
         """Cut every request in flight (vLLM's abort mode) and hold new ones; each
@@ -197,7 +198,7 @@ class VllmEngine(RolloutEngine):
         self._paused = True
         await self._llm.pause_generation(mode="abort", clear_cache=False)
         # every stream has taken its cut output in (its tokens carry the version of then)
-        await asyncio.gather(*(_first(st.parked, st.done) for st in list(self._streams.values())))
+        await asyncio.gather(*(first_of(st.parked, st.done) for st in list(self._streams.values())))
 
     async def resume(self) -> None:
         if not self._paused:
@@ -271,18 +272,3 @@ def _wire(name: str, t: Any) -> tuple[str, str, list[int], bytes]:
 
     t = t.detach().contiguous().cpu()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _copy(out: GenerateOutput) -> GenerateOutput:
-    return GenerateOutput(request_id=out.request_id, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                          raw_logprobs=list(out.raw_logprobs), token_versions=list(out.token_versions),
-                          finish_reason=out.finish_reason)
-
-
-async def _first(*events: asyncio.Event) -> None:
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
