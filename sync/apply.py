@@ -376,8 +376,12 @@ def apply_update(
     not ``current_version``, :class:`~sync.errors.ChecksumError` for a corrupt
     payload or a result that would not match, and
     :class:`~sync.errors.ManifestMismatch` for unknown names or shapes; in
-    every case the tensors are left exactly as they were. ``verify="full"``
-    also re-reads every written piece afterwards (costs a pass over them).
+    every case the tensors are left exactly as they were. Every piece a delta
+    touches is re-read afterwards and its whole checksum compared with the
+    target, so a receiver that drifted anywhere in it (not only where the
+    delta writes) refuses the delta (the sync then pushes full; a pass over
+    those pieces; the device path checks each whole piece's base in its one
+    pass). ``verify="full"`` re-reads full updates' pieces too.
     """
     m = update.manifest
     if m.layout and m.kind == "full" and verify != "full" and _apply_planned(weights, update):
@@ -433,7 +437,7 @@ def apply_update(
                               cks.sparse_checksum(new, idx, e.shard, e.start))
             undo.append(partial(piece.write, idx, old))
             piece.write(idx, new)
-        if verify == "full":
+        if verify == "full" or m.kind == "delta":  # a delta's pieces are checked whole, not only where it wrote
             for piece in pieces:
                 e = piece.entry
                 if cks.piece_checksum(piece.read_all(), e.shard, e.start) != e.checksum:

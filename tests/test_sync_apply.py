@@ -347,3 +347,23 @@ def test_a_pickled_update_carries_host_buckets_and_applies_on_the_device(device:
         assert _same(engine, {k: t.to(torch.bfloat16) for k, t in w.items()})
         _step(w)
     assert update.manifest.kind == "delta" and version == 2
+
+
+def test_a_receiver_drifted_where_a_delta_does_not_write_refuses_it_whole() -> None:
+    """The delta's pieces are checked whole after writing: a drift at an element
+    the delta leaves alone is caught (not only drifts where it writes), and the
+    receiver is left exactly as it was."""
+    w, sender = _model(), WeightSender(mode="delta", bucket_bytes=1024)
+    engine = _engine(w)
+    apply_update(engine, sender.encode(w, 1), 0)
+    _step(w)
+    delta = sender.encode(w, 2)
+    e = next(e for e in delta.manifest.entries if e.num_changed < e.count)
+    flat = engine[e.name].view(-1)[e.start : e.start + e.count]
+    moved = (flat != w[e.name].view(-1)[e.start : e.start + e.count].bfloat16())
+    untouched = int(torch.nonzero(~moved)[0])  # an element equal before and after: the delta does not write it
+    flat[untouched] += 1.0
+    before = _snapshot(engine)
+    with pytest.raises(ChecksumError, match="result checksum mismatch"):
+        apply_update(engine, delta, 1)
+    assert _same(engine, before)
