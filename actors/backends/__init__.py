@@ -4,8 +4,10 @@
     backend = make_backend(cfg.trainer, model_path, seed=cfg.run.seed, loss=loss)
     backend.setup()
 
-``backend: torch`` is built in; ``megatron`` is refused (the config loader
-refuses it first, naming ``trainer.backend``).
+``backend: torch`` is built in; ``backend: megatron``
+(:class:`~actors.backends.megatron_backend.MegatronBackend`) needs megatron-core
+(the ``megatron`` extra) and ``trainer.device=cuda``, and is refused otherwise,
+naming ``trainer.backend``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,19 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -
     ``seed`` seeds initialisation. Raises ``ValueError`` naming
     ``trainer.backend`` for a backend this build does not have.
     """
-    reason = backend_unavailable(cfg.backend)
+    reason = backend_unavailable(cfg.backend, cfg.device)
     if reason is not None:
         raise ValueError(f"trainer.backend: {reason}")
+    if cfg.backend == "megatron":
+        from actors.backends.megatron_backend import MegatronBackend
+
+        return MegatronBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype,
+                               master_dtype=cfg.master_dtype, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               grad_clip=cfg.grad_clip, seed=seed, micro_batch_tokens=cfg.micro_batch_tokens,
+                               tensor_parallel_size=cfg.tensor_parallel_size)
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError(f"trainer.tensor_parallel_size: {cfg.tensor_parallel_size} needs backend: megatron "
+                         f"(the torch backend is data parallel only)")
     from actors.backends.torch_backend import TorchBackend
 
     return TorchBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,

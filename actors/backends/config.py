@@ -9,7 +9,8 @@ read by the composition root, which builds the loss object the backend runs
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import warnings
 from typing import Annotated, Literal
 
 import msgspec
@@ -17,11 +18,14 @@ from msgspec import Meta
 
 __all__ = ["BACKEND_TYPES", "BUILT_IN_BACKENDS", "TrainerConfig", "backend_unavailable"]
 
-#: Every backend type a config may name, and the ones this build can construct.
+#: Every backend type a config may name, and the ones this build can construct
+#: (``megatron`` where megatron-core is installed: :func:`backend_unavailable`).
 BACKEND_TYPES = ("torch", "megatron")
-BUILT_IN_BACKENDS = ("torch",)
+BUILT_IN_BACKENDS = ("torch", "megatron")
 #: The package each optional backend needs (the extra of the same name installs it).
 _PACKAGES = {"megatron": "megatron.core"}
+#: Backends whose models run on CUDA only.
+_CUDA_ONLY = ("megatron",)
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -44,6 +48,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: NonNegFloat = 0.0
     grad_clip: PosFloat = 1.0
     """Max global grad norm."""
+    tensor_parallel_size: PosInt = 1
+    """``backend: megatron``: ranks each model is split over (Megatron tensor
+    parallel); it must divide the trainer ranks (``num_workers``), the model's
+    key/value heads and its FFN width. The rest of the ranks are data parallel."""
     num_workers: PosInt = 1
     """Trainer actors, one process each, forming one torch.distributed group
     (gloo on CPU, NCCL on GPUs): each takes its share of a step's groups from
@@ -67,16 +75,35 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""
 
 
-def backend_unavailable(backend: str) -> str | None:
-    """Why this build cannot construct a trainer backend ``backend``, as the
-    tail of an error about ``trainer.backend``; ``None`` when it can."""
-    if backend in BUILT_IN_BACKENDS:
-        return None
+def backend_unavailable(backend: str, device: str | None = None) -> str | None:
+    """Why this build cannot construct a trainer backend ``backend`` (on
+    ``trainer.device`` ``device``, when given), as the tail of an error about
+    ``trainer.backend``; ``None`` when it can."""
     if backend not in BACKEND_TYPES:
         return f"{backend!r} is unknown (expected one of: {', '.join(BACKEND_TYPES)})"
-    package = _PACKAGES.get(backend, backend)
-    installed = importlib.util.find_spec(package.split(".")[0]) is not None
-    missing = "" if installed else f", and {package} is not installed"
-    return (f"{backend!r} is not available: this build has no {backend} backend (built in: "
-            f"{', '.join(BUILT_IN_BACKENDS)}){missing}; the backend will need the optional extra: "
-            f'pip install -e ".[{backend}]"')
+    package = _PACKAGES.get(backend)
+    why = None if package is None else _import_error(package)
+    if why is not None:
+        return (f"{backend!r} is not available: this build has no {backend} backend without {package}, "
+                f"which {why}; install the optional extra: pip install -e \".[{backend}]\"")
+    if backend in _CUDA_ONLY and device is not None and not str(device).startswith("cuda"):
+        return (f"{backend!r} is not available: this build has no {backend} backend for trainer.device="
+                f"{str(device)!r} (its models run on CUDA only); set trainer.device=cuda")
+    return None
+
+
+def _import_error(module: str) -> str | None:
+    """Why ``module`` does not import here (``"is not installed"`` when it is absent), or None.
+    Imported for real (megatron.core: a few seconds, only when a config names it), so a
+    broken install is caught here rather than at setup."""
+    try:
+        with warnings.catch_warnings():  # megatron warns that Apex / Transformer Engine are absent
+            warnings.simplefilter("ignore")
+            importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            return "is not installed"
+        return f"does not import here ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - any failure to import is the reason
+        return f"does not import here ({type(e).__name__}: {e})"
+    return None
