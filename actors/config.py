@@ -52,7 +52,9 @@ __all__ = [
     "TrainerConfig",
     "TransferQueueConfig",
     "apply_overrides",
+    "checkpoint_every",
     "load_config",
+    "load_resume_config",
     "to_yaml",
 ]
 
@@ -82,6 +84,16 @@ class RunConfig(_Section):
     watchdog_s: Annotated[float, Meta(ge=0)] = 1800.0
     """A trainer step that does not finish within this many seconds stops the run
     with ``NoProgressError``, saying what each part was waiting on (0 = never)."""
+    checkpoint_every: NonNegInt = 0
+    """Write a run checkpoint every this many trainer steps (0 = never; the command
+    line also writes one when stopped by SIGTERM or SIGINT). A run checkpoint
+    (``<run dir>/checkpoints/step-<N>``) holds what ``--resume`` needs: the
+    trainer's HF-loadable weights and optimizer, RNG states, counters, the
+    queue's samples, the resolved config. ``trainer.checkpoint_every`` is the
+    older name of this setting (its checkpoints are these); set one of them."""
+    keep_checkpoints: Annotated[int, Meta(ge=2)] = 2
+    """Run checkpoints kept: older ones are deleted once a newer one is complete
+    (at least 2, so a checkpoint torn by a crash leaves the previous one)."""
 
 
 class RuntimeConfig(_Section):
@@ -280,6 +292,16 @@ def _check_consistency(cfg: Config) -> None:
                           "would pick full or delta from its own costs); use 'full' or 'delta'")
     if not math.isfinite(cfg.trainer.lr):
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
+    if cfg.run.checkpoint_every and cfg.trainer.checkpoint_every and \
+            cfg.run.checkpoint_every != cfg.trainer.checkpoint_every:
+        raise ConfigError(f"run.checkpoint_every: {cfg.run.checkpoint_every} differs from trainer.checkpoint_every="
+                          f"{cfg.trainer.checkpoint_every}, its older name (both write the run checkpoint); set one")
+
+
+def checkpoint_every(cfg: Config) -> int:
+    """Steps between run checkpoints (0 = none): ``run.checkpoint_every``, or
+    ``trainer.checkpoint_every``, its older name."""
+    return cfg.run.checkpoint_every or cfg.trainer.checkpoint_every
 
 
 def _check_task(task: TaskConfig) -> None:
@@ -378,6 +400,41 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
         base_dir = str(p.resolve().parent)
     tree = apply_overrides(tree, list(overrides))
     return build_config(tree, base_dir)
+
+
+# What a resumed run may change: how long it runs, how it reports and checkpoints,
+# and where its actors are placed. Everything else is what the checkpoint was made
+# of (model, task, batch shape, schedule, queue, sync): changing it would resume
+# a different run.
+RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.checkpoint_every",
+                  "run.keep_checkpoints", "trainer.checkpoint_every", "runtime.type", "runtime.address",
+                  "runtime.num_cpus")
+
+
+def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+    """The resolved config a checkpoint saved (``config.yaml``), with overrides of
+    :data:`RESUMABLE_KEYS` only; any other key is a :class:`ConfigError` naming it."""
+    p = pathlib.Path(saved)
+    tree = _read_yaml(p)
+    base_dir = tree.pop("base_dir", None)
+    if not isinstance(base_dir, str):
+        raise ConfigError(f"{p}: not a resolved run config (no base_dir)")
+    before = build_config(dict(tree), base_dir)
+    cfg = build_config(apply_overrides(tree, list(overrides)), base_dir)
+    changed = [key for key in _diff(msgspec.to_builtins(before), msgspec.to_builtins(cfg))
+               if key not in RESUMABLE_KEYS]
+    if changed:
+        raise ConfigError(f"{changed[0]}: cannot change when resuming (the checkpoint was made with another value); "
+                          f"a resumed run may change only {', '.join(RESUMABLE_KEYS)}")
+    return cfg
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config trees."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b))
+                for k in _diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)]
+    return [] if a == b else [prefix]
 
 
 def to_yaml(cfg: Config) -> str:

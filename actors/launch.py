@@ -1,4 +1,5 @@
-"""Start a run: ``python -m actors.launch fully_async.yaml [key.path=value ...]``.
+"""Start a run: ``python -m actors.launch fully_async.yaml [key.path=value ...]``;
+continue one: ``python -m actors.launch --resume runs/<dir> [run.total_steps=...]``.
 
 From a notebook::
 
@@ -6,9 +7,23 @@ From a notebook::
     run = launch("fully_async.yaml", "trainer.lr=2e-6")
     run.train(steps=10)      # step by step; call again to continue
     run.close()
+    run = launch(resume=run.dir)   # later: from its newest checkpoint
 
 Inside an existing Ray cluster: ``runtime.type=ray runtime.address=auto``
 (the cluster is joined, never shut down by the run).
+
+Checkpoints (``actors/checkpoint.py`` has the format): every ``run.checkpoint_every``
+steps and, from the command line, on SIGTERM / SIGINT (the step in progress
+finishes, a checkpoint is written, the process exits with 128 + the signal's
+number and one line naming it; a second signal stops at once, without one). A
+checkpoint is taken between steps: weight push finished, no batch leased.
+Samples still being generated then are not saved: a run resumed from it counts
+them dropped, ``in_flight_at_checkpoint`` (``PolicyBase.state_dict``). Resuming
+rebuilds the run from the checkpoint's config, loads the trainer, pushes its
+weights in full to the engines, restores counters, RNG states and the queue's
+samples, and goes on numbering steps and appending to ``metrics.jsonl`` (records
+of steps after the checkpoint, lost with the process, move to
+``metrics.rolled_back.jsonl``).
 """
 
 from __future__ import annotations
@@ -21,31 +36,51 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import time
 import traceback
 from typing import Any
 
 import loop
-from actors.config import Config, ConfigError, load_config, to_yaml
+from actors import checkpoint
+from actors.config import Config, ConfigError, checkpoint_every, load_config, load_resume_config, to_yaml
 
-__all__ = ["Run", "launch", "main"]
+__all__ = ["Run", "RunStopped", "launch", "main"]
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on a signal (SIGTERM, SIGINT) after writing a checkpoint."""
+
+    def __init__(self, signum: int, step: int, path: pathlib.Path, run_dir: pathlib.Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path} "
+                         f"(continue with: python -m actors.launch --resume {run_dir})")
+        self.signum, self.step, self.checkpoint = signum, step, path
 
 
 class Run:
     """A live run: actors placed, queue open, policy ready. Methods are
     synchronous (they drive the process's one loop) so notebooks can call them."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, resume: pathlib.Path | None = None) -> None:
+        """``resume``: a whole checkpoint (``checkpoint.find``) whose config ``cfg``
+        is (``load_resume_config``); ``launch(resume=...)`` finds both."""
         from actors.models import resolve_model_path
 
         self.cfg = cfg
         # a wrong model path fails before anything is created on disk
         self.model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
-        made = self._make_dir()  # what this run created on disk: removed again if setup fails
-        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        self.resumed_from = resume
+        self._resume_step = 0  # the step of the checkpoint resumed from
+        if resume is None:
+            made = self._make_dir()  # what this run created on disk: removed again if setup fails
+            (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        else:
+            self.dir, made = resume.parents[1], []  # an existing run: nothing is removed if setup fails
         self.history: list[dict[str, Any]] = []
-        self._metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._metrics_file: Any = None
+        self.last_checkpoint: pathlib.Path | None = None
+        self._stop_signal: int | None = None  # set by request_stop: checkpoint after this step, then stop
         self._closed = False
         self._discarded = False  # setup failed: no summary, the run directory removed
         self.runtime: Any = None
@@ -55,9 +90,12 @@ class Run:
         self.initial_eval: dict[str, Any] | None = None  # held-out eval before the first step (policy.eval_every)
         try:
             loop.run(self._setup())
+            if resume is not None:
+                loop.run(self._restore(resume))
         except BaseException:
             self._discard(made)
             raise
+        self._metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     def _make_dir(self) -> list[pathlib.Path]:
         """Create ``self.dir`` (a new one: a second run in the same second gets a suffix);
@@ -83,6 +121,8 @@ class Run:
             self.close()
         except Exception:  # noqa: BLE001 - the setup error is the one to report; this one would hide it
             pass
+        if not made:  # resuming: the run directory is not ours to remove
+            return
         shutil.rmtree(self.dir, ignore_errors=True)
         for d in made[1:]:
             try:
@@ -146,8 +186,9 @@ class Run:
             for i in range(r.num_actors)
         ]
         self.weight_transport = await self._open_weight_link(trainer, rollouts)
+        weight_sync = _test_only_stalled_push(weight_sync_fn(self.weight_transport, cfg.sync.colocated))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
-                                  weight_sync=weight_sync_fn(self.weight_transport, cfg.sync.colocated))
+                                  weight_sync=weight_sync)
 
     def _task_kwargs(self) -> dict[str, Any]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
@@ -207,9 +248,14 @@ class Run:
         """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``)."""
         if self._closed:
             raise RuntimeError("this run is closed")
-        remaining = self.cfg.run.total_steps - len(self.history)
-        steps = remaining if steps is None else steps
+        remaining = self.cfg.run.total_steps - self.policy.step
+        steps = max(0, remaining) if steps is None else steps
         return loop.run(self._train(steps))
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop after the step in progress: write a checkpoint, then ``train``
+        raises :class:`RunStopped` naming it (the command line's SIGTERM / SIGINT)."""
+        self._stop_signal = signum
 
     async def _train(self, steps: int) -> list[dict[str, Any]]:
         bar = None
@@ -223,18 +269,26 @@ class Run:
         if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
             self.initial_eval = {"step": 0, **await self.policy.evaluate()}
             self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
+        every = checkpoint_every(self.cfg)
         try:
             for _ in range(steps):
                 (m,) = await self._watched(self.policy.train(1))
+                if self.resumed_from is not None and m["step"] == self._resume_step + 1:
+                    m["resumed_from"] = str(self.resumed_from.relative_to(self.dir))
                 if unwritten is not None:
                     await self.policy.settle(unwritten["step"])  # its push (if still running) fills it in
                     self._metrics_file.write(json.dumps(unwritten) + "\n")
                 unwritten = m
                 self.history.append(m)
                 out.append(m)
-                every = self.cfg.trainer.checkpoint_every
-                if every and len(self.history) % every == 0:
-                    await self.policy.trainer.save(str(self.dir / f"checkpoint-{len(self.history)}"))
+                if self._stop_signal is not None or (every and m["step"] % every == 0):
+                    await self.policy.settle()  # the checkpoint holds the pushed weights' version
+                    self._metrics_file.write(json.dumps(unwritten) + "\n")
+                    unwritten = None
+                    await self._checkpoint()
+                    if self._stop_signal is not None:
+                        assert self.last_checkpoint is not None
+                        raise RunStopped(self._stop_signal, m["step"], self.last_checkpoint, self.dir)
                 if bar is not None:
                     bar.set_postfix(reward=f"{m['reward']:.3f}", stale=f"{m['staleness_mean']:.2f}",
                                     sps=f"{m['samples_per_s']:.1f}", refresh=False)
@@ -286,10 +340,64 @@ class Run:
             "run_dir": str(self.dir),
         }
 
-    def save_checkpoint(self, path: str | None = None) -> str:
-        path = path or str(self.dir / f"checkpoint-{len(self.history)}")
-        loop.run(self.policy.trainer.save(path))
-        return path
+    def save_checkpoint(self) -> pathlib.Path:
+        """Write a run checkpoint now (between ``train`` calls); returns its directory."""
+        if self._closed:
+            raise RuntimeError("this run is closed")
+        return loop.run(self._checkpoint())
+
+    async def _checkpoint(self) -> pathlib.Path:
+        """Write ``checkpoints/step-<N>`` for the step just finished (``actors/checkpoint.py``):
+        between steps, with every record up to it written and its push settled."""
+        policy = self.policy
+        await policy.settle()
+        step = policy.step
+        if self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{step:06d}":
+            return self.last_checkpoint  # nothing happened since
+        tmp = checkpoint.new_tmp_dir(self.dir, step)
+        try:
+            await policy.trainer.save_state(str(tmp / "trainer"))
+            queue = await self.queue.save(str(tmp / "queue.msgpack"))
+            # the counters right after the queue's: samples it does not hold count as dropped in flight
+            policy_state = policy.state_dict(queue)
+            engine_versions = list(await asyncio.gather(*(h.get_version() for h in policy.rollouts)))
+            self._metrics_file.flush()
+            state = {"format_version": checkpoint.FORMAT_VERSION, "step": step, "saved_s": time.time(),
+                     "policy": policy_state, "engine_versions": engine_versions,
+                     "trainer_version": await policy.trainer.get_version(),
+                     "driver_rng": checkpoint.driver_rng_state(), "metrics_bytes": self._metrics_file.tell()}
+            (tmp / "state.json").write_text(json.dumps(state))
+            (tmp / "config.yaml").write_text(to_yaml(self.cfg))
+            self.last_checkpoint = checkpoint.commit(tmp, self.dir, step, self.cfg.run.keep_checkpoints)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.last_checkpoint
+
+    async def _restore(self, ckpt: pathlib.Path) -> None:
+        """Bring the freshly set up run to checkpoint ``ckpt``: trainer, queue,
+        counters, engines' weights, RNG states; then its metrics and history."""
+        policy = self.policy
+        state = checkpoint.read_state(ckpt)
+        step = state["step"]
+        await policy.trainer.load_state(str(ckpt / "trainer"))
+        version = await policy.trainer.get_version()
+        if version != step:
+            raise RuntimeError(f"checkpoint {ckpt}: the trainer's version is {version}, the run's step {step}")
+        await self.queue.restore(str(ckpt / "queue.msgpack"))
+        policy.load_state_dict(state["policy"])
+        # the engines start on the model's own weights: the trainer's, in full (a new sender's first update)
+        await policy.weight_sync(policy.rollouts, policy.trainer)
+        versions = set(await asyncio.gather(*(h.get_version() for h in policy.rollouts)))
+        if versions != {step}:
+            raise RuntimeError(f"after the resume push the engines hold versions {sorted(versions)}, not {step}")
+        await policy.check_accounting()
+        checkpoint.set_driver_rng_state(state["driver_rng"])
+        self._resume_step = step
+        self.last_checkpoint = ckpt
+        self.initial_eval, self.history = checkpoint.restore_metrics(self.dir, state["metrics_bytes"])
+        checkpoint.set_aside_later(self.dir, step)
+        (self.dir / "config.yaml").write_text(to_yaml(self.cfg))  # with this resume's overrides
 
     def close(self) -> None:
         """Stop the policy, close the queue and the actors (and a Ray cluster we started)."""
@@ -308,7 +416,8 @@ class Run:
         try:
             loop.run(_close())
         finally:
-            self._metrics_file.close()
+            if self._metrics_file is not None:
+                self._metrics_file.close()
             if not self._discarded:
                 (self.dir / "summary.json").write_text(json.dumps(self.summary(), indent=1))
 
@@ -319,9 +428,63 @@ class Run:
         self.close()
 
 
-def launch(config: str | pathlib.Path | None = "fully_async.yaml", *overrides: str) -> Run:
-    """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`."""
-    return Run(load_config(config, list(overrides)))
+_DEFAULT_CONFIG = "fully_async.yaml"
+
+
+def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
+           resume: str | pathlib.Path | None = None) -> Run:
+    """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`.
+
+    ``resume``: a run directory (its newest whole checkpoint) or one checkpoint
+    directory; the run continues with the checkpoint's own config (``config``
+    left out), overrides only of keys a resume may change (``RESUMABLE_KEYS``)."""
+    if resume is None:
+        return Run(load_config(config, list(overrides)))
+    if config not in (None, _DEFAULT_CONFIG):
+        raise ValueError("launch(resume=...) continues with the checkpoint's own config: pass overrides only")
+    ckpt, cfg = resume_config(resume, list(overrides))
+    return Run(cfg, resume=ckpt)
+
+
+def resume_config(resume: str | pathlib.Path, overrides: list[str]) -> tuple[pathlib.Path, Config]:
+    """The checkpoint to resume from and its config (with ``overrides``); a torn
+    checkpoint skipped on the way is named on stderr."""
+    ckpt, skipped = checkpoint.find(resume)
+    for path, why in skipped:
+        print(f"warning: checkpoint {path} is torn ({why}); resuming from {ckpt.name}", file=sys.stderr)
+    return ckpt, load_resume_config(ckpt / "config.yaml", overrides)
+
+
+def _test_only_stalled_push(weight_sync: Any) -> Any:
+    """TEST ONLY (tests/test_resume.py kills a driver inside a weight push). With the
+    environment variable ``ASYNCRL_TEST_ONLY_STALL_PUSH=<step>:<marker path>`` the
+    push of trainer step ``<step>`` stalls with the engines paused and the update
+    published: the first ``update_weights`` creates the marker file and never
+    returns. Unset (outside that test), ``weight_sync`` is returned unchanged."""
+    spec = os.environ.get("ASYNCRL_TEST_ONLY_STALL_PUSH")
+    if not spec:
+        return weight_sync
+    step_text, _, marker = spec.partition(":")
+    stall_step = int(step_text)
+
+    class _StalledEngine:
+        def __init__(self, handle: Any) -> None:
+            self._handle = handle
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._handle, name)
+
+        async def update_weights(self, update: Any) -> int:
+            pathlib.Path(marker).touch()
+            await asyncio.Event().wait()  # forever: the test kills this process here
+            raise AssertionError("unreachable")
+
+    async def stalled(rollouts: list[Any], trainer: Any, **kwargs: Any) -> Any:
+        if await trainer.get_version() == stall_step:
+            rollouts = [_StalledEngine(h) for h in rollouts]
+        return await weight_sync(rollouts, trainer, **kwargs)
+
+    return stalled
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -331,10 +494,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Example: python -m actors.launch fully_async.yaml trainer.lr=2e-6 runtime.type=ray\n"
                "Every field of the config is documented where its section is declared (listed in actors/config.py).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="path to the YAML config (e.g. fully_async.yaml)")
+    p.add_argument("config", nargs="?", help="path to the YAML config (e.g. fully_async.yaml); not with --resume")
     p.add_argument("overrides", nargs="*", metavar="key.path=value",
                    help="dotted overrides applied after the file, e.g. trainer.lr=2e-6 runtime.type=local")
     p.add_argument("--steps", type=int, default=None, help="trainer steps (default: run.total_steps)")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue the run in RUN_DIR from its newest whole checkpoint (or from the checkpoint "
+                        "RUN_DIR/checkpoints/step-N named), with its own config; overrides of run.total_steps, "
+                        "run.checkpoint_every, runtime.* and the like only")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--traceback", action="store_true",
                    help="on an error, print its whole traceback (by default: one line naming what is wrong)")
@@ -356,31 +523,74 @@ def _error(err: BaseException, show_traceback: bool) -> None:
     print(f"error: {what}", file=sys.stderr)
 
 
+class _StopOnSignals:
+    """SIGTERM / SIGINT ask the run to stop after its step (with a checkpoint);
+    a second one stops it at once (KeyboardInterrupt). Handlers restored on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.run._stop_signal is not None:
+            raise KeyboardInterrupt
+        self.run.request_stop(signum)
+
+    def __enter__(self) -> None:
+        self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: 0 after a run, 2 when the config or the setup is wrong (no
-    run directory is left behind), 1 when the run stops with an error."""
+    run directory is left behind), 1 when the run stops with an error, 128 + the
+    signal's number when SIGTERM / SIGINT stopped it (after a checkpoint)."""
     from policies.base import NoProgressError
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
+        if args.resume is not None:
+            overrides = list(args.overrides)
+            if args.config is not None:
+                if "=" not in args.config:
+                    raise ConfigError(f"--resume continues with the run's own config; {args.config!r} is not a "
+                                      "key.path=value override")
+                overrides.insert(0, args.config)
+            ckpt, cfg = resume_config(args.resume, overrides)
+        else:
+            if args.config is None:
+                parser.error("the config file is required (or --resume RUN_DIR)")
+            ckpt, cfg = None, load_config(args.config, args.overrides)
+    except ValueError as err:  # ConfigError, or no checkpoint to resume from
         _error(err, args.traceback)
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
     try:
-        run = Run(cfg)
+        run = Run(cfg, resume=ckpt)
     except Exception as err:  # noqa: BLE001 - the command line's boundary: one line, not a traceback
         _error(err, args.traceback)
         return 2
-    with run:
+    with run, _StopOnSignals(run):
         try:
             run.train(args.steps)
+        except RunStopped as err:
+            print(str(err), file=sys.stderr)
+            return 128 + err.signum
         except NoProgressError as err:
             _error(err, args.traceback)
             return 1
+        except KeyboardInterrupt:
+            last = f"; the last checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
+            print(f"stopped by a second signal without a checkpoint{last}", file=sys.stderr)
+            return 128 + signal.SIGINT
     print(json.dumps({"summary": run.summary()}))
     return 0
 

@@ -36,6 +36,7 @@ import multiprocessing
 import multiprocessing.util  # its exit hook joins child processes: registered before ours, it runs after
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -215,6 +216,20 @@ def _actor_process_settings() -> None:
     sys.setswitchinterval(ACTOR_SWITCH_INTERVAL_S)
 
 
+def _leave_signals_to_the_driver() -> None:
+    """In a ``process`` actor's main thread. Ctrl-C in a terminal (and SIGTERM sent to
+    the whole group: SLURM, systemd) reaches every process of the run. The driver
+    handles it: it finishes its step, writes a checkpoint and closes the actors; an
+    actor that died of the signal first would break that. An actor still ends with
+    its driver (its pipe closes). Handlers, not SIG_IGN: processes it execs get the defaults."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore_signal)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    pass
+
+
 async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
     """The child's main coroutine: build the actor, answer calls (each a task,
     so they overlap like Ray's async actor calls) until told to stop or orphaned."""
@@ -251,6 +266,7 @@ async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwar
 
 def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
     _actor_process_settings()
+    _leave_signals_to_the_driver()
     try:
         global_loop.run(_serve_async(conn, cls, name, args, kwargs))
     finally:

@@ -13,6 +13,7 @@ Endpoints (all async; the work runs on the actor's worker thread):
     weights_refused()         a receiver refused a delta: next update is full
     observe(...)/revert_update()  cost feedback for sync.mode=auto; undo of a failed push
     save(dir) / load(dir)     checkpoint (safetensors + optimizer state)
+    save_state(dir) / load_state(dir)   the same plus this worker's torch RNG (a run checkpoint)
 """
 
 from __future__ import annotations
@@ -187,6 +188,41 @@ class TrainerActor(Actor):
     async def load(self, path: str) -> None:
         await self.blocking(self.backend.load, path)
 
+    async def save_state(self, path: str) -> None:
+        """A run checkpoint's trainer part: :meth:`save` plus this worker's torch
+        RNG state (``rng-rank<r>.pt``; every worker of a group writes its own)."""
+        await self.blocking(self._save_state, path)
+
+    def _save_state(self, path: str) -> None:
+        import pathlib
+
+        import torch
+
+        self.backend.save(path)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(rng, pathlib.Path(path) / f"rng-rank{self.rank}.pt")
+
+    async def load_state(self, path: str) -> None:
+        """Take what :meth:`save_state` wrote (a worker of a different world size
+        than the writer's finds no RNG file of its rank and keeps its own)."""
+        await self.blocking(self._load_state, path)
+
+    def _load_state(self, path: str) -> None:
+        import pathlib
+
+        import torch
+
+        self.backend.load(path)
+        rng_file = pathlib.Path(path) / f"rng-rank{self.rank}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
 
 class TrainerGroup:
     """``trainer.num_workers`` trainer actors behind the one trainer the policy
@@ -248,6 +284,12 @@ class TrainerGroup:
 
     async def load(self, path: str) -> None:
         await self._all("load", path)
+
+    async def save_state(self, path: str) -> None:
+        await self._all("save_state", path)
+
+    async def load_state(self, path: str) -> None:
+        await self._all("load_state", path)
 
     async def weights_digest(self, dtype: str) -> dict[str, str]:
         """sha256 of every full weight (the workers' shards assembled), by HF name."""

@@ -94,6 +94,22 @@ class Admission:
             self.admitted_in_window = max(0, self.admitted_in_window - (n - from_carried))
             self._changed.notify_all()
 
+    def state_dict(self, release: int = 0) -> dict[str, int]:
+        """The counter's state (for a run checkpoint), as if ``release`` more
+        admitted samples had been dropped (``release(release)``) first."""
+        from_carried = min(release, self.carried)
+        return {"budget": self.budget, "carried": self.carried - from_carried,
+                "admitted_in_window": max(0, self.admitted_in_window - (release - from_carried)),
+                "num_admitted": self.num_admitted}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take a checkpoint's state; nobody may be waiting in ``acquire`` yet."""
+        if state["budget"] != self.budget:
+            raise ValueError(f"the checkpoint's admission window is {state['budget']} samples, this run's "
+                             f"{self.budget}: batch size, staleness and sync settings must match")
+        self.carried, self.admitted_in_window = state["carried"], state["admitted_in_window"]
+        self.num_admitted = state["num_admitted"]
+
     async def close(self) -> None:
         async with self._changed:
             self._closed = True

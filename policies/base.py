@@ -36,6 +36,17 @@ from contracts.training import BatchRequest, StepReport
 __all__ = ["PolicyBase", "AccountingError", "NoProgressError"]
 
 
+def _rng_state(rng: random.Random) -> list[Any]:
+    """``rng``'s state as JSON values."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_from_state(state: list[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
 class AccountingError(AssertionError):
     """produced != trained + dropped + pending: a sample was lost or counted twice."""
 
@@ -71,12 +82,17 @@ class PolicyBase(abc.ABC):
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
+        self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
+        self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
 
     # -- prompts and groups -------------------------------------------------
 
     def next_group(self, gid: int) -> GroupRequest:
+        """The group after ``gid`` others of this schedule (a resumed run's ids go on
+        from the checkpoint's: a sample uid is never reused, in the queue or its dead groups)."""
         prompt = self.task.sample_prompts(self.rng, 1)[0]
-        return GroupRequest(group_id=f"g{gid}", prompt_ids=list(prompt.prompt_ids),
+        self.num_groups += 1
+        return GroupRequest(group_id=f"g{self._group_base + gid}", prompt_ids=list(prompt.prompt_ids),
                             n=self.cfg.rollout.n, meta=dict(prompt.meta))
 
     def on_group(self, report: GroupReport) -> int:
@@ -157,6 +173,68 @@ class PolicyBase(abc.ABC):
                                   f"acknowledged={delivered}; rollout actors reported {self.rollout_queued} "
                                   f"queued, {self.admitted} admitted)")
         return pending
+
+    # -- checkpoints ----------------------------------------------------------
+
+    IN_FLIGHT_AT_CHECKPOINT = "in_flight_at_checkpoint"
+    """Drop reason of the samples a checkpoint finds being generated: a run
+    resumed from it does not have them (their partial tokens are not saved)."""
+
+    def state_dict(self, queue: Any) -> dict[str, Any]:
+        """Counters, prompt RNG and admission state for a run checkpoint taken
+        between trainer steps, consistent with ``queue`` (the counters of the
+        TransferQueue snapshot saved with it, read just before this call).
+
+        A resumed run has no generation in flight: samples admitted that are
+        neither in that snapshot (``queue.put``) nor reported dropped are counted
+        dropped, ``in_flight_at_checkpoint``, so ``produced == trained + dropped
+        + pending`` holds across the resume. Their admission slots go back."""
+        delivered = queue.consumers[self.consumer].delivered if self.consumer in queue.consumers else 0
+        if delivered != self.trained:
+            raise RuntimeError(f"checkpoint during a trainer step: the queue has {delivered} samples acknowledged, "
+                               f"the policy {self.trained} trained; checkpoint between steps")
+        rollout_dropped = Counter(self.rollout_dropped)
+        lost = self.admitted - sum(rollout_dropped.values()) - queue.put
+        assert lost >= 0, f"the queue registered {queue.put} samples of {self.admitted} admitted"
+        if lost:
+            rollout_dropped[self.IN_FLIGHT_AT_CHECKPOINT] += lost
+        state: dict[str, Any] = {
+            "step": self.step, "trained": self.trained, "admitted": self.admitted,
+            "rollout_queued": min(self.rollout_queued, queue.put), "rollout_dropped": dict(rollout_dropped),
+            "queue_put": queue.put, "queue_dropped": dict(queue.dropped_by_reason),
+            "num_groups": self._group_base + self.num_groups, "rng": _rng_state(self.rng),
+            "elapsed_s": time.perf_counter() - self._t_start, "trainer_busy_s": self._t_trainer_busy_s,
+            "rollout_busy_s": self.rollout_busy_s(), "num_in_flight_dropped": lost,
+        }
+        admission = getattr(self, "admission", None)
+        if admission is not None:
+            # slots still held by samples a resumed run will not have (not yet reported, not in the queue)
+            held = admission.num_admitted - sum(rollout_dropped.values()) - queue.put + lost
+            state["admission"] = admission.state_dict(release=max(0, held))
+        if hasattr(self, "_released_queue_drops"):
+            # the fully-async schedule's mark of the queue's stale drops whose slots went back:
+            # the restored queue keeps counting from its saved totals, none is released twice
+            state["released_queue_drops"] = self._released_queue_drops
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state (before the first step of the resumed run)."""
+        self.step, self.trained, self.admitted = state["step"], state["trained"], state["admitted"]
+        self._in_flight = 0
+        self.rollout_queued = state["rollout_queued"]
+        self.rollout_dropped = Counter(state["rollout_dropped"])
+        self.queue_put, self.queue_dropped = state["queue_put"], Counter(state["queue_dropped"])
+        self._group_base, self.num_groups = state["num_groups"], 0
+        self.rng.setstate(_rng_from_state(state["rng"]))
+        now = time.perf_counter()
+        self._t_start = now - state["elapsed_s"]
+        self._t_trainer_busy_s, self._t_rollout_busy_s = state["trainer_busy_s"], state["rollout_busy_s"]
+        self._t_busy_since = now
+        admission = getattr(self, "admission", None)
+        if admission is not None and "admission" in state:
+            admission.load_state_dict(state["admission"])
+        if hasattr(self, "_released_queue_drops") and "released_queue_drops" in state:
+            self._released_queue_drops = state["released_queue_drops"]
 
     # -- the watchdog's report ---------------------------------------------
 

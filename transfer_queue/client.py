@@ -25,7 +25,7 @@ from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_rows, fields_
 from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
 from contracts.sample import Sample
-from transfer_queue.wire import QueueStats, SampleTags
+from transfer_queue.wire import QueueStats, SampleTags, Snapshot
 
 __all__ = ["TransferQueue"]
 
@@ -220,11 +220,19 @@ class TransferQueue:
         finally:
             await self._d.shutdown()
 
-    async def save(self, path: str) -> None:
-        """Persist unsettled samples (pending and in flight) and counters; see ``persist.py``."""
+    async def save(self, path: str) -> Snapshot:
+        """Persist unsettled samples (pending and in flight) and counters; see ``persist.py``.
+        Returns the counters saved."""
         from transfer_queue.persist import save
 
-        await save(self, path)
+        return await save(self, path)
+
+    async def restore(self, path: str) -> Snapshot:
+        """Put what ``save`` wrote into this queue (running, never written to):
+        samples back in arrival order, leased ones ready again, then the counters."""
+        from transfer_queue.persist import restore
+
+        return await restore(self, path)
 
     @classmethod
     async def load(cls, path: str, cfg: TransferQueueConfig | None = None) -> TransferQueue:
@@ -258,8 +266,8 @@ class TransferQueue:
     def shutdown_sync(self) -> None:
         loop.run(self.shutdown())
 
-    def save_sync(self, path: str) -> None:
-        loop.run(self.save(path))
+    def save_sync(self, path: str) -> Snapshot:
+        return loop.run(self.save(path))
 
     @classmethod
     def load_sync(cls, path: str, cfg: TransferQueueConfig | None = None) -> TransferQueue:

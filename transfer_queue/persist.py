@@ -1,4 +1,4 @@
-"""save / load: a queue's unsettled samples and counters in one msgpack file.
+"""save / load / restore: a queue's unsettled samples and counters in one msgpack file.
 
 Saved: every sample not yet delivered or dropped (pending, partial, and in
 flight: an unacknowledged batch is not delivered, so it comes back ready), the
@@ -11,7 +11,9 @@ yet at save time has nothing to save; it is counted as dropped,
 a batch acked while save runs is not in the file, but may be in its counters.
 
 The file is written to ``path + ".tmp"`` and renamed, so a crash mid-save
-leaves the previous file intact.
+leaves the previous file intact. ``load`` starts a new local queue from the
+file; ``restore`` fills a running, empty one of any deployment (a served or
+Ray queue a resumed run has just started).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transfer_queue.wire import Snapshot
 if TYPE_CHECKING:
     from transfer_queue.client import TransferQueue
 
-__all__ = ["load", "save"]
+__all__ = ["load", "restore", "save"]
 
 FORMAT_VERSION = 1
 
@@ -50,7 +52,9 @@ class _SavedQueue(msgspec.Struct, kw_only=True):
     runs: list[_SavedRun]
 
 
-async def save(tq: TransferQueue, path: str) -> None:
+async def save(tq: TransferQueue, path: str) -> Snapshot:
+    """Write the queue's unsettled samples and counters to ``path``; returns the
+    counters saved (those samples included, ``unwritten_at_save`` counted)."""
     snap, by_partition = await tq._d.call("snapshot")
     runs: list[_SavedRun] = []
     for partition, items in by_partition.items():
@@ -73,6 +77,7 @@ async def save(tq: TransferQueue, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return snap
 
 
 def _arrays_as_lists(value: Any) -> Any:
@@ -84,12 +89,36 @@ def _arrays_as_lists(value: Any) -> Any:
 
 
 async def load(cls: type[TransferQueue], path: str, cfg: TransferQueueConfig) -> TransferQueue:
+    saved = _read(path)
+    tq = await cls.create(cfg)
+    await _put_back(tq, saved)
+    return tq
+
+
+async def restore(tq: TransferQueue, path: str) -> Snapshot:
+    """Put what ``save`` wrote into ``tq``, a running queue that has never
+    registered a sample; returns the restored counters."""
+    saved = _read(path)
+    stats = await tq.statistics_async()
+    if stats.put:
+        raise RuntimeError(f"restore into a queue that already registered {stats.put} samples; "
+                           "restore only into a new, empty queue")
+    num_saved = sum(len(r.samples) for r in saved.runs)
+    if num_saved > tq.cfg.capacity:
+        raise ValueError(f"{path}: {num_saved} saved samples do not fit transfer_queue.capacity={tq.cfg.capacity}")
+    await _put_back(tq, saved)
+    return saved.counters
+
+
+def _read(path: str) -> _SavedQueue:
     with open(path, "rb") as f:
         saved = msgspec.msgpack.decode(f.read(), type=_SavedQueue)
     if saved.format_version != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {saved.format_version}, this build reads {FORMAT_VERSION}")
-    tq = await cls.create(cfg)
+    return saved
+
+
+async def _put_back(tq: TransferQueue, saved: _SavedQueue) -> None:
     for run in saved.runs:
         await tq.put_fields(run.samples, run.fields, partition=run.partition, wait=False)
     await tq._d.call("restore", saved.counters)
-    return tq
