@@ -11,13 +11,17 @@ Endpoints (all async):
     pause/abort/sleep/wake_up/update_weights/reset_prefix_cache/resume/get_version
                                the engine surface the weight-sync sequence drives
     placement/join_weight_group   where it runs; the broadcast group (``sync.link``)
+    weight_link()              how it joined that group (the policy re-forms it without a dead actor)
 
 An interrupted generation (``abort`` during a weight sync) keeps its partial
 tokens here, waits for ``resume`` and continues from prompt + partial tokens
 with what is left of its budget (the injected ``next_request`` / ``absorb``
 rule); with ``partial_rollout=False`` it ends as ``abort`` and its group is
 dropped, counted. A group with a failed member is dropped whole (the trainer
-takes only whole groups), counted by reason in the report.
+takes only whole groups), counted by reason in the report: ``reward_error``
+(the reward raised or returned a bad value), ``reward_timeout`` (it took longer
+than ``reward_timeout_s``), ``aborted``, and ``group_incomplete`` for the
+failed member's group-mates.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ from contracts.sample import Sample, pack_tokens
 __all__ = ["RolloutActor"]
 
 _DROP_REASON = {"error": "reward_error", "abort": "aborted"}
+_REWARD_TIMEOUT = "reward: TimeoutError"  # the start of a timed-out sample's ``error``
+
+
+def _drop_reason(sample: Sample) -> str:
+    """Why ``sample`` keeps its group out of the queue (its group-mates: ``group_incomplete``)."""
+    if sample.finish_reason == "error" and (sample.error or "").startswith(_REWARD_TIMEOUT):
+        return "reward_timeout"
+    return _DROP_REASON.get(sample.finish_reason or "", "group_incomplete")
 
 
 class RolloutActor(Actor):
@@ -60,7 +72,10 @@ class RolloutActor(Actor):
         self.task: Any = None
         self._running: asyncio.Event | None = None
         self._link: Any = None  # sync.link.EngineLink once the transport is known
-        self.num_reward_errors = 0
+        self._link_group: tuple[str, int] | None = None  # (backend, sources) of the broadcast group joined
+        self.num_reward_errors = 0  # timeouts included
+        self._scoring = asyncio.Lock()  # rewards run one at a time (one worker thread), each timed on its own
+        self.num_reward_timeouts = 0
         self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
         self.num_queued = 0
         self.dropped: Counter[str] = Counter()
@@ -98,7 +113,7 @@ class RolloutActor(Actor):
             report.num_queued = len(samples)
             self.num_queued += len(samples)
         else:
-            reasons = Counter(_DROP_REASON.get(s.finish_reason or "", "group_incomplete") for s in samples)
+            reasons = Counter(_drop_reason(s) for s in samples)
             report.dropped = dict(reasons)
             self.dropped.update(reasons)
         return report
@@ -131,17 +146,21 @@ class RolloutActor(Actor):
 
     async def _score(self, sample: Sample) -> None:
         """Reward in [0, 1]; a reward function that raises (or hangs) marks
-        only this sample as ``error`` — counted, never fatal to the run."""
+        only this sample as ``error`` — counted, never fatal to the run. The
+        timeout runs from this sample's own start: rewards share the worker
+        thread, and samples waiting behind a slow one are not charged for it."""
         try:
-            reward = await asyncio.wait_for(
-                self.blocking(self.task.reward, sample.meta, list(sample.response_ids)),
-                self.reward_timeout_s)
+            async with self._scoring:
+                reward = await asyncio.wait_for(
+                    self.blocking(self.task.reward, sample.meta, list(sample.response_ids)),
+                    self.reward_timeout_s)
             reward = float(reward)
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")
             sample.reward = reward
         except Exception as err:  # isolated on purpose: one bad reward, one dropped sample
             self.num_reward_errors += 1
+            self.num_reward_timeouts += isinstance(err, TimeoutError)  # asyncio's and TimedReward's
             sample.finish_reason, sample.error = "error", f"reward: {type(err).__name__}: {err}"
 
     # -- engine surface for the weight-sync sequence ------------------------
@@ -190,13 +209,23 @@ class RolloutActor(Actor):
     async def open_weight_link(self, kind: str) -> None:
         from sync.link import EngineLink
 
-        self._link = EngineLink(kind)
+        self._link, self._link_group = EngineLink(kind), None
 
     async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str,
                                 sources: int = 1) -> None:
         """Join the weight-sync broadcast group (with the ``sources`` trainer
         workers, ranks below this one's, and every other rollout actor)."""
         await self.blocking(self._link.join, init_method, rank, world_size, backend, sources)
+        self._link_group = (backend, sources)
+
+    async def weight_link(self) -> tuple[str, str | None, int] | None:
+        """How weights reach this actor: (transport kind, broadcast backend, trainer
+        workers sending) as ``open_weight_link`` / ``join_weight_group`` set it (backend
+        None and 0 sources outside a broadcast group); None before a link is open."""
+        if self._link is None:
+            return None
+        backend, sources = self._link_group or (None, 0)
+        return self._link.kind, backend, sources
 
     async def weights_digest(self) -> dict[str, str]:
         """sha256 of every weight the engine holds, by HF name (for bit-exactness checks)."""
@@ -214,7 +243,8 @@ class RolloutActor(Actor):
         """The engine's counters and step timings (when it keeps them), and this actor's."""
         stats = getattr(self.engine, "statistics", None)
         return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors,
-                "num_aborted": self.num_aborted, "num_queued": self.num_queued, "dropped": dict(self.dropped)}
+                "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
+                "num_queued": self.num_queued, "dropped": dict(self.dropped)}
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -274,6 +274,7 @@ def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) ->
 
 
 _live_handles: weakref.WeakSet[_ProcessHandle] = weakref.WeakSet()
+_DIED_REPORT_S = 5.0  # a broken pipe's reader thread reports its process's end within ~1 s (join)
 
 
 @atexit.register
@@ -355,10 +356,22 @@ class _ProcessHandle(Handle):
         self._pending[call_id] = fut
         try:
             self._send(call_id, method, args, kwargs)
+        except OSError as exc:  # the pipe broke: the process ended before its reader thread said so
+            return await self._died_sending(call_id, fut, exc)
         except BaseException:
             self._pending.pop(call_id, None)
             raise
         return await fut
+
+    async def _died_sending(self, call_id: int, fut: asyncio.Future, exc: OSError) -> Any:
+        """The reader thread fails every pending call (``fut`` too) with an
+        :class:`ActorDiedError` naming the exit code once it sees the pipe's end;
+        if it does not in time, this call fails with one naming the broken pipe."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), _DIED_REPORT_S)
+        except asyncio.TimeoutError:
+            self._pending.pop(call_id, None)
+            raise ActorDiedError(f"actor {self.name!r}: its pipe is broken ({exc})") from exc
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Close the actor, end its process (killed if it does not end in time)."""

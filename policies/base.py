@@ -19,12 +19,26 @@ rollout actor: a failed reward, an aborted generation, an incomplete group);
 against the queue's own count of acknowledged samples); ``dropped``: by reason,
 in the rollout actors and in the queue (too stale); ``pending``: in the queue,
 waiting or leased and not yet acknowledged.
+
+Faults (each keeps that identity):
+
+- a rollout actor that dies (its ``ping`` fails) leaves ``rollouts``: the
+  schedule counts its unreported groups dropped (``actor_died``), the weight
+  broadcast group is re-formed without it before the next push, and the run
+  goes on with the others; with none left it stops with :class:`ActorLostError`;
+- a trainer that dies mid-step: the batch it leased goes back to the queue at
+  once (its lease is expired) and the run stops with :class:`ActorLostError`;
+- a weight push that fails (``SyncFailed``: the engines stay on, or were put
+  back on, their version) is counted in its step's record (``sync/failed``)
+  and the next push brings every engine to the trainer's version; after
+  ``MAX_FAILED_PUSHES`` failures in a row the run stops with the last one.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 import random
 import time
 from collections import Counter
@@ -32,8 +46,15 @@ from typing import Any
 
 from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import BatchRequest, StepReport
+from sync.errors import SyncFailed
 
-__all__ = ["PolicyBase", "AccountingError", "NoProgressError"]
+__all__ = ["PolicyBase", "AccountingError", "ActorLostError", "NoProgressError", "is_dead"]
+
+log = logging.getLogger(__name__)
+
+ACTOR_DIED = "actor_died"  # drop reason of the samples a dead rollout actor took with it
+MAX_FAILED_PUSHES = 3  # weight pushes in a row that may fail before the run stops
+_PING_TIMEOUT_S = 10.0
 
 
 def _rng_state(rng: random.Random) -> list[Any]:
@@ -54,6 +75,37 @@ class AccountingError(AssertionError):
 class NoProgressError(RuntimeError):
     """No trainer step finished within the watchdog's time (``run.watchdog_s``);
     the message says what each part of the run was waiting on."""
+
+
+class ActorLostError(RuntimeError):
+    """A part the run cannot go on without died: the trainer, or the last
+    rollout actor. The message (one line) says which, why, and what became of
+    the samples it held."""
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+async def is_dead(handle: Any) -> bool:
+    """Whether the actor behind ``handle`` (any of a group's ``workers``) is gone:
+    its ``ping`` raises (a process that ended, a Ray actor that died). One that
+    does not answer in time may be busy, and a handle without ``ping`` cannot
+    tell: neither is known dead."""
+    workers = getattr(handle, "workers", None)
+    if isinstance(workers, list):
+        return any(await asyncio.gather(*(is_dead(w) for w in workers)))
+    try:
+        ping = handle.ping
+    except AttributeError:
+        return False
+    try:
+        await asyncio.wait_for(ping(), _PING_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return False
+    except Exception:  # noqa: BLE001 - whatever the runtime raises for an actor that is gone
+        return True
+    return False
 
 
 class PolicyBase(abc.ABC):
@@ -82,6 +134,10 @@ class PolicyBase(abc.ABC):
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
+        self.lost_rollouts: list[str] = []  # "<name>: <why>" of every rollout actor that died
+        self._weight_link_stale = False  # a rollout actor died: re-form the broadcast group before a push
+        self.num_failed_pushes = 0
+        self._failed_pushes_in_a_row = 0
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
 
@@ -116,8 +172,18 @@ class PolicyBase(abc.ABC):
                             max_staleness=p.max_staleness)
 
     async def _train_once(self) -> StepReport:
-        """One trainer step: the trainer takes its batch from the queue itself."""
-        return await self.trainer.train_step(self.batch_request())
+        """One trainer step: the trainer takes its batch from the queue itself.
+        A trainer that dies meanwhile cannot hand its batch back: its lease is
+        expired here, so the samples are ready again (for a resumed run)."""
+        try:
+            return await self.trainer.train_step(self.batch_request())
+        except Exception as err:
+            if not await is_dead(self.trainer):
+                raise
+            returned = await self.queue.expire_leases(force=True)
+            raise ActorLostError(f"the trainer died during step {self.step + 1} ({_one_line(err)}); the "
+                                 f"{returned} samples it had leased are back in the queue; continue from the "
+                                 "run's last checkpoint") from err
 
     async def _on_drop_after_queue(self, n: int) -> None:
         """Hook: samples the queue dropped (stale) after they were admitted."""
@@ -279,15 +345,90 @@ class PolicyBase(abc.ABC):
 
     async def sync_weights(self, released: asyncio.Event | None = None) -> None:
         """Push this step's weights to the engines; its metrics go into this
-        step's record (filled in later if the sync outlives the step)."""
+        step's record (filled in later if the sync outlives the step). A push
+        that fails is absorbed when it can be (see :meth:`_failed_push`)."""
         step, t0 = self.step, time.perf_counter()
         extra = {} if released is None else {"released": released}
-        result = dict(await self.weight_sync(self.rollouts, self.trainer, **extra))
+        if not self.rollouts:
+            raise self.no_rollouts_left()
+        await self._reform_weight_link()
+        engines = list(self.rollouts)
+        try:
+            result = dict(await self.weight_sync(engines, self.trainer, **extra))
+            self._failed_pushes_in_a_row = 0
+        except Exception as err:
+            result = await self._failed_push(err, engines)
         result["sync_s"] = time.perf_counter() - t0
         if self._record is not None and self._record[0] == step:
             self._record[1].update({f"sync/{k}": v for k, v in result.items()})
         else:
             self.last_sync = result
+
+    # -- faults -----------------------------------------------------------------
+
+    async def lose_rollout(self, handle: Any, err: BaseException) -> bool:
+        """Whether the rollout actor behind ``handle``, which failed with ``err``,
+        is gone. A dead one leaves ``rollouts`` (pushes and evaluations go on
+        without it) and the weight group is re-formed before the next push."""
+        if handle not in self.rollouts:
+            return True  # known dead already (each of its groups fails on its own)
+        if not await is_dead(handle):
+            return False
+        if handle in self.rollouts:
+            self.rollouts = [h for h in self.rollouts if h is not handle]
+            self.lost_rollouts.append(f"{handle.name}: {_one_line(err)}")
+            self._weight_link_stale = True
+            log.warning("rollout actor %s died (%s); %d left", handle.name, _one_line(err), len(self.rollouts))
+        return True
+
+    def no_rollouts_left(self) -> ActorLostError:
+        return ActorLostError(f"every rollout actor died ({'; '.join(self.lost_rollouts)}); nothing is left to "
+                              "generate with; continue from the run's last checkpoint")
+
+    async def _reform_weight_link(self) -> None:
+        """After a rollout actor died: a broadcast group (``dist``) of fixed members
+        would wait for it at every push, so the trainer and the live actors form a
+        new one (the composition root's ``open_weight_link`` / ``join_weight_group``
+        again). Other transports have no membership: nothing to do."""
+        if not self._weight_link_stale or not self.rollouts:
+            return
+        link = await self.rollouts[0].weight_link()
+        if link is not None and link[0] == "dist":
+            kind, backend, sources = link
+            if backend == "nccl":
+                raise ActorLostError(f"a rollout actor died ({self.lost_rollouts[-1]}) and an NCCL weight group "
+                                     "cannot be re-formed without it in this process; continue from the run's "
+                                     "last checkpoint")
+            init = await self.trainer.open_weight_link(kind)
+            await asyncio.gather(*(h.open_weight_link(kind) for h in self.rollouts))
+            world = sources + len(self.rollouts)
+            await asyncio.gather(self.trainer.join_weight_group(init, world, backend),
+                                 *(h.join_weight_group(init, sources + i, world, backend, sources)
+                                   for i, h in enumerate(self.rollouts)))
+        self._weight_link_stale = False
+
+    async def _failed_push(self, err: Exception, engines: list[Any]) -> dict[str, Any]:
+        """A weight push to ``engines`` raised ``err``. Rollout actors that died in it leave the
+        run (the live ones, maybe left paused by the push, run again); a push the
+        engines refused cleanly (``SyncFailed``) leaves them on one version. Either
+        is counted and the run goes on: the next push brings every engine to the
+        trainer's version. Anything else, or too many failures in a row, raises."""
+        dead = await asyncio.gather(*(self.lose_rollout(h, err) for h in engines))  # maybe lost meanwhile
+        if not self.rollouts:
+            raise self.no_rollouts_left() from err
+        if any(dead):
+            if self.cfg.sync.colocated:
+                await asyncio.gather(*(h.wake_up(["kv_cache"]) for h in self.rollouts))
+            await asyncio.gather(*(h.reset_prefix_cache() for h in self.rollouts))
+            await asyncio.gather(*(h.resume() for h in self.rollouts))
+        elif not isinstance(err, SyncFailed):
+            raise err
+        self.num_failed_pushes += 1
+        self._failed_pushes_in_a_row += 1
+        if self._failed_pushes_in_a_row >= MAX_FAILED_PUSHES:
+            raise err
+        log.warning("weight push of step %d failed (%s); the next push retries", self.step, _one_line(err))
+        return {"failed": 1, "error": _one_line(err)}
 
     async def settle(self, step: int | None = None) -> None:
         """Wait for work that outlives a step (a weight push still running),
@@ -358,6 +499,8 @@ class PolicyBase(abc.ABC):
             "pending": pending,
             "dropped": dict(self.dropped),
             "elapsed_s": elapsed,
+            **({"failed_pushes": self.num_failed_pushes} if self.num_failed_pushes else {}),
+            **({"lost_rollout_actors": len(self.lost_rollouts)} if self.lost_rollouts else {}),
             **{f"sync/{k}": v for k, v in self.last_sync.items()},
         }
 

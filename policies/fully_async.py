@@ -21,6 +21,11 @@ trainer loop runs inside :meth:`train` so a notebook can call ``train(steps=10)`
 repeatedly (``settle()`` before the loop stops: the last push must not be left
 half way). A background task that dies re-raises in :meth:`train`.
 Accounting invariant, checked every step: produced == trained + dropped + pending.
+
+A rollout actor that dies takes its groups with it: each is counted dropped
+(``actor_died``, its admission slots go back) unless the actor had put it
+into the queue already, and the feeder goes on with the actors left
+(``PolicyBase.lose_rollout``); when none is left, :meth:`train` raises.
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from contracts.rollout import GroupRequest
+from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import StepReport
 from policies.admission import Admission, window_budget
-from policies.base import PolicyBase
+from policies.base import ACTOR_DIED, PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
@@ -58,7 +63,7 @@ class FullyAsyncPolicy(PolicyBase):
                                                  p.trigger_parameter_sync_step, p.staleness_threshold))
         self._feeder: asyncio.Task[None] | None = None
         self._groups: set[asyncio.Task[None]] = set()
-        self._load = Counter[int]()
+        self._load = Counter[str]()  # groups in flight, by rollout actor name
         self._failure: asyncio.Future[None] | None = None
         self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
         self._sync_step = 0  # ... and the step whose weights it pushes
@@ -81,9 +86,11 @@ class FullyAsyncPolicy(PolicyBase):
             for gid in itertools.count():
                 if not await self.admission.acquire(n):
                     return
-                actor = min(range(len(self.rollouts)), key=lambda i: self._load[i])
+                if not self.rollouts:  # every one died: train() raises that
+                    return
+                actor = min(self.rollouts, key=lambda h: self._load[h.name])
                 group = self.next_group(gid)
-                self._load[actor] += 1
+                self._load[actor.name] += 1
                 task = asyncio.create_task(self._run_group(actor, group), name=f"group-{gid}")
                 self._groups.add(task)
                 task.add_done_callback(self._groups.discard)
@@ -92,22 +99,52 @@ class FullyAsyncPolicy(PolicyBase):
         except BaseException as err:
             self._fail(err)
 
-    async def _run_group(self, actor: int, group: GroupRequest) -> None:
+    async def _run_group(self, actor: Any, group: GroupRequest) -> None:
         try:
             self.in_flight += group.n
-            kept = self.on_group(await self.rollouts[actor].generate_group(group))
+            release = 0
+            try:
+                report = await actor.generate_group(group)
+            except Exception as err:
+                if not await self.lose_rollout(actor, err):
+                    raise
+                report, release = await self._lost_group(group)
+            kept = self.on_group(report)
             self.in_flight -= group.n
-            if kept < group.n:
-                await self.admission.release(group.n - kept)
+            if kept < group.n or release:
+                await self.admission.release(group.n - kept + release)
+            if not self.rollouts:
+                self._fail(self.no_rollouts_left())
         except asyncio.CancelledError:
             raise
         except BaseException as err:
             self._fail(err)
         finally:
-            self._load[actor] -= 1
+            self._load[actor.name] -= 1
+
+    async def _lost_group(self, group: GroupRequest) -> tuple[GroupReport, int]:
+        """The report of a group whose rollout actor died before reporting it, and
+        the admission slots to give back beyond the report's drops. The queue has
+        its samples only if the actor put them before it died (a group may even
+        be half written): pending ones are dropped there (counted by the queue),
+        leased ones are being trained; otherwise they never reached it."""
+        n = group.n
+        uids = [f"{group.group_id}-{i}" for i in range(n)]  # as RolloutActor.generate_group names them
+        try:
+            await self.queue.drop(uids, ACTOR_DIED)
+        except LookupError:  # never put: lost with the actor
+            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=0, dropped={ACTOR_DIED: n}), 0
+        except RuntimeError:  # leased: the trainer has them
+            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), 0
+        return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), n
 
     async def _train_once(self) -> StepReport:
+        """One trainer step, unless a background task failed: then that error is
+        raised here, after the step if the trainer already holds its batch (a
+        step the trainer acknowledges is one the run counts: nothing trained uncounted)."""
         assert self._failure is not None
+        if self._failure.done():
+            self._failure.result()  # no step after a background failure
         step = asyncio.ensure_future(super()._train_once())
         try:
             while not (await asyncio.wait([step, self._failure], timeout=_DROP_POLL_S,
@@ -115,15 +152,22 @@ class FullyAsyncPolicy(PolicyBase):
                 # a get that waits may be dropping stale samples: their slots go back now, not
                 # when the step ends (a window full of them would leave it nothing to wait for)
                 await self._release_queue_drops()
+            if not step.done() and await self._trainer_holds_a_batch():
+                await step  # it trains on it now (in another process a cancel would not stop that)
         except BaseException:  # cancelled (the run's watchdog), or the poll failed: the trainer's get ends too
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
             raise
-        if self._failure.done():
+        if not step.done():
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
             self._failure.result()  # re-raises the background error here
         return step.result()
+
+    async def _trainer_holds_a_batch(self) -> bool:
+        stats = await self.queue.statistics_async()
+        consumer = stats.consumers.get(self.consumer)
+        return consumer is not None and consumer.in_flight > 0
 
     @property
     def overlap_push(self) -> bool:
@@ -171,7 +215,8 @@ class FullyAsyncPolicy(PolicyBase):
         await task
 
     def _rollout_detail(self) -> str:
-        return " (groups per actor: " + ", ".join(str(self._load[i]) for i in range(len(self.rollouts))) + ")"
+        lost = f"; died: {'; '.join(self.lost_rollouts)}" if self.lost_rollouts else ""
+        return " (groups per actor: " + ", ".join(str(self._load[h.name]) for h in self.rollouts) + lost + ")"
 
     def _waiting_detail(self) -> list[str]:
         a = self.admission

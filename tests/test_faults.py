@@ -1,0 +1,258 @@
+"""Faults injected into real runs; after each, nothing is lost: every sample
+produced was trained, dropped with a counted reason, or is pending
+(``produced == trained + dropped + pending``, and the queue's own identity).
+
+    a rollout actor killed mid-generation   its groups counted ``actor_died``; the run goes on
+                                            with the other, or stops with one line if none is left
+    a weight push that fails half way       engines back on the old version, counted; training goes on
+    a user reward that hangs                timed out, counted ``reward_timeout``; the run goes on
+    the trainer killed mid-step             its leased batch back in the queue; one-line error
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import loop
+from actors.launch import launch
+from policies.base import ActorLostError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8"]
+PROCESS = ["runtime.type=process", "transfer_queue.deployment=local"]
+
+
+def _assert_nothing_lost(run: Any) -> None:
+    """Every record's identity, the policy's check now, and the queue's own identity."""
+    for m in run.history:
+        assert m["produced"] == m["trained"] + sum(m["dropped"].values()) + m["pending"], m
+    loop.run(run.policy.check_accounting())
+    s = loop.run(run.queue.statistics_async())
+    assert s.put == s.delivered + s.dropped + s.pending + s.in_flight, s
+
+
+# -- a rollout actor dies ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_with_the_other(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=2)
+        policy = run.policy
+        victim = policy.rollouts[1]
+        pid = loop.run(victim.ping())
+        generate = victim.generate_group
+        in_flight_at_kill: list[bool] = []
+
+        async def killed_mid_generation(group):
+            call = asyncio.ensure_future(generate(group))
+            if not in_flight_at_kill:
+                await asyncio.sleep(0.005)  # the request is in the actor's engine
+                in_flight_at_kill.append(not call.done())
+                os.kill(pid, signal.SIGKILL)
+            return await call
+
+        victim.generate_group = killed_mid_generation
+        records = run.train(steps=3)
+
+        assert in_flight_at_kill == [True]
+        assert [h.name for h in policy.rollouts] == ["rollout-0"]
+        assert len(policy.lost_rollouts) == 1 and "rollout-1" in policy.lost_rollouts[0]
+        assert "exit code -9" in policy.lost_rollouts[0]
+        assert [m["step"] for m in records] == [3, 4, 5]
+        # its groups: never put (dropped here), or put and not reported (dropped by the queue); whole groups
+        queue_dropped = loop.run(run.queue.statistics_async()).dropped_by_reason
+        died = records[-1]["dropped"].get("actor_died", 0) + queue_dropped.get("actor_died", 0)
+        assert died >= run.cfg.rollout.n and died % run.cfg.rollout.n == 0
+        assert records[-1]["lost_rollout_actors"] == 1
+        # the weight group was re-formed without the dead actor: the last push reached the live one
+        assert records[-1]["sync/version"] == 5 and "sync/failed" not in records[-1]
+        assert loop.run(policy.rollouts[0].get_version()) == 5
+        _assert_nothing_lost(run)
+
+
+@pytest.mark.timeout(120)
+def test_the_last_rollout_actor_dying_stops_the_run_with_a_one_line_error(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=1)
+        os.kill(loop.run(run.policy.rollouts[0].ping()), signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(ActorLostError, match=r"^every rollout actor died \(rollout-0: .*exit code -9") as info:
+            run.train(steps=5)
+        assert time.perf_counter() - t0 < 30  # not a hang
+        assert "\n" not in str(info.value)
+        assert run.policy.rollouts == []
+        _assert_nothing_lost(run)
+
+
+# -- a weight push fails half way ----------------------------------------------------------------------
+
+
+def _fail_after_the_first_engine_applied(policy: Any, calls: list[int]) -> Any:
+    """``update_weights`` of the second engine: waits until the first engine holds the
+    update's version, then raises (a link that broke half way through a push)."""
+    first = policy.rollouts[0]
+
+    async def update_weights(handle: Any) -> int:
+        target = handle.manifest.version
+        calls.append(target)
+        for _ in range(500):
+            if await first.get_version() == target:
+                break
+            await asyncio.sleep(0.01)
+        raise ConnectionError(f"injected: the link to rollout-1 broke after rollout-0 applied version {target}")
+
+    return update_weights
+
+
+def test_a_weight_push_that_fails_half_way_leaves_the_engines_on_the_old_version_and_training_goes_on(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    with run:
+        policy = run.policy
+        run.train(steps=1)
+        second = policy.rollouts[1].actor  # local runtime: the actor object itself
+        calls: list[int] = []
+        second.update_weights = _fail_after_the_first_engine_applied(policy, calls)
+        (failed,) = run.train(steps=1)
+        assert calls == [2, 2]  # the push, and its one full retry
+        assert failed["sync/failed"] == 1 and "injected" in failed["sync/error"]
+        assert failed["failed_pushes"] == 1
+        # the first engine was put back: every engine on the old version, none half way
+        assert [loop.run(h.get_version()) for h in policy.rollouts] == [1, 1]
+        assert loop.run(policy.trainer.get_version()) == 2
+
+        del second.update_weights  # the link is back
+        records = run.train(steps=2)
+        assert [m["sync/version"] for m in records] == [3, 4] and all("sync/failed" not in m for m in records)
+        assert [loop.run(h.get_version()) for h in policy.rollouts] == [4, 4]
+        want = loop.run(policy.trainer.weights_digest(run.cfg.rollout.engine.dtype))
+        assert all(loop.run(h.weights_digest()) == want for h in policy.rollouts)
+        _assert_nothing_lost(run)
+
+
+def test_weight_pushes_that_keep_failing_stop_the_run_with_the_last_error(tmp_path):
+    from policies.base import MAX_FAILED_PUSHES
+    from sync import SyncFailed
+
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    with run:
+        policy = run.policy
+        run.train(steps=1)
+        calls: list[int] = []
+        policy.rollouts[1].actor.update_weights = _fail_after_the_first_engine_applied(policy, calls)
+        with pytest.raises(SyncFailed, match="injected"):
+            run.train(steps=MAX_FAILED_PUSHES + 2)
+        assert policy.num_failed_pushes == MAX_FAILED_PUSHES and policy.step == 1 + MAX_FAILED_PUSHES
+        assert [loop.run(h.get_version()) for h in policy.rollouts] == [1, 1]
+        _assert_nothing_lost(run)
+
+
+# -- a user reward hangs -------------------------------------------------------------------------------
+
+_hangs = itertools.count()
+HANG_ANSWER = "9 8"
+
+
+def reward_that_hangs(text: str, answer: str) -> float:
+    """A user reward (``task.kwargs.reward=tests.test_faults:reward_that_hangs``)
+    that hangs for a second the first time it scores a response to the prompt
+    whose answer is ``HANG_ANSWER``."""
+    if answer == HANG_ANSWER and next(_hangs) == 0:
+        time.sleep(1.0)
+    return float(text.strip() == answer.strip())
+
+
+@pytest.mark.timeout(60)
+def test_a_user_reward_that_hangs_is_timed_out_counted_in_the_metrics_and_the_run_goes_on(tmp_path):
+    global _hangs
+    _hangs = itertools.count()  # the function runs here (local runtime): it hangs once in this test
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(d), "answer": " ".join(reversed(d))}) + "\n"
+                            for d in ("89", "123")))
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "task.type=text_dataset", f"task.kwargs.path={data}",
+                 "task.kwargs.chat_template=false", "task.kwargs.reward=tests.test_faults:reward_that_hangs",
+                 "policy.reward_timeout_s=0.2", f"run.output_dir={tmp_path}")
+    with run:
+        t0 = time.perf_counter()
+        records = run.train(steps=4)
+        assert time.perf_counter() - t0 < 40
+        # the one hung call is the one timed out (its group-mates scored after it are not charged for its
+        # time) and its group is dropped whole, each sample under its reason; the actor's count is the metrics'
+        n = run.cfg.rollout.n
+        assert records[-1]["dropped"] == {"reward_timeout": 1, "group_incomplete": n - 1}
+        assert [loop.run(h.statistics())["num_reward_timeouts"] for h in run.policy.rollouts] == [1]
+        _assert_nothing_lost(run)
+
+
+# -- the trainer dies mid-step -------------------------------------------------------------------------
+
+
+class StallingLoss:
+    """The run's loss, except that once the file ``go`` exists its next call
+    creates ``marker`` and stalls for a minute: a trainer step to kill the
+    trainer in (pickled by reference into the trainer's process)."""
+
+    def __init__(self, inner: Any, go: str, marker: str) -> None:
+        self.inner, self.go, self.marker = inner, go, marker
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if os.path.exists(self.go) and not os.path.exists(self.marker):
+            pathlib.Path(self.marker).touch()
+            time.sleep(60)
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_killed_mid_step_returns_its_batch_to_the_queue_and_stops_the_run_in_one_line(
+        tmp_path, monkeypatch):
+    import policies.losses
+
+    go, marker = tmp_path / "go", tmp_path / "in-step"
+    real = policies.losses.make_loss_from_config
+    monkeypatch.setattr(policies.losses, "make_loss_from_config",
+                        lambda trainer: StallingLoss(real(trainer), str(go), str(marker)))
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path / 'runs'}")
+    with run:
+        run.train(steps=1)
+        pid = loop.run(run.policy.trainer.ping())
+        batch = run.policy.batch_request().batch_size
+
+        def kill_in_step() -> None:
+            for _ in range(6000):
+                if marker.exists():
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                time.sleep(0.01)
+
+        killer = threading.Thread(target=kill_in_step, daemon=True)
+        killer.start()
+        go.touch()
+        t0 = time.perf_counter()
+        with pytest.raises(ActorLostError, match=rf"^the trainer died during step 2 \(.*exit code -9\)\); the {batch} "
+                                                 r"samples it had leased are back in the queue") as info:
+            run.train(steps=3)
+        assert time.perf_counter() - t0 < 60 and "\n" not in str(info.value)
+        killer.join(1)
+        s = loop.run(run.queue.statistics_async())
+        trainer = s.consumers["trainer"]
+        assert (s.in_flight, trainer.in_flight, trainer.expired, trainer.delivered) == (0, 0, batch, batch)
+        assert s.pending >= batch
+        assert run.policy.trained == batch and run.policy.step == 1
+        _assert_nothing_lost(run)
