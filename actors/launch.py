@@ -550,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: 0 after a run, 2 when the config or the setup is wrong (no
     run directory is left behind), 1 when the run stops with an error, 128 + the
     signal's number when SIGTERM / SIGINT stopped it (after a checkpoint)."""
-    from policies.base import NoProgressError
+    from policies.base import ActorLostError, NoProgressError
+    from sync.errors import SyncFailed
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -584,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         except RunStopped as err:
             print(str(err), file=sys.stderr)
             return 128 + err.signum
-        except NoProgressError as err:
+        except (NoProgressError, ActorLostError, SyncFailed) as err:  # one line, as the others
             _error(err, args.traceback)
             return 1
         except KeyboardInterrupt:
