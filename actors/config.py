@@ -242,7 +242,7 @@ def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
     if (reason := engine_unavailable(cfg.rollout.engine.type, cfg.rollout.engine.url)) is not None:
         raise ConfigError(f"rollout.engine.type: {reason}")
-    if (reason := backend_unavailable(cfg.trainer.backend)) is not None:
+    if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
     if cfg.rollout.max_response_tokens >= cfg.rollout.engine.max_model_len:
         raise ConfigError(

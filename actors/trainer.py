@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from actors.backends.flops import FlopsModel, peak_flops
 from actors.runtime import Actor, quiet_transformers
 from contracts.sample import Sample, batch_stats
 from contracts.training import BatchRequest, StepReport
@@ -84,6 +85,9 @@ class TrainerActor(Actor):
             raise RuntimeError(f"trainer.backend={self.trainer_cfg.backend!r} does not shard over "
                                f"{self.world_size} trainer workers (trainer.num_workers)")
         self.sender = WeightSender.from_config(self.sync_cfg, dtype=getattr(torch, self.engine_dtype))
+        self.flops = FlopsModel.from_model_dir(self.model_path)
+        peak = self.trainer_cfg.peak_tflops
+        self.peak_flops = peak * 1e12 if peak else peak_flops(str(self.backend.device), self.trainer_cfg.dtype)
 
     async def get_version(self) -> int:
         return self.backend.version
@@ -117,7 +121,13 @@ class TrainerActor(Actor):
         index: dict[str, int] = {}
         groups = torch.tensor([index.setdefault(s.group_id, len(index)) for s in samples])
         advantages = self.advantages(rewards, groups)
-        metrics = self.backend.train_step(samples, advantages.tolist())
+        t0 = time.perf_counter()
+        metrics = self.backend.train_step(samples, advantages.tolist())  # its float metrics wait for the device
+        achieved = self.flops.train_flops([len(s.prompt_ids) + len(s.response_ids) for s in samples]) / (
+            time.perf_counter() - t0)
+        metrics["tflops"] = achieved / 1e12
+        if self.peak_flops:
+            metrics["mfu"] = achieved / self.peak_flops
         metrics["reward_mean"] = float(rewards.mean())
         return metrics
 

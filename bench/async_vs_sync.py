@@ -196,6 +196,10 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         "partial_ratio": sum(m["partial_ratio"] for m in hist) / len(hist),
         "dropped": last["dropped"],
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
+        # the trainer's step (batch in hand to weights stepped) and its model FLOPs
+        "train_step_ms_mean": 1000 * statistics.fmean(m["train_s"] for m in hist),
+        "train_tflops_mean": statistics.fmean(m["train/tflops"] for m in hist),
+        **({"mfu_mean": statistics.fmean(m["train/mfu"] for m in hist)} if "train/mfu" in last else {}),
         # where a sync's time goes: encode (trainer), transfer, apply (engine), and the
         # rest of the sequence (pause, abort, version checks, resume: engine round trips);
         # paused: how long the engines stood still (the encode runs before the pause
@@ -241,7 +245,8 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
 #: Summarised over seeds (mean and spread), in this order: throughput side by side, then learning.
 SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
                 "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
-                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "eval_s")
+                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean",
+                "train_tflops_mean", "mfu_mean", "eval_s")
 
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -70,6 +70,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Padded tokens per forward pass (rows sorted by length, gradients
     accumulated): long-tailed batches stop padding every row to the longest.
     0 = the whole batch in one pass."""
+    peak_tflops: PosFloat | None = None
+    """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
+    (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
+    logged either way)."""
     checkpoint_every: NonNegInt = 0
     """Save a checkpoint (safetensors + optimizer) into the run directory every
     this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""

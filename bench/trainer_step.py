@@ -1,0 +1,156 @@
+"""Trainer-step benchmark: the torch and Megatron backends side by side on one model.
+
+    python -m bench.trainer_step --device cuda --backends torch,megatron   # on a GPU
+    python -m bench.trainer_step --small                                   # CPU smoke test
+
+Builds the model once (``bench.make_model``: Qwen2.5-0.5B's body, 358M
+parameters, bf16, random weights; ``--small``: the tiny shape, fp32), then sets
+up every backend in this one process and times ``train_step`` (one GRPO/PPO
+step: forward, backward, clip, AdamW) on the same synthetic batches:
+``--groups`` groups of ``--n`` samples, prompts and responses drawn around
+``--prompt-len`` / ``--response-len`` tokens. Each repeat times ``--steps``
+steps of every backend in turn (after ``--warmup`` untimed steps of each), so
+the machine's noise falls on all of them. Prints one JSON object: per backend,
+the step time of each repeat (ms), trained response tokens/s and all tokens/s,
+model TFLOP/s and MFU (``actors.backends.flops``), and each backend's step time
+over the first one's. ``--profile`` adds the busiest device kernels of one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def _batch(rng: random.Random, vocab: int, args: argparse.Namespace) -> list[Any]:
+    from contracts.sample import Sample
+
+    out = []
+    for g in range(args.groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(max(1, int(args.prompt_len * rng.uniform(0.5, 1.5))))]
+        for i in range(args.n):
+            resp = [rng.randrange(3, vocab) for _ in range(max(1, int(args.response_len * rng.uniform(0.25, 1.75))))]
+            out.append(Sample(uid=f"{g}-{i}", group_id=str(g), prompt_ids=prompt, response_ids=resp,
+                              rollout_logprobs=[-5.0] * len(resp), token_versions=[0] * len(resp),
+                              reward=float(i % 2)))
+    return out
+
+
+def _make_backend(name: str, model_dir: str, args: argparse.Namespace) -> Any:
+    from actors.backends import TrainerConfig, make_backend
+    from policies.losses import make_loss
+
+    cfg = TrainerConfig(backend=name, device=args.device, dtype=args.dtype, lr=1e-6,
+                        micro_batch_tokens=args.micro_batch_tokens)
+    backend = make_backend(cfg, model_dir, seed=0, loss=make_loss("ppo_clip"))
+    backend.setup()
+    return backend
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _profile(backend: Any, batch: list[Any], adv: list[float], device: str) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        backend.train_step(batch, adv)
+        _sync(device)
+    key = "device_time_total" if device.startswith("cuda") else "cpu_time_total"
+    top = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:15]
+    return [{"op": e.key[:60], "ms": round(getattr(e, key) / 1e3, 2), "count": e.count} for e in top]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backends", default="torch", help="comma list: torch, megatron (CUDA only)")
+    p.add_argument("--small", action="store_true", help="the tiny model in fp32 (a CPU smoke test)")
+    p.add_argument("--model", help="a model directory (default: built by bench.make_model)")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    args.dtype = "float32" if args.small else "bfloat16"
+    names = args.backends.split(",")
+
+    import torch
+    import transformers
+
+    from actors.backends.flops import FlopsModel, peak_flops
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or tmp
+        if not args.model:
+            shape = ["--shape", "tiny", "--dtype", "float32"] if args.small else []
+            subprocess.run([sys.executable, "-m", "bench.make_model", "--out", tmp, *shape], check=True,
+                           capture_output=True)
+        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        flops = FlopsModel.from_model_dir(model_dir)
+        backends = {name: _make_backend(name, model_dir, args) for name in names}
+        rng = random.Random(0)
+        batches = [_batch(rng, vocab, args) for _ in range(args.steps)]
+        adv = [(-1.0) ** i for i in range(args.groups * args.n)]
+        for backend in backends.values():
+            for i in range(args.warmup):
+                backend.train_step(batches[i % len(batches)], adv)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name, backend in backends.items():
+                _sync(args.device)
+                t0 = time.perf_counter()
+                for batch in batches:
+                    backend.train_step(batch, adv)
+                _sync(args.device)
+                times[name].append((time.perf_counter() - t0) / len(batches))
+        seq_lens = [len(s.prompt_ids) + len(s.response_ids) for b in batches for s in b]
+        step_flops = flops.train_flops(seq_lens) / len(batches)
+        response_tokens = sum(len(s.response_ids) for b in batches for s in b) / len(batches)
+        peak = peak_flops(args.device, args.dtype)
+        out: dict[str, Any] = {
+            "machine": {"host": platform.node(), "device": torch.cuda.get_device_name() if args.device.startswith(
+                "cuda") else platform.processor() or platform.machine(), "torch": torch.__version__},
+            "model": {"dir": args.model or "bench.make_model " + ("tiny" if args.small else "qwen2.5-0.5b"),
+                      "params": sum(t.numel() for t in {id(t): t for t in backends[names[0]].named_weights().values()}.values()), "matmul_params": flops.matmul_params, "dtype": args.dtype},
+            "batch": {"samples": args.groups * args.n, "tokens_mean": sum(seq_lens) / len(seq_lens),
+                      "response_tokens": response_tokens, "micro_batch_tokens": args.micro_batch_tokens},
+            "peak_tflops": peak / 1e12 if peak else None,
+            "backends": {},
+        }
+        first = statistics.median(times[names[0]])
+        for name in names:
+            step = statistics.median(times[name])
+            out["backends"][name] = {
+                "step_ms": [round(t * 1e3, 2) for t in times[name]],
+                "response_tokens_per_s": response_tokens / step,
+                "tokens_per_s": sum(seq_lens) / len(batches) / step,
+                "tflops": step_flops / step / 1e12,
+                "mfu": step_flops / step / peak if peak else None,
+                "step_over_first": step / first,
+            }
+            if args.profile:
+                out["backends"][name]["profile"] = _profile(backends[name], batches[0], adv, args.device)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
