@@ -33,6 +33,7 @@ from msgspec import Meta
 
 from actors.backends.config import TrainerConfig, backend_unavailable
 from actors.engines.config import EngineConfig, engine_unavailable
+from actors.loggers import loggers_unavailable
 from actors.rollout_config import RolloutConfig
 from policies.config import PolicyConfig, TaskConfig
 from sync.config import SyncConfig
@@ -94,6 +95,17 @@ class RunConfig(_Section):
     keep_checkpoints: Annotated[int, Meta(ge=2)] = 2
     """Run checkpoints kept: older ones are deleted once a newer one is complete
     (at least 2, so a checkpoint torn by a crash leaves the previous one)."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where metrics go, all under the same names (the keys of ``metrics.jsonl``
+    records, nested ones as ``key/sub``) at the run's step, the resolved config
+    logged as hyperparameters (``actors/loggers.py``): ``jsonl`` (``metrics.jsonl``;
+    required: resume and the summary read it), ``tensorboard`` (``<run dir>/tensorboard``;
+    extra ``[tensorboard]``), ``wandb`` (``<run dir>/wandb``; extra ``[wandb]``)."""
+    wandb_project: str = "asyncrl"
+    """The W&B project of ``loggers: [..., wandb]``."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline``: the W&B run is written under the run directory only (no network,
+    no login; ``wandb sync`` uploads it later). ``online``: streamed to W&B (log in first)."""
 
 
 class RuntimeConfig(_Section):
@@ -200,6 +212,9 @@ def _choices(tp: Any) -> list[str]:
 def _field_type(path: str) -> Any:
     node: Any = Config
     for part in [p for p in path.split(".") if p]:
+        if part.isdigit() and typing.get_origin(node) in (list, tuple):  # an item of a list field
+            node = typing.get_args(node)[0]
+            continue
         if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
             return None
         fields = {f.name: f for f in msgspec.structs.fields(node)}
@@ -244,6 +259,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"rollout.engine.type: {reason}")
     if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
+    if (reason := loggers_unavailable(cfg.run.loggers)) is not None:
+        raise ConfigError(f"run.loggers: {reason}")
     if cfg.rollout.max_response_tokens >= cfg.rollout.engine.max_model_len:
         raise ConfigError(
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
@@ -407,8 +424,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # of (model, task, batch shape, schedule, queue, sync): changing it would resume
 # a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.checkpoint_every",
-                  "run.keep_checkpoints", "trainer.checkpoint_every", "runtime.type", "runtime.address",
-                  "runtime.num_cpus")
+                  "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
+                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus")
 
 
 def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:

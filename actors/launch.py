@@ -45,6 +45,7 @@ from typing import Any
 import loop
 from actors import checkpoint
 from actors.config import Config, ConfigError, checkpoint_every, load_config, load_resume_config, to_yaml
+from actors.loggers import open_metrics_log
 
 __all__ = ["Run", "RunStopped", "launch", "main"]
 
@@ -92,10 +93,12 @@ class Run:
             loop.run(self._setup())
             if resume is not None:
                 loop.run(self._restore(resume))
+            # metrics.jsonl and the run.loggers mirroring it (actors/loggers.py)
+            self._metrics_file = open_metrics_log(self.dir, cfg.run,
+                                                  resume_step=None if resume is None else self._resume_step)
         except BaseException:
             self._discard(made)
             raise
-        self._metrics_file = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
     def _make_dir(self) -> list[pathlib.Path]:
         """Create ``self.dir`` (a new one: a second run in the same second gets a suffix);
@@ -345,6 +348,16 @@ class Run:
         if self._closed:
             raise RuntimeError("this run is closed")
         return loop.run(self._checkpoint())
+
+    def export_hf(self, path: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
+        """Write the trainer's current weights as a Hugging Face model directory
+        (``actors/export.py``: config, safetensors, tokenizer, generation config);
+        ``dtype`` casts them (default: as trained). Returns the directory."""
+        if self._closed:
+            raise RuntimeError("this run is closed")
+        from actors.export import export_run
+
+        return loop.run(export_run(self, path, dtype=dtype))
 
     async def _checkpoint(self) -> pathlib.Path:
         """Write ``checkpoints/step-<N>`` for the step just finished (``actors/checkpoint.py``):
