@@ -114,8 +114,16 @@ class RuntimeConfig(_Section):
     ``process``: each actor in a child process of its own (no Ray needed; the
     actors' Python no longer shares one GIL). ``ray``: each actor is a Ray actor."""
     address: str | None = None
-    """Ray only. ``auto`` joins a running cluster (never shut down by us);
-    ``None`` starts a local cluster for the run and stops it at the end."""
+    """Ray only. ``auto`` joins the cluster Ray finds (``RAY_ADDRESS``, else the one a
+    ``ray start`` on this machine recorded, else a Ray node running here);
+    ``host:port`` joins the cluster whose head's GCS listens there (``ray start
+    --head`` prints it); ``ray://host:port`` joins through Ray Client. A joined
+    cluster is never shut down by us. ``None`` starts a local cluster for the run
+    and stops it at the end. No cluster to join is an error, never a new cluster."""
+    connect_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    """Ray only, with ``address``: how long to wait for the cluster to answer before
+    the run stops with one line naming the address (``ray.init`` itself would wait
+    for minutes on an address where nothing answers)."""
     num_cpus: PosInt | None = None
     """Ray only, for a cluster we start: logical CPUs to give it (default: the
     machine's cores, at least one per actor)."""
@@ -253,6 +261,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+# runtime.address: 'auto', or host:port (a name, IPv4 or [IPv6]), ray:// in front for Ray Client
+_RAY_ADDRESS = re.compile(r"auto|(ray://)?([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})")
+
+
 def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
     if (reason := engine_unavailable(cfg.rollout.engine.type, cfg.rollout.engine.url)) is not None:
@@ -293,6 +305,10 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":
         raise ConfigError("runtime.address: only used with runtime.type=ray")
+    if cfg.runtime.address is not None and not (
+            (m := _RAY_ADDRESS.fullmatch(cfg.runtime.address)) and 0 < int(m["port"] or 1) < 65536):
+        raise ConfigError(f"runtime.address: expected auto, host:port or ray://host:port (the head's address), got "
+                          f"{cfg.runtime.address!r}; leave it unset to start a cluster for the run")
     ports = cfg.transfer_queue.ports
     if ports is not None and (cfg.transfer_queue.deployment != "ray" or ports[0] > ports[1]):
         raise ConfigError(f"transfer_queue.ports: expected [first, last] with first <= last, used with "
@@ -425,7 +441,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
-                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus")
+                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s")
 
 
 def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:

@@ -158,7 +158,8 @@ class Run:
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
-        self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus)
+        self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus,
+                                    connect_timeout_s=cfg.runtime.connect_timeout_s)
         if cfg.runtime.type == "local":
             import torch
 

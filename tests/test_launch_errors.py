@@ -12,6 +12,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,6 +29,15 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def silent_listener() -> socket.socket:
+    """A loopback port that accepts TCP connections (the kernel completes them) and
+    never answers: the test's own socket, never read from."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s
 
 
 def write(path: pathlib.Path, data: bytes) -> str:
@@ -122,6 +132,71 @@ def test_a_ray_address_that_refuses_connections_is_one_line_at_once(tmp_path, ca
     assert_refused(rc, capsys.readouterr().err, out, f"runtime.address: no Ray cluster answers at 127.0.0.1:{port}")
 
 
+def test_a_ray_address_that_accepts_but_never_answers_is_one_line_within_the_timeout(tmp_path, capsys):
+    """``ray.init`` would wait on it for over 5 minutes: the runtime's probe (an HTTP/2
+    preface a Ray GCS answers at once) gives up after ``runtime.connect_timeout_s``."""
+    import ray
+
+    out = tmp_path / "runs"
+    with silent_listener() as listener:
+        port = listener.getsockname()[1]
+        start = time.monotonic()
+        rc = main([CONFIG, "runtime.type=ray", f"runtime.address=127.0.0.1:{port}", "runtime.connect_timeout_s=0.5",
+                   f"run.output_dir={out}", "run.progress=false"])
+        took = time.monotonic() - start
+    assert_refused(rc, capsys.readouterr().err, out,
+                   f"runtime.address: 127.0.0.1:{port} accepted a connection but did not answer within 0.5 s "
+                   "(runtime.connect_timeout_s); check that the head node is up")
+    assert took < 15, took  # the setup before the runtime (task, tokenizer) and the 0.5 s probe
+    assert not ray.is_initialized()  # ray.init never ran: no cluster started, none joined
+
+
+@pytest.fixture
+def no_ray_cluster_here(monkeypatch):
+    """What Ray's ``auto`` finds when no cluster runs on this machine. Other processes
+    on a shared machine may run Ray, so its two discoveries (the address file a
+    ``ray start`` writes, and Ray processes found by ``ps``) are made to find none."""
+    import ray._private.services as services
+
+    def none_found() -> frozenset:
+        return frozenset()
+
+    none_found.cache_clear = lambda: None  # ray.init / ray.shutdown clear this cache
+    monkeypatch.setattr(services, "find_gcs_addresses", none_found)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.mark.parametrize(("ray_address_env", "messages"), [
+    (None, ["runtime.address=auto: no running Ray cluster found on this machine", "`ray start --head`"]),
+    ("local", ["runtime.address=auto: RAY_ADDRESS=local asks Ray to start a new cluster, not to join one"]),
+])
+def test_auto_with_no_cluster_to_join_is_one_line_and_starts_none(ray_address_env, messages, no_ray_cluster_here,
+                                                                  tmp_path, capsys, monkeypatch):
+    import ray
+
+    if ray_address_env is not None:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address_env)
+    out = tmp_path / "runs"
+    rc = main([CONFIG, "runtime.type=ray", "runtime.address=auto", "runtime.connect_timeout_s=1",
+               f"run.output_dir={out}", "run.progress=false"])
+    assert_refused(rc, capsys.readouterr().err, out, *messages)
+    assert not ray.is_initialized()  # asked to join one: no local cluster was started instead
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("runtime.connect_timeout_s=0", "runtime.connect_timeout_s: "),
+    ("runtime.connect_timeout_s=soon", "runtime.connect_timeout_s: expected float"),
+    ("runtime.address=headnode", "runtime.address: expected auto, host:port or ray://host:port"),
+    ("runtime.address=127.0.0.1:70000", "runtime.address: expected auto, host:port or ray://host:port"),
+    ("runtime.address=local", "runtime.address: expected auto, host:port or ray://host:port"),
+])
+def test_a_malformed_cluster_setting_is_refused_at_load(override, message, tmp_path, capsys):
+    out = tmp_path / "runs"
+    rc = main([CONFIG, "runtime.type=ray", override, f"run.output_dir={out}"])
+    assert_refused(rc, capsys.readouterr().err, out, message)
+
+
 def test_an_internal_error_during_setup_is_one_line_naming_its_type(tmp_path, capsys, monkeypatch):
     """Not a user error: its type is named and --traceback shows where."""
     import policies.tasks
@@ -144,9 +219,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
-@pytest.mark.parametrize("case", ["binary", "ray_refused", "missing_data_file"])
+@pytest.mark.parametrize("case", ["binary", "ray_refused", "ray_silent", "missing_data_file"])
 def test_the_cli_process_exits_non_zero_with_one_line_and_no_traceback(case, tmp_path):
     out = tmp_path / "runs"
+    listener = silent_listener()  # used by ray_silent; the others ignore it
     if case == "binary":
         args = [write(tmp_path / "model.bin", b"\x00\x01\x02garbage"), f"run.output_dir={out}"]
         needle = "a binary file (NUL byte at offset 0), not a YAML config"
@@ -154,10 +230,16 @@ def test_the_cli_process_exits_non_zero_with_one_line_and_no_traceback(case, tmp
         port = closed_port()
         args = [CONFIG, "runtime.type=ray", f"runtime.address=127.0.0.1:{port}", f"run.output_dir={out}"]
         needle = f"runtime.address: no Ray cluster answers at 127.0.0.1:{port} (Connection refused)"
+    elif case == "ray_silent":
+        port = listener.getsockname()[1]
+        args = [CONFIG, "runtime.type=ray", f"runtime.address=127.0.0.1:{port}", "runtime.connect_timeout_s=1",
+                f"run.output_dir={out}"]
+        needle = f"runtime.address: 127.0.0.1:{port} accepted a connection but did not answer within 1 s"
     else:
         args = [CONFIG, "task.type=text_dataset", "task.kwargs.path=/nonexistent/train.jsonl", f"run.output_dir={out}"]
         needle = "/nonexistent/train.jsonl"
-    res = run_cli(*args)
+    with listener:
+        res = run_cli(*args)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [res.stderr.strip()], res.stderr
     assert res.stderr.startswith("error: ") and needle in res.stderr and "Traceback" not in res.stderr
