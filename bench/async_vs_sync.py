@@ -231,8 +231,8 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     syncs = [m for m in hist if "sync/total_ms" in m]
     if not syncs:
         return {}
-    parts = {k: statistics.fmean(m[f"sync/{k}_ms"] for m in syncs)
-             for k in ("encode", "transfer", "apply", "total", "paused")}
+    parts = {k: statistics.fmean(m.get(f"sync/{k}_ms", 0.0) for m in syncs)
+             for k in ("encode", "transfer", "apply", "total", "paused", "pause")}
     parts["sequence"] = parts["total"] - parts["encode"] - parts["transfer"] - parts["apply"]
     # the trainer's own encode time (the "encode" above also holds the call that fetched it)
     parts["sender_encode"] = statistics.fmean(m.get("sync/sender_encode_ms", 0.0) for m in syncs)

@@ -14,7 +14,8 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     on the trainer, ``transfer_ms`` publishing through the transport,
     ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` the whole
     sequence, ``paused_ms`` the part of it the engines did not generate (pause to
-    resume: without ``colocated`` the encode runs before the pause).
+    resume: without ``colocated`` the encode runs before the pause), ``pause_ms``
+    the first part of that: until every engine has stopped and aborted its requests.
     ``sender_encode_ms``: the encode as the sender timed it, without the call
     that fetched it; ``device_plan``: the update took the device fast path
     (:mod:`sync.device`)."""
@@ -28,6 +29,7 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     apply_ms: float
     total_ms: float = 0.0
     paused_ms: float = 0.0
+    pause_ms: float = 0.0
     num_engines: int = 0
     num_full_retries: int = 0
     num_aborted: int = 0

@@ -133,6 +133,7 @@ async def sync_weights(
     await asyncio.gather(*(e.pause() for e in engines))
     try:
         aborted = list(await asyncio.gather(*(e.abort(None) for e in engines)))
+        t_stopped = time.perf_counter()
         if colocated:
             await asyncio.gather(*(e.sleep(1) for e in engines))
             before, update = await _prepare(engines, src)
@@ -140,7 +141,8 @@ async def sync_weights(
         metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
                               changed_fraction=update.manifest.changed_fraction, encode_ms=0.0,
                               transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
-                              num_aborted=sum(a if isinstance(a, int) else len(a) for a in aborted))
+                              num_aborted=sum(a if isinstance(a, int) else len(a) for a in aborted),
+                              pause_ms=(t_stopped - t_pause) * 1e3)
         errors = await _push(engines, list(range(len(engines))), update, transport, metrics)
         if errors and src.can_retry:
             metrics.num_full_retries = 1
