@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from actors.backends.batching import micro_batches
 from actors.backends import TrainerBackend, TrainerConfig, make_backend
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR, load_causal_lm
@@ -135,7 +136,7 @@ def test_token_budget_micro_batches_give_the_same_step_as_one_batch(loss):
     samples[0].response_ids = samples[0].response_ids * 4  # one long row
     samples[0].rollout_logprobs = samples[0].rollout_logprobs * 4
     advantages = [1.0, -0.5, 0.25, -0.75][: len(samples)] + [0.0] * max(0, len(samples) - 4)
-    assert len(micro._micro_batches(samples)) > 1
+    assert len(micro_batches(samples, micro.micro_batch_tokens)) > 1
     m_whole = whole.train_step(samples, advantages)
     m_micro = micro.train_step(samples, advantages)
     assert m_micro["tokens"] == m_whole["tokens"]

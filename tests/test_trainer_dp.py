@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from actors.backends.batching import micro_batches
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR
 from contracts.sample import Sample
@@ -106,7 +107,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, batch: tuple) -> Non
         for scenario in SCENARIOS:
             b = _backend(scenario)
             assert b.world_size == world and b.shard_specs() is not None
-            out["passes"][scenario] = len(b._micro_batches(mine))
+            out["passes"][scenario] = len(micro_batches(mine, b.micro_batch_tokens))
             steps = []
             senders = {dtype: WeightSender(mode="delta", dtype=dtype, bucket_bytes=4096)
                        for dtype in (torch.bfloat16, torch.float32)}

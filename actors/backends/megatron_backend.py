@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from actors.backends import megatron_convert as mc
 from actors.backends.base import Loss, TrainerBackend
+from actors.backends.batching import batch_error, micro_batches, pad_values
 from actors.backends.config import TrainerConfig
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import resolve_model_path
@@ -327,45 +328,6 @@ class MegatronBackend(TrainerBackend):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logprobs * mask, entropy, mask
 
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """Indices split so rows x longest row <= ``micro_batch_tokens``, rows sorted by length."""
-        if not self.micro_batch_tokens:
-            return [list(range(len(samples)))]
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
-        out: list[list[int]] = [[]]
-        for i in order:
-            width = len(samples[i].prompt_ids) + len(samples[i].response_ids)
-            if out[-1] and (len(out[-1]) + 1) * width > self.micro_batch_tokens:
-                out.append([])
-            out[-1].append(i)
-        return out
-
-    @staticmethod
-    def _pad(samples: list[Sample], values: list[list[float]], *, like: torch.Tensor) -> torch.Tensor:
-        out = np.zeros(tuple(like.shape), dtype=np.float32)
-        for i, v in enumerate(values):
-            out[i, : len(v)] = v
-        return torch.from_numpy(out).to(device=like.device, dtype=like.dtype)
-
-    @staticmethod
-    def _batch_error(samples: list[Sample], advantages: list[float] | None = None,
-                     proximal_logprobs: list[list[float]] | None = None) -> str | None:
-        """What is wrong with a batch (checked before any collective), or None."""
-        if advantages is not None and len(advantages) != len(samples):
-            return f"got {len(advantages)} advantages for {len(samples)} samples"
-        if proximal_logprobs is not None and len(proximal_logprobs) != len(samples):
-            return f"got proximal_logprobs for {len(proximal_logprobs)} samples, expected {len(samples)}"
-        for i, s in enumerate(samples):
-            if len(s.prompt_ids) == 0:
-                return f"sample {s.uid!r} has an empty prompt"
-            if advantages is None:
-                continue
-            for what, values in (("rollout_logprobs", s.rollout_logprobs),
-                                 ("proximal_logprobs", None if proximal_logprobs is None else proximal_logprobs[i])):
-                if values is not None and len(values) != len(s.response_ids):
-                    return f"sample {s.uid!r} has {len(values)} {what} for {len(s.response_ids)} response tokens"
-        return None
-
     def _agree(self, error: str | None) -> None:
         """Raise on every rank when any rank's input was refused (before any collective
         that a refusing rank would leave others waiting in)."""
@@ -411,12 +373,12 @@ class MegatronBackend(TrainerBackend):
         more than one rank every rank calls it at once, each with its own samples."""
         self._require_setup()
         mine = list(samples)
-        self._agree(self._batch_error(mine))
+        self._agree(batch_error(mine))
         union, start = self._tp_union(mine)
         if not union:
             return []
         out: list[list[float]] = [[] for _ in union]
-        for idx in self._micro_batches(union):
+        for idx in micro_batches(union, self.micro_batch_tokens):
             part = [union[i] for i in idx]
             logprobs, _, _ = self._response_logprobs(part)
             rows = logprobs.cpu()
@@ -435,7 +397,7 @@ class MegatronBackend(TrainerBackend):
         ``proximal_logprobs`` for a loss that needs them, else recomputed here."""
         self._require_setup()
         samples, advantages = list(samples), list(advantages)
-        self._agree(self._batch_error(samples, advantages, proximal_logprobs))
+        self._agree(batch_error(samples, advantages, proximal_logprobs))
         samples, advantages, proximal_logprobs, _ = self._tp_union(samples, advantages, proximal_logprobs)
         total_tokens, total_samples = self._dp_sum([float(sum(len(s.response_ids) for s in samples)),
                                                     float(len(samples))])
@@ -445,7 +407,7 @@ class MegatronBackend(TrainerBackend):
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         sums = dict.fromkeys(self._metric_keys, 0.0)
-        for idx in self._micro_batches(samples) if samples else []:
+        for idx in micro_batches(samples, self.micro_batch_tokens) if samples else []:
             part = [samples[i] for i in idx]
             prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
             weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1.0)
@@ -467,8 +429,8 @@ class MegatronBackend(TrainerBackend):
                 extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
         logprobs, entropy, mask = self._response_logprobs(samples)
         if self.loss.needs_proximal and proximal_logprobs is not None:
-            extra["proximal_logprobs"] = self._pad(samples, proximal_logprobs, like=logprobs)
-        rollout = self._pad(samples, [s.rollout_logprobs for s in samples], like=logprobs)
+            extra["proximal_logprobs"] = pad_values(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
+        rollout = pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
         adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
         loss, metrics = self.loss(logprobs, rollout, adv, mask, **extra)
         (loss * weight).backward()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from actors.backends.base import Loss, TrainerBackend
+from actors.backends.batching import batch_error, micro_batches, pad_values
 from actors.backends.config import TrainerConfig
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import load_causal_lm, resolve_model_path
@@ -265,7 +266,7 @@ class TorchBackend(TrainerBackend):
         fine there: the rank still joins the forward's all-gathers)."""
         self._require_setup()
         if self.world_size > 1:
-            self._agree(self._batch_error(samples), [])
+            self._agree(batch_error(samples), [])
             # one forward on every rank, a filler row where a rank has no samples
             logprobs, _, _ = self._response_logprobs(samples or [self._filler()])
             self.model.reshard()  # the root keeps its params gathered after a forward
@@ -335,10 +336,10 @@ class TorchBackend(TrainerBackend):
                 raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples")
             if proximal_logprobs is not None and len(proximal_logprobs) != len(samples):
                 raise ValueError(f"got proximal_logprobs for {len(proximal_logprobs)} samples, expected {len(samples)}")
-            return self._micro_batches(samples), sum(len(s.response_ids) for s in samples)
-        local = self._micro_batches(samples) if samples else []
+            return micro_batches(samples, self.micro_batch_tokens), sum(len(s.response_ids) for s in samples)
+        local = micro_batches(samples, self.micro_batch_tokens) if samples else []
         recompute = self.loss.needs_proximal and proximal_logprobs is None  # an extra forward per pass
-        table = self._agree(self._batch_error(samples, advantages, proximal_logprobs),
+        table = self._agree(batch_error(samples, advantages, proximal_logprobs),
                             [sum(len(s.response_ids) for s in samples), len(samples), len(local), float(recompute)])
         if table[:, 1].sum() == 0:
             raise ValueError("empty batch")
@@ -361,45 +362,11 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"trainer rank(s) {refused} refused their part of the batch (their errors say why)")
         return table[:, 1:]
 
-    @staticmethod
-    def _batch_error(samples: list[Sample], advantages: list[float] | None = None,
-                     proximal_logprobs: list[list[float]] | None = None) -> str | None:
-        """What is wrong with a rank's batch (checked before any collective), or None.
-        ``advantages`` None: log-probs only, no training fields to check."""
-        if advantages is not None and len(advantages) != len(samples):
-            return f"got {len(advantages)} advantages for {len(samples)} samples"
-        if proximal_logprobs is not None and len(proximal_logprobs) != len(samples):
-            return f"got proximal_logprobs for {len(proximal_logprobs)} samples, expected {len(samples)}"
-        for i, s in enumerate(samples):
-            if len(s.prompt_ids) == 0:
-                return f"sample {s.uid!r} has an empty prompt"
-            if advantages is None:
-                continue
-            for what, values in (("rollout_logprobs", s.rollout_logprobs),
-                                 ("proximal_logprobs", None if proximal_logprobs is None else proximal_logprobs[i])):
-                if values is not None and len(values) != len(s.response_ids):
-                    return f"sample {s.uid!r} has {len(values)} {what} for {len(s.response_ids)} response tokens"
-        return None
-
     def _filler(self) -> Sample:
         """The one-token row of a rank's weight-0 passes (advantage 0, log-probs 0:
         finite, so its zero-weighted gradient is exactly zero)."""
         return Sample(uid="<filler>", group_id="<filler>", prompt_ids=[self.pad_id],
                       response_ids=[self.pad_id], rollout_logprobs=[0.0])
-
-    def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        """Indices split so rows x longest row <= ``micro_batch_tokens``, rows
-        sorted by length: a long-tailed batch stops padding every row to its longest."""
-        if not self.micro_batch_tokens:
-            return [list(range(len(samples)))]
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
-        out: list[list[int]] = [[]]
-        for i in order:
-            width = len(samples[i].prompt_ids) + len(samples[i].response_ids)
-            if out[-1] and (len(out[-1]) + 1) * width > self.micro_batch_tokens:
-                out.append([])
-            out[-1].append(i)
-        return out
 
     def _accumulate(self, samples: list[Sample], advantages: list[float],
                     proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, float]:
@@ -413,8 +380,8 @@ class TorchBackend(TrainerBackend):
                 extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
         logprobs, entropy, mask = self._response_logprobs(samples)
         if self.loss.needs_proximal and proximal_logprobs is not None:
-            extra["proximal_logprobs"] = self._pad(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
-        rollout = self._pad(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
+            extra["proximal_logprobs"] = pad_values(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
+        rollout = pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
         adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
         loss, metrics = self.loss(logprobs, rollout, adv, mask, **extra)
         (loss * weight).backward()
@@ -424,18 +391,6 @@ class TorchBackend(TrainerBackend):
             "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
             **{k: float(v) for k, v in metrics.items()},
         }
-
-    @staticmethod
-    def _pad(samples: list[Sample], values: list[list[float]], what: str, *, like: torch.Tensor) -> torch.Tensor:
-        """Per-token values (one list per sample) as a zero-padded tensor shaped ``like`` ``[B, T]``."""
-        if len(values) != len(samples):
-            raise ValueError(f"got {what} for {len(values)} samples, expected {len(samples)}")
-        out = np.zeros(tuple(like.shape), dtype=np.float32)
-        for i, (s, v) in enumerate(zip(samples, values)):
-            if len(v) != len(s.response_ids):
-                raise ValueError(f"sample {s.uid!r} has {len(v)} {what} for {len(s.response_ids)} response tokens")
-            out[i, : len(v)] = v
-        return torch.from_numpy(out).to(device=like.device, dtype=like.dtype)
 
     def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under its HF name, detached.
