@@ -6,8 +6,15 @@ From a notebook::
     from actors.launch import launch
     run = launch("fully_async.yaml", "trainer.lr=2e-6")
     run.train(steps=10)      # step by step; call again to continue
+    await run.train_async(10)       # the same from code on an event loop
+    run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, 95.3 samples/s)
+    run.metrics(); run.plot()       # the records as a table (pandas); reward, staleness, throughput
     run.close()
     run = launch(resume=run.dir)   # later: from its newest checkpoint
+
+The stop button (KeyboardInterrupt), or cancelling ``train_async``, stops
+training at the next step boundary: the step in progress finishes with its
+weight push, and the same run trains again at once (``notebooks/quickstart.ipynb``).
 
 Inside an existing Ray cluster: ``runtime.type=ray runtime.address=auto``
 (the cluster is joined, never shut down by the run).
@@ -43,7 +50,7 @@ import traceback
 from typing import Any
 
 import loop
-from actors import checkpoint
+from actors import checkpoint, notebook
 from actors.config import Config, ConfigError, checkpoint_every, load_config, load_resume_config, to_yaml
 from actors.loggers import open_metrics_log
 
@@ -82,6 +89,7 @@ class Run:
         self._metrics_file: Any = None
         self.last_checkpoint: pathlib.Path | None = None
         self._stop_signal: int | None = None  # set by request_stop: checkpoint after this step, then stop
+        self._train_call: _TrainCall | None = None  # the train call in progress (interrupt stops it)
         self._closed = False
         self._discarded = False  # setup failed: no summary, the run directory removed
         self.runtime: Any = None
@@ -249,25 +257,85 @@ class Run:
         return (0.5 if self.cfg.sync.colocated else 1), "cuda"
 
     def train(self, steps: int | None = None) -> list[dict[str, Any]]:
-        """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``)."""
+        """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``);
+        returns their records. Blocks; in code already on an event loop use
+        :meth:`train_async`. A KeyboardInterrupt (Ctrl-C, a notebook's stop button)
+        stops training at the next step boundary (:meth:`interrupt`), then is raised:
+        the run can train again at once."""
+        steps = self._steps(steps)
+        if loop.in_loop():
+            raise RuntimeError("run.train() would block the loop the run lives on: `await run.train_async(steps)`")
+        call = _TrainCall()
+        try:
+            return loop.run(self._train_alone(steps, call), on_interrupt=call.interrupt)
+        except KeyboardInterrupt:
+            if not call.interrupted:  # raised by a SIGINT handler of the caller's own, mid-step
+                raise
+            raise KeyboardInterrupt(f"training stopped after step {self.policy.step}; the run can train again") from None
+
+    async def train_async(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """:meth:`train` for code on an event loop (a notebook cell with ``await``):
+        the steps run on the run's loop (the caller's own, or a background thread's).
+        Cancelling it (a notebook's stop button cancels the cell) stops training at
+        the next step boundary as an interrupt does, then CancelledError propagates."""
+        call = _TrainCall()
+        work = self._train_alone(self._steps(steps), call)
+        if loop.in_loop():
+            running: asyncio.Future[list[dict[str, Any]]] = asyncio.ensure_future(work)
+        else:
+            running = asyncio.wrap_future(loop.submit(work))
+        try:  # a cancel reaches this wait only, never a step (asyncio.wait leaves ``running`` be)
+            while not running.done():
+                # wake now and then: Jupyter's stop button cancels this task from a signal
+                # handler that does not wake the loop (ipykernel 7 on tornado)
+                await asyncio.wait([running], timeout=_WAKE_S)
+        except asyncio.CancelledError:
+            call.interrupt()
+            while not running.done():
+                try:
+                    await asyncio.wait([running])
+                except asyncio.CancelledError:  # cancelled again: the step in progress still ends first
+                    pass
+            if not running.cancelled() and running.exception() is not None:
+                raise running.exception() from None
+            raise asyncio.CancelledError(f"training stopped after step {self.policy.step}; the run can train "
+                                         "again") from None
+        return running.result()
+
+    def interrupt(self) -> None:
+        """Stop the train call in progress at the next step boundary: the step being
+        taken finishes (its push too: no engine is left paused), its record is
+        written, and the call ends. Safe from any thread and from a signal handler;
+        a no-op between calls."""
+        call = self._train_call
+        if call is not None:
+            call.interrupt()
+
+    def _steps(self, steps: int | None) -> int:
         if self._closed:
             raise RuntimeError("this run is closed")
         remaining = self.cfg.run.total_steps - self.policy.step
-        steps = max(0, remaining) if steps is None else steps
-        return loop.run(self._train(steps))
+        return max(0, remaining) if steps is None else steps
+
+    async def _train_alone(self, steps: int, call: _TrainCall) -> list[dict[str, Any]]:
+        """:meth:`_train` as ``call``, one call at a time (two would step one trainer at once)."""
+        if self._train_call is not None:
+            raise RuntimeError("this run is training already (one train call at a time; run.interrupt() stops it)")
+        self._train_call, call.task = call, asyncio.current_task()
+        try:
+            return await self._train(steps, call)
+        finally:
+            self._train_call = None
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop after the step in progress: write a checkpoint, then ``train``
         raises :class:`RunStopped` naming it (the command line's SIGTERM / SIGINT)."""
         self._stop_signal = signum
 
-    async def _train(self, steps: int) -> list[dict[str, Any]]:
+    async def _train(self, steps: int, call: _TrainCall) -> list[dict[str, Any]]:
         bar = None
         if self.cfg.run.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(self.history) + steps, initial=len(self.history), unit="step",
-                       dynamic_ncols=True, file=sys.stderr)
+            bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
         out: list[dict[str, Any]] = []
         unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
         if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
@@ -276,6 +344,8 @@ class Run:
         every = checkpoint_every(self.cfg)
         try:
             for _ in range(steps):
+                if call.interrupted:  # a step boundary: nothing of this call runs on after it
+                    break
                 (m,) = await self._watched(self.policy.train(1))
                 if self.resumed_from is not None and m["step"] == self._resume_step + 1:
                     m["resumed_from"] = str(self.resumed_from.relative_to(self.dir))
@@ -343,6 +413,60 @@ class Run:
             "dropped": h[-1]["dropped"], "staleness_max": max(m["staleness_max"] for m in h),
             "run_dir": str(self.dir),
         }
+
+    def __repr__(self) -> str:
+        return notebook.describe(self.cfg.run.name, self.history, self.cfg.run.total_steps, self._closed)
+
+    def metrics(self) -> Any:
+        """The steps' records so far: a pandas DataFrame indexed by step when pandas
+        is installed, else a list of dicts (``actors/notebook.py``)."""
+        return notebook.metrics_table(self.history)
+
+    def plot(self, *panels: str) -> Any:
+        """Plot reward (with the held-out eval reward), staleness and throughput
+        against the step, or the ``panels`` named (those, or record keys such as
+        ``train/loss``); returns their matplotlib Axes. Needs the ``plot`` extra."""
+        return notebook.plot(self.history, self.initial_eval, panels or tuple(notebook.PANELS),
+                             title=self.dir.name)
+
+    def check(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Check the run between train calls (after an interrupt, say) and return its
+        counters. Between calls rollout goes on until what may run ahead of the
+        trainer is generated, then stops: this waits for that (up to ``timeout_s``),
+        then raises unless produced == trained + dropped + pending
+        (``policies.base.AccountingError``), no engine is left paused, and no task
+        is left on the run's loop but the schedule's parked ones and the readers of
+        its connections (RuntimeError naming the rest)."""
+        if self._closed:
+            raise RuntimeError("this run is closed")
+        return loop.run(self._check(timeout_s))
+
+    async def _check(self, timeout_s: float) -> dict[str, Any]:
+        policy, me = self.policy, asyncio.current_task()
+        if self._train_call is not None:
+            raise RuntimeError("a train call is running: check the run between calls")
+
+        def left() -> list[asyncio.Task[Any]]:
+            parked = set(policy.background_tasks())
+            return [t for t in asyncio.all_tasks() if t is not me and t not in parked and not t.done()
+                    and _module_of(t) not in _CONNECTION_MODULES]
+
+        deadline = time.monotonic() + timeout_s
+        while (not policy.rollout_idle() or left()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        pending = await policy.check_accounting()
+        stats = await asyncio.gather(*(h.statistics() for h in policy.rollouts))
+        paused = [h.name for h, st in zip(policy.rollouts, stats) if st.get("paused")]
+        if paused:
+            raise RuntimeError(f"rollout actors left paused between train calls: {', '.join(paused)}")
+        if not policy.rollout_idle():
+            raise RuntimeError(f"rollout did not stop within {timeout_s:g} s: {policy.in_flight} samples in flight")
+        if stray := left():
+            names = ", ".join(f"{t.get_name()} ({getattr(t.get_coro(), '__qualname__', '?')})" for t in stray)
+            raise RuntimeError(f"tasks left running on the run's loop between train calls: {names}")
+        return {"step": policy.step, "produced": policy.produced, "trained": policy.trained,
+                "dropped": sum(policy.dropped.values()), "pending": pending,
+                "tasks": sorted(t.get_name() for t in policy.background_tasks())}
 
     def save_checkpoint(self) -> pathlib.Path:
         """Write a run checkpoint now (between ``train`` calls); returns its directory."""
@@ -420,6 +544,12 @@ class Run:
         self._closed = True
 
         async def _close() -> None:
+            call = self._train_call
+            if call is not None and call.task is not None:  # its caller went away: it ends after its step
+                call.interrupt()
+                if not (await asyncio.wait([call.task], timeout=_CLOSE_TRAIN_WAIT_S))[0]:
+                    call.task.cancel()
+                await asyncio.gather(call.task, return_exceptions=True)
             if self.policy is not None:
                 await self.policy.close()
             if self.queue is not None:
@@ -442,6 +572,30 @@ class Run:
         self.close()
 
 
+class _TrainCall:
+    """One train call's stop request: set from any thread (a KeyboardInterrupt in
+    the caller's, a cancelled ``train_async``), read at the call's step boundaries.
+    Per call, so a request that arrives late never stops the next call."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.task: asyncio.Task[Any] | None = None  # on the run's loop, once it runs
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+
+_WAKE_S = 0.1  # how often train_async's caller wakes while it waits
+# modules whose tasks read a connection of the run's (the queue client's): they live as long as it
+_CONNECTION_MODULES = ("transfer_queue.rpc",)
+
+
+def _module_of(task: asyncio.Task[Any]) -> str:
+    """The module of the function ``task`` runs now ("" if not known)."""
+    frame = getattr(task.get_coro(), "cr_frame", None)
+    return frame.f_globals.get("__name__", "") if frame is not None else ""
+
+_CLOSE_TRAIN_WAIT_S = 10.0  # close() lets a train call still running end its step this long, then cancels it
 _DEFAULT_CONFIG = "fully_async.yaml"
 
 

@@ -244,7 +244,8 @@ class RolloutActor(Actor):
         stats = getattr(self.engine, "statistics", None)
         return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
-                "num_queued": self.num_queued, "dropped": dict(self.dropped)}
+                "num_queued": self.num_queued, "dropped": dict(self.dropped),
+                "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()
 
     async def close(self) -> None:
         if self.engine is not None:

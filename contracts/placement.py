@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import msgspec
 
@@ -20,11 +21,10 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _ray() -> object | None:
-    try:
-        import ray
-    except ImportError:
-        return None
-    return ray if ray.is_initialized() else None
+    # Ray is connected only where something imported it: a local run never pays for
+    # importing it (seconds, and in a notebook a log line about ipywidgets)
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
 
 
 def node_address() -> str:

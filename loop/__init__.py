@@ -7,7 +7,8 @@ own: the loop is made on first use, and at most one background thread is
 started, the first time :func:`run` is called from a thread that already
 runs another loop (Jupyter) or from a thread other than the loop's.
 
-    run(coro)      block until coro is done; returns its result
+    run(coro)      block until coro is done; returns its result (on_interrupt=: an
+                   interrupt asks coro to stop and waits for it, never abandons it)
     submit(coro)   schedule coro, return a concurrent.futures.Future
     get_loop()     the loop (created on first use, never replaced until shutdown)
     shutdown()     close it: cancel what is left, join the thread; idempotent
@@ -33,8 +34,9 @@ import atexit
 import concurrent.futures
 import importlib.util
 import logging
+import signal
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["adopt", "get_loop", "run", "submit", "shutdown", "is_uvloop", "in_loop", "loop_name"]
@@ -144,13 +146,22 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, loop)
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
+def run(coro: Coroutine[Any, Any, T], *, on_interrupt: Callable[[], object] | None = None) -> T:
     """Run ``coro`` to completion on the global loop and return its result.
 
     From a plain thread with no loop of its own the global loop runs right
     here. From a thread that runs another loop (a notebook) or while the
     global loop runs elsewhere, the coroutine goes to the loop's background
     thread and this call blocks until it is done.
+
+    ``on_interrupt``: a KeyboardInterrupt while ``coro`` runs (Ctrl-C, a
+    notebook's stop button) does not abandon ``coro`` half way on the loop:
+    ``on_interrupt()`` is called there once (it should make ``coro`` end soon),
+    this call waits on until ``coro`` has ended, then raises KeyboardInterrupt
+    (or the error ``coro`` ended with). When the loop runs in this thread only
+    SIGINT is caught so, and only in the main thread while Python's default
+    handler is installed (a handler of the caller's own is left alone).
+    Without ``on_interrupt`` a KeyboardInterrupt leaves ``coro`` running.
     """
     if in_loop():
         coro.close()
@@ -162,8 +173,52 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except RuntimeError:
         foreign_loop = False
     if foreign_loop or loop.is_running() or _thread is not None:
-        return submit(coro).result()
-    return loop.run_until_complete(coro)
+        future = submit(coro)
+        if on_interrupt is None:
+            return future.result()
+        return _wait_through_interrupts(future, loop, on_interrupt)
+    if on_interrupt is None or not _default_sigint_here():
+        return loop.run_until_complete(coro)
+    interrupted = False
+
+    def _on_sigint(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            loop.call_soon_threadsafe(on_interrupt)
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        result = loop.run_until_complete(coro)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
+
+
+def _default_sigint_here() -> bool:
+    """Whether SIGINT would raise KeyboardInterrupt in this thread (Python's default handler)."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+def _wait_through_interrupts(future: concurrent.futures.Future[T], loop: asyncio.AbstractEventLoop,
+                             on_interrupt: Callable[[], object]) -> T:
+    """``future.result()``; a KeyboardInterrupt meanwhile calls ``on_interrupt`` on
+    ``loop`` (the first one only) and the wait goes on; raised once it is done."""
+    interrupted = False
+    while True:
+        try:
+            result = future.result()
+            break
+        except KeyboardInterrupt:
+            if not interrupted:
+                interrupted = True
+                loop.call_soon_threadsafe(on_interrupt)
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
 
 
 def shutdown() -> None:

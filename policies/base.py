@@ -343,6 +343,17 @@ class PolicyBase(abc.ABC):
     async def _start_background(self) -> None:
         """Start whatever runs beside the trainer loop (nothing by default)."""
 
+    def rollout_idle(self) -> bool:
+        """Whether rollout has stopped by itself between train calls: what the
+        schedule generates ahead of the trainer is generated and reported (the
+        fully-async feeder stops at a full admission window)."""
+        return self.in_flight == 0
+
+    def background_tasks(self) -> list[asyncio.Task[Any]]:
+        """The tasks of this schedule that live on between train calls (parked
+        once :meth:`rollout_idle`); any other task left then is a leak."""
+        return []
+
     async def sync_weights(self, released: asyncio.Event | None = None) -> None:
         """Push this step's weights to the engines; its metrics go into this
         step's record (filled in later if the sync outlives the step). A push

@@ -60,6 +60,12 @@ class OneStepOffPolicy(_BatchPolicy):
         super().__init__(*args, **kwargs)
         self._next: asyncio.Task[None] | None = None
 
+    def rollout_idle(self) -> bool:
+        return self._next is None or self._next.done()
+
+    def background_tasks(self) -> list[asyncio.Task[Any]]:
+        return [] if self.rollout_idle() else [self._next]  # type: ignore[list-item]
+
     async def _before_step(self) -> None:
         if self._next is None:  # first step: nothing generated ahead yet
             await self._generate_batch()

@@ -74,6 +74,16 @@ class FullyAsyncPolicy(PolicyBase):
             self._failure = asyncio.get_running_loop().create_future()
             self._feeder = asyncio.create_task(self._feed(), name="feeder")
 
+    def rollout_idle(self) -> bool:
+        """No group in flight and the feeder waiting for a slot of a full window:
+        nothing wakes it before the next step (a sync, a drop) or :meth:`close`."""
+        n = self.cfg.rollout.n
+        feeder_parked = self._feeder is None or self._feeder.done() or not self.admission.can_admit(n)
+        return not self._groups and self.in_flight == 0 and feeder_parked
+
+    def background_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in [self._feeder, *self._groups] if t is not None and not t.done()]
+
     def _fail(self, err: BaseException) -> None:
         assert self._failure is not None
         if not self._failure.done():

@@ -123,3 +123,47 @@ def test_open_file_descriptors_stay_flat_over_10000_calls():
         assert loop.run(asyncio.sleep(0, result=i)) == i
     assert _num_fds() - before <= 2
     assert _loop_threads() == 1
+
+
+@pytest.mark.parametrize("where", ["the loop in this thread", "a foreign loop in this thread"])
+def test_an_interrupt_with_on_interrupt_lets_the_coroutine_end_then_raises_keyboard_interrupt(where):
+    """SIGINT (Ctrl-C, a notebook's stop button) while ``run(coro, on_interrupt=...)``
+    blocks: ``on_interrupt`` runs on the loop, ``coro`` ends its own way, nothing is
+    left running, then KeyboardInterrupt; Python's SIGINT handler is back after."""
+    import signal
+
+    events: list[str] = []
+
+    async def work() -> None:
+        stop = asyncio.Event()
+        stopping.append(stop.set)
+        await stop.wait()
+        await asyncio.sleep(0.05)  # what is in progress finishes
+        events.append("ended")
+
+    def on_interrupt() -> None:
+        assert loop.in_loop()
+        events.append("interrupted")
+        stopping[0]()
+
+    async def cell() -> None:
+        loop.run(work(), on_interrupt=on_interrupt)
+
+    stopping: list = []
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        if where == "the loop in this thread":
+            loop.run(work(), on_interrupt=on_interrupt)
+        else:
+            foreign = asyncio.new_event_loop()  # no SIGINT handler of its own, as Jupyter's
+            try:
+                foreign.run_until_complete(cell())
+            finally:
+                foreign.close()
+    assert events == ["interrupted", "ended"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert loop.run(_tasks_left()) == 0
+
+
+async def _tasks_left() -> int:
+    return len(asyncio.all_tasks()) - 1
