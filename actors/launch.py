@@ -434,9 +434,10 @@ class Run:
         counters. Between calls rollout goes on until what may run ahead of the
         trainer is generated, then stops: this waits for that (up to ``timeout_s``),
         then raises unless produced == trained + dropped + pending
-        (``policies.base.AccountingError``), no engine is left paused, and no task
-        is left on the run's loop but the schedule's parked ones and the readers of
-        its connections (RuntimeError naming the rest)."""
+        (``policies.base.AccountingError``), no sample is leased from the queue,
+        no engine is left paused, and no task is left on the run's loop but the
+        schedule's parked ones and the readers of its connections (RuntimeError
+        naming the rest)."""
         if self._closed:
             raise RuntimeError("this run is closed")
         return loop.run(self._check(timeout_s))
@@ -455,6 +456,9 @@ class Run:
         while (not policy.rollout_idle() or left()) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         pending = await policy.check_accounting()
+        leased = (await self.queue.statistics_async()).in_flight
+        if leased:  # between steps the trainer holds no batch
+            raise RuntimeError(f"{leased} samples still leased from the queue between train calls")
         stats = await asyncio.gather(*(h.statistics() for h in policy.rollouts))
         paused = [h.name for h, st in zip(policy.rollouts, stats) if st.get("paused")]
         if paused:
