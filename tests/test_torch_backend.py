@@ -113,7 +113,8 @@ def test_make_backend_builds_the_torch_backend_from_its_config_section_with_its_
     backend = make_backend(cfg, str(BUILTIN_MODEL_DIR), seed=3, loss=PPO)
     assert isinstance(backend, TrainerBackend) and isinstance(backend, TorchBackend)
     assert (backend.lr, backend.seed, backend.loss, backend.version) == (1e-3, 3, PPO, 0)
-    assert backend.micro_batch_tokens == cfg.micro_batch_tokens == TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO).micro_batch_tokens
+    assert cfg.micro_batch_tokens is None  # resolved per device: 2048 on a CPU
+    assert backend.micro_batch_tokens == TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO).micro_batch_tokens == 2048
     assert backend.shard_specs() is None  # unsharded
 
 
@@ -143,3 +144,13 @@ def test_token_budget_micro_batches_give_the_same_step_as_one_batch(loss):
     assert abs(m_micro["grad_norm"] - m_whole["grad_norm"]) < 1e-4 * max(1.0, m_whole["grad_norm"])
     for name, w in whole.named_weights().items():
         torch.testing.assert_close(micro.named_weights()[name], w, atol=1e-5, rtol=1e-4)  # Adam step ~1e-3
+
+
+def test_the_micro_batch_budget_defaults_by_device_and_refuses_a_negative_one():
+    from actors.backends.batching import micro_batch_budget
+
+    assert micro_batch_budget(None, torch.device("cpu")) == 2048
+    assert micro_batch_budget(None, torch.device("cuda")) == 16384
+    assert micro_batch_budget(0, torch.device("cuda")) == 0
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 0, got -1"):
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, micro_batch_tokens=-1)

@@ -8,7 +8,7 @@ import torch
 
 from contracts.sample import Sample
 
-__all__ = ["batch_error", "micro_batches", "pad_values"]
+__all__ = ["batch_error", "micro_batch_budget", "micro_batches", "pad_values"]
 
 
 def batch_error(samples: list[Sample], advantages: list[float] | None = None,
@@ -29,6 +29,15 @@ def batch_error(samples: list[Sample], advantages: list[float] | None = None,
             if values is not None and len(values) != len(s.response_ids):
                 return f"sample {s.uid!r} has {len(values)} {what} for {len(s.response_ids)} response tokens"
     return None
+
+
+def micro_batch_budget(value: int | None, device: torch.device) -> int:
+    """``trainer.micro_batch_tokens`` checked, its default (None) resolved for ``device``."""
+    if value is None:
+        return 16384 if device.type == "cuda" else 2048
+    if value < 0:
+        raise ValueError(f"micro_batch_tokens must be >= 0, got {value}")
+    return value
 
 
 def micro_batches(samples: list[Sample], budget: int) -> list[list[int]]:

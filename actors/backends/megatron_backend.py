@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from actors.backends import megatron_convert as mc
 from actors.backends.base import Loss, TrainerBackend
-from actors.backends.batching import batch_error, micro_batches, pad_values
+from actors.backends.batching import batch_error, micro_batch_budget, micro_batches, pad_values
 from actors.backends.config import TrainerConfig
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import resolve_model_path
@@ -82,7 +82,7 @@ class MegatronBackend(TrainerBackend):
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = _DEFAULTS.grad_clip,
         seed: int = 0,
-        micro_batch_tokens: int = _DEFAULTS.micro_batch_tokens,
+        micro_batch_tokens: int | None = _DEFAULTS.micro_batch_tokens,
         master_dtype: str | None = _DEFAULTS.master_dtype,
         tensor_parallel_size: int = _DEFAULTS.tensor_parallel_size,
         distributed_optimizer: bool = True,
@@ -96,8 +96,6 @@ class MegatronBackend(TrainerBackend):
             raise ValueError(f"lr must be > 0, got {lr}")
         if not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0, got {grad_clip}")
-        if micro_batch_tokens < 0:
-            raise ValueError(f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if not callable(loss) or not hasattr(loss, "needs_proximal"):
@@ -107,7 +105,7 @@ class MegatronBackend(TrainerBackend):
         self.dtype = _DTYPES[dtype]
         self.mixed = self.dtype != torch.float32  # fp32 main params in the optimizer
         self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, self.device)
         self.tp_size = tensor_parallel_size
         self.use_distributed_optimizer = distributed_optimizer
         self._version = 0

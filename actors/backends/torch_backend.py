@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from actors.backends.base import Loss, TrainerBackend
-from actors.backends.batching import batch_error, micro_batches, pad_values
+from actors.backends.batching import batch_error, micro_batch_budget, micro_batches, pad_values
 from actors.backends.config import TrainerConfig
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.models import load_causal_lm, resolve_model_path
@@ -102,7 +102,7 @@ class TorchBackend(TrainerBackend):
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = _DEFAULTS.grad_clip,
         seed: int = 0,
-        micro_batch_tokens: int = _DEFAULTS.micro_batch_tokens,
+        micro_batch_tokens: int | None = _DEFAULTS.micro_batch_tokens,
         master_dtype: str | None = _DEFAULTS.master_dtype,
     ):
         if dtype not in _DTYPES:
@@ -121,10 +121,8 @@ class TorchBackend(TrainerBackend):
         if not callable(loss) or not hasattr(loss, "needs_proximal"):
             raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
         self.loss = loss
-        if micro_batch_tokens < 0:
-            raise ValueError(f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}")
         # Padded tokens (rows x longest row) per forward; 0 = the whole batch at once.
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, self.device)
         self.seed = seed
         self._version = 0
         self.model = None
