@@ -441,7 +441,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
-                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s")
+                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s",
+                  "rollout.max_respawns")
 
 
 def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:

@@ -187,20 +187,32 @@ class Run:
         engine_gpus, engine_device = self._placement(r.engine.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=tuple(task.stop_token_ids))
-        rollouts = [
-            await self.runtime.spawn(
+        async def spawn_rollout(i: int) -> Any:
+            return await self.runtime.spawn(
                 RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
                 engine=msgspec.structs.replace(r.engine, device=engine_device), model_path=self.model_path,
                 seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
                 next_request=next_request, absorb=absorb, queue=self.queue,
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
-            for i in range(r.num_actors)
-        ]
+
+        rollouts = [await spawn_rollout(i) for i in range(r.num_actors)]
         self.weight_transport = await self._open_weight_link(trainer, rollouts)
+        replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
+
+        async def respawn_rollout(dead: Any) -> Any:
+            """A new rollout actor for ``dead`` (its process ended: what the driver
+            still holds for it is let go), its weight link open; the policy joins
+            it to the broadcast group and pushes it the weights."""
+            await self.runtime.stop(dead)
+            new = await spawn_rollout(next(replacement_index))
+            await new.open_weight_link(self.weight_transport)
+            return new
+
         weight_sync = _test_only_stalled_push(weight_sync_fn(self.weight_transport, cfg.sync.colocated))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
-                                  weight_sync=weight_sync)
+                                  weight_sync=weight_sync,
+                                  respawn_rollout=respawn_rollout if r.max_respawns else None)
 
     def _task_kwargs(self) -> dict[str, Any]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a

@@ -33,3 +33,9 @@ class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Total new-token budget of a response, across every resume."""
     partial_rollout: bool = True
     """Keep and resume generations interrupted by a weight sync (else drop them, counted)."""
+    max_respawns: NonNegInt = 100
+    """Rollout actors that die are replaced by new ones, up to this many over the
+    run (checkpoints carry the count). A replacement is set up beside the others
+    and joins at the next weight push, which gives it the trainer's weights in
+    full (at once when no rollout actor is left to push with). 0 = never: the run
+    goes on with the actors left and stops when none is."""

@@ -146,6 +146,11 @@ class Runtime(abc.ABC):
         return list(await asyncio.gather(*(h.call(method, *args, **kwargs) for h in handles)))
 
     @abc.abstractmethod
+    async def stop(self, handle: Handle) -> None:
+        """Close one actor this runtime spawned and forget it; for one that died,
+        let go of what the driver still held for it (a pipe, a process entry)."""
+
+    @abc.abstractmethod
     async def shutdown(self) -> None:
         """Close every actor this runtime spawned (and a cluster it started)."""
 
@@ -164,6 +169,15 @@ class LocalRuntime(Runtime):
         self._actors.append(actor)
         await actor.setup()
         return _LocalHandle(name, actor)
+
+    async def stop(self, handle: Handle) -> None:
+        actor = handle.actor  # type: ignore[attr-defined]
+        if any(a is actor for a in self._actors):
+            self._actors = [a for a in self._actors if a is not actor]
+            try:
+                await actor.close()
+            except Exception:  # noqa: BLE001 - a broken actor is let go all the same
+                pass
 
     async def shutdown(self) -> None:
         actors, self._actors = self._actors, []
@@ -424,6 +438,11 @@ class ProcessRuntime(Runtime):
             raise
         return handle
 
+    async def stop(self, handle: Handle) -> None:
+        if handle in self._handles:
+            self._handles.remove(handle)  # type: ignore[arg-type]
+            await handle.stop()  # type: ignore[attr-defined]
+
     async def shutdown(self) -> None:
         handles, self._handles = self._handles, []
         await asyncio.gather(*(h.stop() for h in reversed(handles)), return_exceptions=True)
@@ -486,6 +505,19 @@ class RayRuntime(Runtime):
         self._actors.append(actor)
         await actor.setup.remote()
         return _RayHandle(name, actor, cls)
+
+    async def stop(self, handle: Handle) -> None:
+        import ray
+
+        actor = handle.actor  # type: ignore[attr-defined]
+        if not any(a is actor for a in self._actors):
+            return
+        self._actors = [a for a in self._actors if a is not actor]
+        try:
+            await asyncio.wait_for(actor.close.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - an actor that died is already closed
+            pass
+        ray.kill(actor)
 
     async def shutdown(self) -> None:
         import ray

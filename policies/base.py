@@ -25,7 +25,13 @@ Faults (each keeps that identity):
 - a rollout actor that dies (its ``ping`` fails) leaves ``rollouts``: the
   schedule counts its unreported groups dropped (``actor_died``), the weight
   broadcast group is re-formed without it before the next push, and the run
-  goes on with the others; with none left it stops with :class:`ActorLostError`;
+  goes on with the others. Up to ``rollout.max_respawns`` times a new actor
+  replaces it (``respawn_rollout``, from the composition root): set up beside
+  the others, it joins at the next push, which sends the trainer's weights in
+  full (an engine not at a delta's base gets the full update); with no actor
+  left the trainer is waiting for samples only a replacement can make, so it
+  joins at once (:meth:`join_replacements`). With none left and none coming
+  the run stops with :class:`ActorLostError`;
 - a trainer that dies mid-step: the batch it leased goes back to the queue at
   once (its lease is expired) and the run stops with :class:`ActorLostError`;
 - a weight push that fails (``SyncFailed``: the engines stay on, or were put
@@ -46,15 +52,13 @@ from typing import Any
 
 from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import BatchRequest, StepReport
-from sync.errors import SyncFailed
+from policies.faults import ACTOR_DIED, MAX_FAILED_PUSHES, ActorLostError, RolloutFaults, is_dead, one_line
 
-__all__ = ["PolicyBase", "AccountingError", "ActorLostError", "NoProgressError", "is_dead"]
+__all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "PolicyBase", "AccountingError", "ActorLostError", "NoProgressError",
+           "is_dead"]
 
 log = logging.getLogger(__name__)
 
-ACTOR_DIED = "actor_died"  # drop reason of the samples a dead rollout actor took with it
-MAX_FAILED_PUSHES = 3  # weight pushes in a row that may fail before the run stops
-_PING_TIMEOUT_S = 10.0
 
 
 def _rng_state(rng: random.Random) -> list[Any]:
@@ -77,44 +81,13 @@ class NoProgressError(RuntimeError):
     the message says what each part of the run was waiting on."""
 
 
-class ActorLostError(RuntimeError):
-    """A part the run cannot go on without died: the trainer, or the last
-    rollout actor. The message (one line) says which, why, and what became of
-    the samples it held."""
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-async def is_dead(handle: Any) -> bool:
-    """Whether the actor behind ``handle`` (any of a group's ``workers``) is gone:
-    its ``ping`` raises (a process that ended, a Ray actor that died). One that
-    does not answer in time may be busy, and a handle without ``ping`` cannot
-    tell: neither is known dead."""
-    workers = getattr(handle, "workers", None)
-    if isinstance(workers, list):
-        return any(await asyncio.gather(*(is_dead(w) for w in workers)))
-    try:
-        ping = handle.ping
-    except AttributeError:
-        return False
-    try:
-        await asyncio.wait_for(ping(), _PING_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return False
-    except Exception:  # noqa: BLE001 - whatever the runtime raises for an actor that is gone
-        return True
-    return False
-
-
-class PolicyBase(abc.ABC):
+class PolicyBase(RolloutFaults, abc.ABC):
     """Shared machinery; subclasses decide *when* rollout, training and sync happen."""
 
     consumer = "trainer"
 
     def __init__(self, cfg: Any, *, rollouts: list[Any], trainer: Any, queue: Any, task: Any,
-                 weight_sync: Any) -> None:
+                 weight_sync: Any, respawn_rollout: Any = None) -> None:
         self.cfg, self.rollouts, self.trainer, self.queue, self.task = cfg, rollouts, trainer, queue, task
         # coroutine fn: (rollouts, trainer, released=None) -> dict of sync metrics; sets ``released``
         # (an asyncio.Event) once the trainer may step again (see sync.link.push_weights)
@@ -134,10 +107,7 @@ class PolicyBase(abc.ABC):
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
-        self.lost_rollouts: list[str] = []  # "<name>: <why>" of every rollout actor that died
-        self._weight_link_stale = False  # a rollout actor died: re-form the broadcast group before a push
-        self.num_failed_pushes = 0
-        self._failed_pushes_in_a_row = 0
+        self._init_faults(respawn_rollout)
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
 
@@ -181,7 +151,7 @@ class PolicyBase(abc.ABC):
             if not await is_dead(self.trainer):
                 raise
             returned = await self.queue.expire_leases(force=True)
-            raise ActorLostError(f"the trainer died during step {self.step + 1} ({_one_line(err)}); the "
+            raise ActorLostError(f"the trainer died during step {self.step + 1} ({one_line(err)}); the "
                                  f"{returned} samples it had leased are back in the queue; continue from the "
                                  "run's last checkpoint") from err
 
@@ -271,6 +241,8 @@ class PolicyBase(abc.ABC):
             "num_groups": self._group_base + self.num_groups, "rng": _rng_state(self.rng),
             "elapsed_s": time.perf_counter() - self._t_start, "trainer_busy_s": self._t_trainer_busy_s,
             "rollout_busy_s": self.rollout_busy_s(), "num_in_flight_dropped": lost,
+            "num_failed_pushes": self.num_failed_pushes, "num_lost_rollouts": self.num_lost_rollouts,
+            "num_respawns": self.num_respawns,
         }
         admission = getattr(self, "admission", None)
         if admission is not None:
@@ -296,6 +268,10 @@ class PolicyBase(abc.ABC):
         self._t_start = now - state["elapsed_s"]
         self._t_trainer_busy_s, self._t_rollout_busy_s = state["trainer_busy_s"], state["rollout_busy_s"]
         self._t_busy_since = now
+        # counters of the run before the checkpoint (its actors are new: none is lost or joining now)
+        self.num_failed_pushes = state.get("num_failed_pushes", 0)
+        self.num_lost_rollouts = state.get("num_lost_rollouts", 0)
+        self.num_respawns = state.get("num_respawns", 0)
         admission = getattr(self, "admission", None)
         if admission is not None and "admission" in state:
             admission.load_state_dict(state["admission"])
@@ -352,94 +328,47 @@ class PolicyBase(abc.ABC):
     def background_tasks(self) -> list[asyncio.Task[Any]]:
         """The tasks of this schedule that live on between train calls (parked
         once :meth:`rollout_idle`); any other task left then is a leak."""
-        return []
+        return list(self._respawning)  # replacements being set up
 
     async def sync_weights(self, released: asyncio.Event | None = None) -> None:
-        """Push this step's weights to the engines; its metrics go into this
-        step's record (filled in later if the sync outlives the step). A push
-        that fails is absorbed when it can be (see :meth:`_failed_push`)."""
+        """Push this step's weights to the engines (and to replacements waiting to
+        join); its metrics go into this step's record (filled in later if the sync
+        outlives the step). A push that fails is absorbed when it can be (see
+        :meth:`_failed_push`)."""
         step, t0 = self.step, time.perf_counter()
         extra = {} if released is None else {"released": released}
-        if not self.rollouts:
-            raise self.no_rollouts_left()
-        await self._reform_weight_link()
-        engines = list(self.rollouts)
-        try:
-            result = dict(await self.weight_sync(engines, self.trainer, **extra))
-            self._failed_pushes_in_a_row = 0
-        except Exception as err:
-            result = await self._failed_push(err, engines)
+        result = await self._push(**extra)
         result["sync_s"] = time.perf_counter() - t0
         if self._record is not None and self._record[0] == step:
             self._record[1].update({f"sync/{k}": v for k, v in result.items()})
         else:
             self.last_sync = result
 
-    # -- faults -----------------------------------------------------------------
-
-    async def lose_rollout(self, handle: Any, err: BaseException) -> bool:
-        """Whether the rollout actor behind ``handle``, which failed with ``err``,
-        is gone. A dead one leaves ``rollouts`` (pushes and evaluations go on
-        without it) and the weight group is re-formed before the next push."""
-        if handle not in self.rollouts:
-            return True  # known dead already (each of its groups fails on its own)
-        if not await is_dead(handle):
-            return False
-        if handle in self.rollouts:
-            self.rollouts = [h for h in self.rollouts if h is not handle]
-            self.lost_rollouts.append(f"{handle.name}: {_one_line(err)}")
-            self._weight_link_stale = True
-            log.warning("rollout actor %s died (%s); %d left", handle.name, _one_line(err), len(self.rollouts))
-        return True
-
-    def no_rollouts_left(self) -> ActorLostError:
-        return ActorLostError(f"every rollout actor died ({'; '.join(self.lost_rollouts)}); nothing is left to "
-                              "generate with; continue from the run's last checkpoint")
-
-    async def _reform_weight_link(self) -> None:
-        """After a rollout actor died: a broadcast group (``dist``) of fixed members
-        would wait for it at every push, so the trainer and the live actors form a
-        new one (the composition root's ``open_weight_link`` / ``join_weight_group``
-        again). Other transports have no membership: nothing to do."""
-        if not self._weight_link_stale or not self.rollouts:
-            return
-        link = await self.rollouts[0].weight_link()
-        if link is not None and link[0] == "dist":
-            kind, backend, sources = link
-            if backend == "nccl":
-                raise ActorLostError(f"a rollout actor died ({self.lost_rollouts[-1]}) and an NCCL weight group "
-                                     "cannot be re-formed without it in this process; continue from the run's "
-                                     "last checkpoint")
-            init = await self.trainer.open_weight_link(kind)
-            await asyncio.gather(*(h.open_weight_link(kind) for h in self.rollouts))
-            world = sources + len(self.rollouts)
-            await asyncio.gather(self.trainer.join_weight_group(init, world, backend),
-                                 *(h.join_weight_group(init, sources + i, world, backend, sources)
-                                   for i, h in enumerate(self.rollouts)))
-        self._weight_link_stale = False
-
-    async def _failed_push(self, err: Exception, engines: list[Any]) -> dict[str, Any]:
-        """A weight push to ``engines`` raised ``err``. Rollout actors that died in it leave the
-        run (the live ones, maybe left paused by the push, run again); a push the
-        engines refused cleanly (``SyncFailed``) leaves them on one version. Either
-        is counted and the run goes on: the next push brings every engine to the
-        trainer's version. Anything else, or too many failures in a row, raises."""
-        dead = await asyncio.gather(*(self.lose_rollout(h, err) for h in engines))  # maybe lost meanwhile
-        if not self.rollouts:
-            raise self.no_rollouts_left() from err
-        if any(dead):
-            if self.cfg.sync.colocated:
-                await asyncio.gather(*(h.wake_up(["kv_cache"]) for h in self.rollouts))
-            await asyncio.gather(*(h.reset_prefix_cache() for h in self.rollouts))
-            await asyncio.gather(*(h.resume() for h in self.rollouts))
-        elif not isinstance(err, SyncFailed):
-            raise err
-        self.num_failed_pushes += 1
-        self._failed_pushes_in_a_row += 1
-        if self._failed_pushes_in_a_row >= MAX_FAILED_PUSHES:
-            raise err
-        log.warning("weight push of step %d failed (%s); the next push retries", self.step, _one_line(err))
-        return {"failed": 1, "error": _one_line(err)}
+    async def _push(self, **kwargs: Any) -> dict[str, Any]:
+        """One push to every rollout actor and every replacement ready to join; the
+        joiners are rollout actors once it succeeds. Returns its metrics."""
+        if not self.rollouts and not self._joining and self._respawning:
+            await asyncio.wait(set(self._respawning))  # nothing to push to before a replacement is up
+        if not self.rollouts and not self._joining:
+            raise self.no_rollouts_left()
+        joining, self._joining = self._joining, []
+        engines = [*self.rollouts, *joining]
+        if joining:
+            self._weight_link_stale = True  # a broadcast group has no place for them yet
+        try:
+            await self._reform_weight_link(engines)
+            result = dict(await self.weight_sync(engines, self.trainer, **kwargs))
+            self._failed_pushes_in_a_row = 0
+        except Exception as err:
+            result = await self._failed_push(err, engines, joining)
+        else:
+            if joining:
+                self.rollouts = [*self.rollouts, *joining]
+                result["joined"] = len(joining)
+                log.warning("rollout actor(s) %s joined at version %s", ", ".join(h.name for h in joining),
+                            result.get("version"))
+                self._notify_rollouts()
+        return result
 
     async def settle(self, step: int | None = None) -> None:
         """Wait for work that outlives a step (a weight push still running),
@@ -450,6 +379,9 @@ class PolicyBase(abc.ABC):
     async def train(self, num_steps: int) -> list[dict[str, Any]]:
         """Run ``num_steps`` trainer steps; returns one metrics dict per step."""
         await self._start_background()
+        if self._weight_link is None and self.respawn_rollout is not None and self.rollouts:
+            # how weights reach the rollout actors, for a broadcast group re-formed when all of them died
+            self._weight_link = await self.rollouts[0].weight_link()
         out = []
         for _ in range(num_steps):
             t0 = time.perf_counter()
@@ -511,9 +443,14 @@ class PolicyBase(abc.ABC):
             "dropped": dict(self.dropped),
             "elapsed_s": elapsed,
             **({"failed_pushes": self.num_failed_pushes} if self.num_failed_pushes else {}),
-            **({"lost_rollout_actors": len(self.lost_rollouts)} if self.lost_rollouts else {}),
+            **({"lost_rollout_actors": self.num_lost_rollouts} if self.num_lost_rollouts else {}),
+            **({"respawned_rollout_actors": self.num_respawns} if self.num_respawns else {}),
             **{f"sync/{k}": v for k, v in self.last_sync.items()},
         }
 
     async def close(self) -> None:
         """Stop background work; the queue and actors belong to the caller."""
+        tasks = list(self._respawning)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,6 +10,11 @@ engine, trainer, queue and data.
                        rollout of the next batch overlaps training; every
                        sample is exactly one version old when trained; a sync
                        happens only when no generation is in flight.
+
+Across a run checkpoint (taken between steps) the one-step-off schedule has
+its next batch queued already: the checkpoint says so (``batch_ahead``) and
+the resumed run trains that batch instead of generating another in front of it
+(which would leave every later batch two versions old).
 """
 
 from __future__ import annotations
@@ -59,18 +64,28 @@ class OneStepOffPolicy(_BatchPolicy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._next: asyncio.Task[None] | None = None
+        self._queued_ahead = False  # resumed: the checkpoint's queue holds the next batch already
 
     def rollout_idle(self) -> bool:
         return self._next is None or self._next.done()
 
     def background_tasks(self) -> list[asyncio.Task[Any]]:
-        return [] if self.rollout_idle() else [self._next]  # type: ignore[list-item]
+        return [*self._respawning, *([] if self.rollout_idle() else [self._next])]  # type: ignore[list-item]
 
     async def _before_step(self) -> None:
-        if self._next is None:  # first step: nothing generated ahead yet
-            await self._generate_batch()
-        else:
+        if self._next is not None:
             await self._next
+        elif not self._queued_ahead:  # first step: nothing generated ahead yet
+            await self._generate_batch()
+        self._queued_ahead = False
+
+    def state_dict(self, queue: Any) -> dict[str, Any]:
+        # between steps the batch generated during the last one is done and queued (``_after_step``)
+        return {**super().state_dict(queue), "batch_ahead": self._next is not None or self._queued_ahead}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._queued_ahead = bool(state.get("batch_ahead", False))
 
     async def _train_once(self) -> Any:
         # the batch is queued already: the next one is generated while the trainer takes and trains it

@@ -25,7 +25,10 @@ Accounting invariant, checked every step: produced == trained + dropped + pendin
 A rollout actor that dies takes its groups with it: each is counted dropped
 (``actor_died``, its admission slots go back) unless the actor had put it
 into the queue already, and the feeder goes on with the actors left
-(``PolicyBase.lose_rollout``); when none is left, :meth:`train` raises.
+(``PolicyBase.lose_rollout``). Its replacement (``rollout.max_respawns``)
+joins at the next push, or at once when none is left (the trainer then waits
+for a batch that only it can make: :meth:`_train_once` sees that and joins it);
+when none is left and none is coming, :meth:`train` raises.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class FullyAsyncPolicy(PolicyBase):
         return not self._groups and self.in_flight == 0 and feeder_parked
 
     def background_tasks(self) -> list[asyncio.Task[Any]]:
-        return [t for t in [self._feeder, *self._groups] if t is not None and not t.done()]
+        return [t for t in [self._feeder, *self._groups, *self._respawning] if t is not None and not t.done()]
 
     def _fail(self, err: BaseException) -> None:
         assert self._failure is not None
@@ -96,7 +99,7 @@ class FullyAsyncPolicy(PolicyBase):
             for gid in itertools.count():
                 if not await self.admission.acquire(n):
                     return
-                if not self.rollouts:  # every one died: train() raises that
+                if not await self.wait_for_rollouts():  # every one died, none coming: train() raises that
                     return
                 actor = min(self.rollouts, key=lambda h: self._load[h.name])
                 group = self.next_group(gid)
@@ -123,7 +126,7 @@ class FullyAsyncPolicy(PolicyBase):
             self.in_flight -= group.n
             if kept < group.n or release:
                 await self.admission.release(group.n - kept + release)
-            if not self.rollouts:
+            if not self.rollouts and not self.replacing:
                 self._fail(self.no_rollouts_left())
         except asyncio.CancelledError:
             raise
@@ -162,6 +165,9 @@ class FullyAsyncPolicy(PolicyBase):
                 # a get that waits may be dropping stale samples: their slots go back now, not
                 # when the step ends (a window full of them would leave it nothing to wait for)
                 await self._release_queue_drops()
+                if not self.rollouts and self._joining and not await self._trainer_holds_a_batch():
+                    await self.settle()  # one push at a time
+                    await self.join_replacements()  # no producer, no batch: the trainer's weights hold still
             if not step.done() and await self._trainer_holds_a_batch():
                 await step  # it trains on it now (in another process a cancel would not stop that)
         except BaseException:  # cancelled (the run's watchdog), or the poll failed: the trainer's get ends too
@@ -224,9 +230,16 @@ class FullyAsyncPolicy(PolicyBase):
         task, self._sync = self._sync, None
         await task
 
+    def _on_rollouts_changed(self) -> None:
+        if not self.rollouts and not self.replacing and self._failure is not None:
+            self._fail(self.no_rollouts_left())
+
     def _rollout_detail(self) -> str:
         lost = f"; died: {'; '.join(self.lost_rollouts)}" if self.lost_rollouts else ""
-        return " (groups per actor: " + ", ".join(str(self._load[h.name]) for h in self.rollouts) + lost + ")"
+        coming = (f"; replacements: {len(self._respawning)} starting, {len(self._joining)} waiting to join"
+                  if self.replacing else "")
+        return (" (groups per actor: " + ", ".join(str(self._load[h.name]) for h in self.rollouts) + lost +
+                coming + ")")
 
     def _waiting_detail(self) -> list[str]:
         a = self.admission

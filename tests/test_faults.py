@@ -4,6 +4,8 @@ produced was trained, dropped with a counted reason, or is pending
 
     a rollout actor killed mid-generation   its groups counted ``actor_died``; the run goes on
                                             with the other, or stops with one line if none is left
+                                            (``rollout.max_respawns=0``); else a replacement joins
+                                            at the next push (at once if none is left)
     a weight push that fails half way       engines back on the old version, counted; training goes on
     a user reward that hangs                timed out, counted ``reward_timeout``; the run goes on
     the trainer killed mid-step             its leased batch back in the queue; one-line error
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -30,6 +33,7 @@ from policies.base import ActorLostError
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8"]
 PROCESS = ["runtime.type=process", "transfer_queue.deployment=local"]
+NO_RESPAWN = ["rollout.max_respawns=0"]
 
 
 def _assert_nothing_lost(run: Any) -> None:
@@ -46,7 +50,8 @@ def _assert_nothing_lost(run: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_with_the_other(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, *NO_RESPAWN, "rollout.num_actors=2",
+                 f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=2)
         policy = run.policy
@@ -84,7 +89,7 @@ def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_wi
 
 @pytest.mark.timeout(120)
 def test_the_last_rollout_actor_dying_stops_the_run_with_a_one_line_error(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, *NO_RESPAWN, f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=1)
         os.kill(loop.run(run.policy.rollouts[0].ping()), signal.SIGKILL)
@@ -94,6 +99,81 @@ def test_the_last_rollout_actor_dying_stops_the_run_with_a_one_line_error(tmp_pa
         assert time.perf_counter() - t0 < 30  # not a hang
         assert "\n" not in str(info.value)
         assert run.policy.rollouts == []
+        _assert_nothing_lost(run)
+
+
+def _train_until(run: Any, done: Any, max_steps: int = 200) -> list[dict]:
+    """Steps until ``done()`` (a replacement is set up in its own process meanwhile)."""
+    records: list[dict] = []
+    while not done():
+        assert len(records) < max_steps, "no replacement joined"
+        records += run.train(steps=1)
+    return records
+
+
+def _on_the_trainers_weights(run: Any) -> None:
+    policy = run.policy
+    version = loop.run(policy.trainer.get_version())
+    assert [loop.run(h.get_version()) for h in policy.rollouts] == [version] * len(policy.rollouts)
+    want = loop.run(policy.trainer.weights_digest(run.cfg.rollout.engine.dtype))
+    assert all(loop.run(h.weights_digest()) == want for h in policy.rollouts)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_on_the_trainers_weights(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=2)
+        policy = run.policy
+        dead_pid = loop.run(policy.rollouts[1].ping())
+        os.kill(dead_pid, signal.SIGKILL)
+        records = _train_until(run, lambda: policy.num_respawns == 1 and len(policy.rollouts) == 2)
+        assert [h.name for h in policy.rollouts] == ["rollout-0", "rollout-2"]  # a name (and seed) of its own
+        assert records[-1]["lost_rollout_actors"] == 1 and records[-1]["respawned_rollout_actors"] == 1
+        assert records[-1]["sync/joined"] == 1 and records[-1]["sync/kind"] == "full"  # not at a delta's base
+        _on_the_trainers_weights(run)
+        # the broadcast group was re-formed with it: the next pushes (deltas) reach both engines
+        more = run.train(steps=3)
+        assert [m["sync/kind"] for m in more] == ["delta"] * 3
+        _on_the_trainers_weights(run)
+        assert loop.run(policy.rollouts[1].statistics())["num_queued"] > 0  # it generates
+        assert dead_pid not in {p.pid for p in multiprocessing.active_children()}  # let go of, not kept
+        _assert_nothing_lost(run)
+
+
+@pytest.mark.timeout(180)
+def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=1)
+        policy = run.policy
+        os.kill(loop.run(policy.rollouts[0].ping()), signal.SIGKILL)
+        # the trainer waits for a batch only a replacement can make: it joins without a step's push
+        records = run.train(steps=4)
+        assert [m["step"] for m in records] == [2, 3, 4, 5]
+        assert [h.name for h in policy.rollouts] == ["rollout-1"]
+        assert records[-1]["lost_rollout_actors"] == records[-1]["respawned_rollout_actors"] == 1
+        _on_the_trainers_weights(run)
+        _assert_nothing_lost(run)
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_that_cannot_be_set_up_for_the_last_actor_stops_the_run_in_one_line(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=1)
+        policy = run.policy
+
+        async def cannot(dead: Any) -> Any:
+            raise OSError("injected: no room for a new actor")
+
+        policy.respawn_rollout = cannot
+        os.kill(loop.run(policy.rollouts[0].ping()), signal.SIGKILL)
+        with pytest.raises(ActorLostError, match=r"^every rollout actor died \(rollout-0: .*exit code -9.*; the "
+                                                 r"replacement of rollout-0: injected: no room") as info:
+            run.train(steps=5)
+        assert "\n" not in str(info.value)
+        assert policy.rollouts == [] and policy.num_respawns == 1
         _assert_nothing_lost(run)
 
 

@@ -286,3 +286,59 @@ def test_find_takes_the_newest_whole_checkpoint_and_names_every_torn_one(tmp_pat
     assert checkpoint.find(second) == (second, [])
     with pytest.raises(ValueError, match="is torn: queue.msgpack does not match its sha256"):
         checkpoint.find(third)
+
+
+# -- the policy's own state ---------------------------------------------------------------------------
+
+# Times go on from the checkpoint's, not equal to it; in-flight samples were counted dropped once, when it was taken.
+_NOT_ROUND_TRIPPED = {"elapsed_s", "trainer_busy_s", "rollout_busy_s", "num_in_flight_dropped"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["fully_async", "one_step_off", "sync"])
+def test_a_resumed_policy_takes_back_the_whole_state_of_its_checkpoint(policy, tmp_path):
+    """Counters, prompt RNG, admission, the fully-async schedule's mark of released
+    queue drops, the one-step-off batch ahead, and the fault counters the records
+    report: the resumed policy's ``state_dict`` is the checkpoint's."""
+    import loop
+
+    run = launch(ROOT / "fully_async.yaml", *SMALL, f"policy.type={policy}", "runtime.type=local",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        run.train(3)
+        p = run.policy
+        # fault counters of a run that lost an actor and a push (cumulative: the records go on counting)
+        p.num_failed_pushes, p.num_lost_rollouts, p.num_respawns = 2, 1, 1
+        ckpt = run.save_checkpoint()
+    saved = checkpoint.read_state(ckpt)["policy"]
+    assert saved.get("batch_ahead", False) == (policy == "one_step_off")
+
+    resumed = launch(None, resume=run.dir)
+    with resumed:
+        p = resumed.policy
+        state = p.state_dict(loop.run(resumed.queue.statistics_async()))
+        assert {k: v for k, v in state.items() if k not in _NOT_ROUND_TRIPPED} == \
+            {k: v for k, v in saved.items() if k not in _NOT_ROUND_TRIPPED}
+        assert p.next_group(0).group_id == f"g{saved['num_groups']}"  # ids go on, none reused
+        (m,) = resumed.train(1)
+        assert (m["failed_pushes"], m["lost_rollout_actors"], m["respawned_rollout_actors"]) == (2, 1, 1)
+
+
+@pytest.mark.timeout(120)
+def test_one_step_off_resumes_with_its_next_batch_queued_and_every_batch_one_version_old(tmp_path):
+    """Between steps the one-step-off schedule has its next batch queued: resumed,
+    it trains that one rather than generating another in front of it (which left
+    two batches queued and every later batch two versions old)."""
+    run = launch(ROOT / "fully_async.yaml", *SMALL, "policy.type=one_step_off", "runtime.type=local",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        before = run.train(4)
+        run.save_checkpoint()
+    resumed = launch(None, resume=run.dir)
+    with resumed:
+        after = resumed.train(4)
+    assert [m["staleness_max"] for m in before] == [0, 1, 1, 1]
+    assert [m["staleness_max"] for m in after] == [1, 1, 1, 1]
+    assert [m["pending"] for m in before + after] == [SAMPLES_PER_STEP] * 8  # one batch ahead, never two
+    assert [m["trained"] for m in after] == [SAMPLES_PER_STEP * s for s in range(5, 9)]
+    assert all(not m["dropped"] for m in after)
