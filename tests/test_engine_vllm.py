@@ -98,3 +98,33 @@ def test_fully_async_run_with_vllm_syncs_full_then_delta_bit_exact(tmp_path):
         prompt = [int(t) for t in torch.randint(3, 15, (6,), generator=torch.Generator().manual_seed(0))]
         out = loop.run(engine.generate(req("check", prompt, 8)))
         assert out.token_ids == hf_greedy(trainer_model, prompt, 8) and set(out.token_versions) == {3}
+
+
+def test_an_exported_run_is_served_by_vllm(tmp_path):
+    """``run.export_hf`` writes a directory vLLM loads as it is: its greedy output
+    is the exported model's own in ``transformers``, and the trained weights are
+    what it computes with (not the starting checkpoint's)."""
+    import pathlib
+
+    import transformers
+
+    from actors.engines.vllm_engine import VllmEngine
+    from actors.launch import launch
+    from actors.models import BUILTIN_MODEL_DIR
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = launch(root / "fully_async.yaml", "trainer.batch_prompts=2", "rollout.n=4", "rollout.max_response_tokens=8",
+                 "trainer.lr=1e-2", "run.progress=false", f"run.output_dir={tmp_path / 'runs'}")
+    with run:
+        run.train(2)
+        exported = run.export_hf(tmp_path / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    start = transformers.AutoModelForCausalLM.from_pretrained(BUILTIN_MODEL_DIR, local_files_only=True).eval()
+    assert any(not torch.equal(a, b) for a, b in zip(hf.state_dict().values(), start.state_dict().values()))
+
+    async def body():
+        async with running(lambda d, **kw: VllmEngine(d, device="cpu", dtype="float32", **kw), str(exported)) as engine:
+            return [await engine.generate(req(f"p{i}", p, 8)) for i, p in enumerate(PROMPTS[:3])]
+
+    for prompt, out in zip(PROMPTS[:3], loop.run(body())):
+        assert out.token_ids == hf_greedy(hf, prompt, 8)

@@ -154,3 +154,29 @@ def test_the_micro_batch_budget_defaults_by_device_and_refuses_a_negative_one():
     assert micro_batch_budget(0, torch.device("cuda")) == 0
     with pytest.raises(ValueError, match="micro_batch_tokens must be >= 0, got -1"):
         TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, micro_batch_tokens=-1)
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_takes_the_same_step():
+    """Each decoder layer runs twice per micro-batch (forward, then again in the
+    backward pass) and the step is the one without checkpointing (fp32, atol 1e-6)."""
+    def step(checkpointing: bool):
+        backend = TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, lr=1e-3, seed=0, activation_checkpointing=checkpointing)
+        backend.setup()
+        calls = []
+        backend.model.model.layers[0].mlp.act_fn.register_forward_hook(lambda *_: calls.append(1))  # inside the layer
+        samples = _samples(backend)
+        calls.clear()
+        metrics = backend.train_step(samples, [1.0, -1.0])
+        return len(calls), metrics, {k: v.clone() for k, v in backend.named_weights().items()}
+
+    (n_plain, m_plain, w_plain), (n_ckpt, m_ckpt, w_ckpt) = step(False), step(True)
+    assert (n_plain, n_ckpt) == (1, 2)
+    assert m_ckpt["loss"] == pytest.approx(m_plain["loss"], abs=1e-6)
+    for name, t in w_plain.items():
+        assert torch.allclose(w_ckpt[name], t, atol=1e-6), name
+
+
+def test_activation_checkpointing_is_refused_by_the_megatron_backend():
+    with pytest.raises(ValueError, match=r"^trainer\.activation_checkpointing: the megatron backend"):
+        make_backend(TrainerConfig(backend="megatron", device="cuda", activation_checkpointing=True), "unused",
+                     seed=0, loss=PPO)

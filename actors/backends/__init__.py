@@ -31,6 +31,9 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -
     reason = backend_unavailable(cfg.backend, cfg.device)
     if reason is not None:
         raise ValueError(f"trainer.backend: {reason}")
+    if cfg.backend == "megatron" and cfg.activation_checkpointing:
+        raise ValueError("trainer.activation_checkpointing: the megatron backend does not offer it in this build "
+                         "(backend: torch does)")
     if cfg.backend == "megatron":
         from actors.backends.megatron_backend import MegatronBackend
 
@@ -45,4 +48,4 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -
 
     return TorchBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
                         lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
-                        micro_batch_tokens=cfg.micro_batch_tokens)
+                        micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=cfg.activation_checkpointing)

@@ -73,6 +73,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bound by kernel launches, which every extra pass repeats: 64 samples of
     ~40 tokens step in 100 ms at 16384 and 170 ms at 2048 on an H200, 358M
     bf16), 2048 on a CPU (memory)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead
+    of keeping them (less memory for long sequences, ~1/3 more compute).
+    Torch backend only."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is

@@ -104,6 +104,7 @@ class TorchBackend(TrainerBackend):
         seed: int = 0,
         micro_batch_tokens: int | None = _DEFAULTS.micro_batch_tokens,
         master_dtype: str | None = _DEFAULTS.master_dtype,
+        activation_checkpointing: bool = _DEFAULTS.activation_checkpointing,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -123,6 +124,7 @@ class TorchBackend(TrainerBackend):
         self.loss = loss
         # Padded tokens (rows x longest row) per forward; 0 = the whole batch at once.
         self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, self.device)
+        self.activation_checkpointing = activation_checkpointing
         self.seed = seed
         self._version = 0
         self.model = None
@@ -146,6 +148,8 @@ class TorchBackend(TrainerBackend):
         self.model = load_causal_lm(model_dir, device=self.device, dtype=load_dtype)
         # No dropout in RL: the log-probs we train on must match the sampler's.
         self.model.eval()
+        if self.activation_checkpointing:
+            self._enable_activation_checkpointing()
         def adamw(params):  # fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
             fused = self.device.type == "cuda" and self.world_size == 1
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -322,6 +326,23 @@ class TorchBackend(TrainerBackend):
         self._version += 1
         return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens),
                 "version": float(self._version)}
+
+    def _enable_activation_checkpointing(self) -> None:
+        """Hugging Face's per-layer checkpointing, which runs only in training mode:
+        the model is put in it, refused if that would turn on dropout."""
+        dropout = {k: v for k, v in self.model.config.to_dict().items()
+                   if "dropout" in k and isinstance(v, (int, float)) and v > 0}
+        if dropout or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            raise ValueError(f"trainer.activation_checkpointing: this model has dropout ({dropout or 'a Dropout module'}), "
+                             f"which checkpointing's training mode would turn on")
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"trainer.activation_checkpointing: {type(self.model).__name__} does not support it")
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5's name
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.model.train()
 
     def _plan_passes(self, samples: list[Sample], advantages: list[float],
                      proximal_logprobs: list[list[float]] | None) -> tuple[list[list[int] | None], int]:
