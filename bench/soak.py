@@ -90,6 +90,31 @@ def _actor_pid(title: str) -> int | None:
     return None
 
 
+def _cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def _deep_size_mb(obj: Any) -> float:
+    """Bytes held by ``obj`` (dicts, lists and what they hold), in MiB."""
+    seen: set[int] = set()
+
+    def size(o: Any) -> int:
+        if id(o) in seen:
+            return 0
+        seen.add(id(o))
+        n = sys.getsizeof(o)
+        if isinstance(o, dict):
+            n += sum(size(k) + size(v) for k, v in o.items())
+        elif isinstance(o, (list, tuple)):
+            n += sum(size(x) for x in o)
+        return n
+
+    return round(size(obj) / 2**20, 1)
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -177,7 +202,7 @@ def soak(steps: int, kill_every: int = 100, warmup: int | None = None, seed: int
                                   for m in run.history)
         result = {
             "bench": "soak",
-            "machine": f"{os.cpu_count()}-core {platform.machine()} VM, no GPU ({platform.processor() or 'cpu'}), "
+            "machine": f"{os.cpu_count()}-core {platform.machine()} VM ({_cpu_model()}), no GPU, "
                        f"python {platform.python_version()}; shared with other sessions' jobs",
             "commit": _git_commit(),
             "config": ["fully_async.yaml", *cfg[1:]],
@@ -188,6 +213,8 @@ def soak(steps: int, kill_every: int = 100, warmup: int | None = None, seed: int
             "failed_pushes": policy.num_failed_pushes,
             "rollout_actors_at_end": [h.name for h in policy.rollouts],
             "start": start, "end": end, "series": series,
+            # the driver's RSS grows by the step records it keeps (run.history): this much of it
+            "history_mb": _deep_size_mb(run.history),
             "growth": {who: {k: round(end[who][k] - start[who][k], 1) for k in start[who]}
                        for who in ("driver", *survivors) if start.get(who) and end.get(who)},
             "accounting": {"produced": last["produced"], "trained": last["trained"],
