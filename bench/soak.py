@@ -33,6 +33,7 @@ import os
 import pathlib
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,6 +232,7 @@ def soak(steps: int, kill_every: int = 100, warmup: int | None = None, seed: int
         }
     finally:
         run.close()
+        shutil.rmtree(out_dir, ignore_errors=True)  # the run directory: metrics only, the figures are returned
     return result
 
 
