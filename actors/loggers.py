@@ -26,12 +26,12 @@ the resume rolled back are logged again).
 
 from __future__ import annotations
 
-import importlib
 import json
 import pathlib
 import re
-import warnings
 from typing import Any, Protocol
+
+from actors.backends.config import import_error
 
 __all__ = ["LOGGER_TYPES", "MetricsLog", "flatten", "loggers_unavailable", "open_metrics_log"]
 
@@ -54,24 +54,10 @@ def loggers_unavailable(names: tuple[str, ...] | list[str]) -> str | None:
         if name not in LOGGER_TYPES:  # the config's type already refuses these; direct callers too
             return f"{name!r} is unknown (expected any of: {', '.join(LOGGER_TYPES)})"
         package = _PACKAGES.get(name)
-        why = None if package is None else _import_error(package)
+        why = None if package is None else import_error(package)
         if why is not None:
             return (f"{name!r} needs the {package} package, which {why}; install the optional extra: "
                     f"pip install -e \".[{name}]\"")
-    return None
-
-
-def _import_error(module: str) -> str | None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module.startswith(e.name):
-            return "is not installed"
-        return f"does not import here ({type(e).__name__}: {e})"
-    except Exception as e:  # noqa: BLE001 - any failure to import is the reason
-        return f"does not import here ({type(e).__name__}: {e})"
     return None
 
 

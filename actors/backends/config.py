@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["BACKEND_TYPES", "BUILT_IN_BACKENDS", "TrainerConfig", "backend_unavailable"]
+__all__ = ["BACKEND_TYPES", "BUILT_IN_BACKENDS", "TrainerConfig", "backend_unavailable", "import_error"]
 
 #: Every backend type a config may name, and the ones this build can construct
 #: (``megatron`` where megatron-core is installed: :func:`backend_unavailable`).
@@ -93,7 +93,7 @@ def backend_unavailable(backend: str, device: str | None = None) -> str | None:
     if backend not in BACKEND_TYPES:
         return f"{backend!r} is unknown (expected one of: {', '.join(BACKEND_TYPES)})"
     package = _PACKAGES.get(backend)
-    why = None if package is None else _import_error(package)
+    why = None if package is None else import_error(package)
     if why is not None:
         return (f"{backend!r} is not available: this build has no {backend} backend without {package}, "
                 f"which {why}; install the optional extra: pip install -e \".[{backend}]\"")
@@ -103,7 +103,7 @@ def backend_unavailable(backend: str, device: str | None = None) -> str | None:
     return None
 
 
-def _import_error(module: str) -> str | None:
+def import_error(module: str) -> str | None:
     """Why ``module`` does not import here (``"is not installed"`` when it is absent), or None.
     Imported for real (megatron.core: a few seconds, only when a config names it), so a
     broken install is caught here rather than at setup."""
