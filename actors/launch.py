@@ -697,14 +697,23 @@ def _parser() -> argparse.ArgumentParser:
 _USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
 
 
-def _error(err: BaseException, show_traceback: bool) -> None:
-    """One line on stderr: ``error: <what is wrong>``."""
+def _error(err: BaseException, show_traceback: bool, then: str = "") -> None:
+    """One line on stderr: ``error: <what is wrong>[; <then>]``."""
     if show_traceback:
         traceback.print_exception(err)
     what = " ".join(str(err).split()) or type(err).__name__
     if not isinstance(err, _USER_ERRORS):
         what = f"{type(err).__name__}: {what}" + ("" if show_traceback else " (--traceback for where)")
-    print(f"error: {what}", file=sys.stderr)
+    print(f"error: {what}" + (f"; {then}" if then else ""), file=sys.stderr)
+
+
+def _resume_hint(run: Run) -> str:
+    """How to go on after a run stopped on a lost actor or failing pushes."""
+    if run.last_checkpoint is not None:
+        return f"resume with: python -m actors.launch --resume {run.dir} (from {run.last_checkpoint.name})"
+    every = run.cfg.run.checkpoint_every
+    return ("no checkpoint was written (run.checkpoint_every=0)" if not every
+            else f"no checkpoint yet (run.checkpoint_every={every})")
 
 
 class _StopOnSignals:
@@ -770,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             print(str(err), file=sys.stderr)
             return 128 + err.signum
         except (NoProgressError, ActorLostError, SyncFailed) as err:  # one line, as the others
-            _error(err, args.traceback)
+            _error(err, args.traceback, _resume_hint(run))
             return 1
         except KeyboardInterrupt:
             last = f"; the last checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""

@@ -245,3 +245,29 @@ def test_the_cli_process_exits_non_zero_with_one_line_and_no_traceback(case, tmp
     assert res.stderr.startswith("error: ") and needle in res.stderr and "Traceback" not in res.stderr
     assert res.stdout == ""
     assert not out.exists()
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_run_that_loses_an_actor_ends_in_one_line_saying_how_to_go_on(every, tmp_path, capsys, monkeypatch):
+    """Exit 1 and one line: the error, then the command that resumes from the last
+    checkpoint, or that none was written."""
+    from actors.launch import Run
+    from policies.base import ActorLostError
+
+    real = Run.train
+
+    def train_then_lose(self, steps=None):
+        real(self, 2)
+        raise ActorLostError("the trainer died during step 3 (test)")
+
+    monkeypatch.setattr(Run, "train", train_then_lose)
+    out = tmp_path / "runs"
+    rc = main([CONFIG, f"run.output_dir={out}", "run.progress=false", f"run.checkpoint_every={every}",
+               "trainer.batch_prompts=2", "rollout.n=4"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: the trainer died during step 3 (test); ")
+    (run_dir,) = out.iterdir()
+    if every:
+        assert lines[0].endswith(f"; resume with: python -m actors.launch --resume {run_dir} (from step-000002)")
+    else:
+        assert lines[0].endswith("; no checkpoint was written (run.checkpoint_every=0)")
