@@ -333,8 +333,8 @@ class TorchBackend(TrainerBackend):
         dropout = {k: v for k, v in self.model.config.to_dict().items()
                    if "dropout" in k and isinstance(v, (int, float)) and v > 0}
         if dropout or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
-            raise ValueError(f"trainer.activation_checkpointing: this model has dropout ({dropout or 'a Dropout module'}), "
-                             f"which checkpointing's training mode would turn on")
+            raise ValueError(f"trainer.activation_checkpointing: this model has dropout "
+                             f"({dropout or 'a Dropout module'}), which checkpointing's training mode would turn on")
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"trainer.activation_checkpointing: {type(self.model).__name__} does not support it")
         kwargs = {"use_reentrant": False}
