@@ -23,7 +23,8 @@ waiting or leased and not yet acknowledged.
 Faults (each keeps that identity):
 
 - a rollout actor that dies (its ``ping`` fails) leaves ``rollouts``: the
-  schedule counts its unreported groups dropped (``actor_died``), the weight
+  schedule (every one: fully-async and the baselines) counts its unreported
+  groups dropped (``actor_died``, :meth:`lost_group`), the weight
   broadcast group is re-formed without it before the next push, and the run
   goes on with the others. Up to ``rollout.max_respawns`` times a new actor
   replaces it (``respawn_rollout``, from the composition root): set up beside

@@ -11,6 +11,17 @@ engine, trainer, queue and data.
                        sample is exactly one version old when trained; a sync
                        happens only when no generation is in flight.
 
+A rollout actor that dies takes its groups with it (``RolloutFaults``, as in
+the fully-async schedule): each is counted dropped (``actor_died``, by the queue
+if the actor had put it) and the batch is filled up by the actors left. Its
+replacement (``rollout.max_respawns``) joins at the next push; with no actor
+left the batch can only come from it: it joins at once where the trainer's
+weights hold still (sync; one-step-off's first batch), else (one-step-off's
+batch ahead, generated while the trainer steps) at the push after that step,
+which ``_after_step`` then makes without waiting for the generation (the rest
+of that batch is zero versions old when trained). With none
+left and none coming the run stops with ``ActorLostError``.
+
 Across a run checkpoint (taken between steps) the one-step-off schedule has
 its next batch queued already: the checkpoint says so (``batch_ahead``) and
 the resumed run trains that batch instead of generating another in front of it
@@ -23,6 +34,7 @@ import asyncio
 import itertools
 from typing import Any
 
+from contracts.rollout import GroupRequest
 from policies.base import PolicyBase
 
 __all__ = ["SyncPolicy", "OneStepOffPolicy"]
@@ -33,19 +45,47 @@ class _BatchPolicy(PolicyBase):
         super().__init__(*args, **kwargs)
         self._gids = itertools.count()
 
-    async def _generate_batch(self) -> None:
-        """Generate until one training batch of whole groups is queued
-        (groups that failed are dropped, counted, and replaced)."""
+    async def _generate_batch(self, *, join_now: bool = True) -> None:
+        """Generate until one training batch of whole groups is queued (groups
+        that failed, or whose actor died, are dropped, counted, and replaced).
+        With no rollout actor left it waits for a replacement: ``join_now``
+        pushes it the trainer's weights at once (they hold still), else it waits
+        for the push that joins it."""
         need = self.cfg.batch_size * self.cfg.policy.require_batches
         n = self.cfg.rollout.n
         while need > 0:
+            if not self.rollouts:
+                await self._wait_for_a_replacement(join_now)
             groups = [self.next_group(next(self._gids)) for _ in range(need // n)]
-            self.in_flight += need
-            reports = await asyncio.gather(*(
-                self.rollouts[i % len(self.rollouts)].generate_group(g) for i, g in enumerate(groups)))
-            for report in reports:
-                need -= self.on_group(report)
-            self.in_flight = 0
+            actors = [self.rollouts[i % len(self.rollouts)] for i in range(len(groups))]
+            need -= sum(await asyncio.gather(*(self._run_group(a, g) for a, g in zip(actors, groups))))
+
+    async def _run_group(self, actor: Any, group: GroupRequest) -> int:
+        """Generate ``group`` on ``actor`` and count its report; returns the
+        samples it left in the queue for the batch."""
+        self.in_flight += group.n
+        try:
+            report = await actor.generate_group(group)
+            dropped_in_queue = 0
+        except Exception as err:
+            if not await self.lose_rollout(actor, err):
+                raise
+            report, dropped_in_queue = await self.lost_group(group)
+        self.in_flight -= group.n
+        return self.on_group(report) - dropped_in_queue
+
+    async def _wait_for_a_replacement(self, join_now: bool) -> None:
+        """Until a rollout actor is there again; raises :class:`ActorLostError`
+        when none is left and none is coming."""
+        while not self.rollouts:
+            if not self.replacing:
+                raise self.no_rollouts_left()
+            if not join_now:
+                await self.wait_for_rollouts()  # a push joins it
+                continue
+            if self._respawning:
+                await asyncio.wait(set(self._respawning))
+            await self.join_replacements()  # maybe failed (counted): the next round retries
 
 
 class SyncPolicy(_BatchPolicy):
@@ -89,16 +129,37 @@ class OneStepOffPolicy(_BatchPolicy):
 
     async def _train_once(self) -> Any:
         # the batch is queued already: the next one is generated while the trainer takes and trains it
-        self._next = asyncio.create_task(self._generate_batch(), name="next-batch")
+        self._next = asyncio.create_task(self._generate_batch(join_now=False), name="next-batch")
         return await super()._train_once()
 
     async def _after_step(self) -> None:
-        assert self._next is not None
-        await self._next  # no sync while generation is in flight
-        await self.sync_weights()
+        """Sync once the next batch is generated (no sync while generation is in
+        flight), or at once when no rollout actor is left to generate it: that
+        push joins the replacement, which generates the rest on this step's weights."""
+        next_batch = self._next
+        assert next_batch is not None
+        pushed = False
+        try:
+            while not next_batch.done():
+                if not self.rollouts and not pushed:
+                    await self.sync_weights()  # waits for a replacement being set up, joins it
+                    pushed = True
+                elif not self.rollouts and self._joining:
+                    await self.join_replacements()  # that push failed (counted): again
+                else:
+                    changed = asyncio.ensure_future(self._rollouts_changed.wait())
+                    await asyncio.wait([next_batch, changed], return_when=asyncio.FIRST_COMPLETED)
+                    changed.cancel()
+        except BaseException:
+            next_batch.cancel()
+            await asyncio.gather(next_batch, return_exceptions=True)
+            raise
+        await next_batch  # its error, if it failed
+        if not pushed:
+            await self.sync_weights()
 
     async def close(self) -> None:
-        if self._next is not None and not self._next.done():
+        if self._next is not None:
             self._next.cancel()
-            await asyncio.gather(self._next, return_exceptions=True)
+            await asyncio.gather(self._next, return_exceptions=True)  # a failure was raised in train() already
         await super().close()

@@ -3,7 +3,8 @@ replacements), weight pushes that fail. A mixin of :class:`policies.base.PolicyB
 which owns the rest (``rollouts``, ``trainer``, ``_push``); the rules are in
 that module's docstring.
 
-    rollout actor dies ─► lose_rollout: out of ``rollouts``, counted; weight group stale
+    rollout actor dies ─► lose_rollout: out of ``rollouts``, counted; weight group stale;
+         │               lost_group: each of its unreported groups dropped, ``actor_died``
          │ rollout.max_respawns left?
          ▼
     _replace (task): respawn_rollout(dead) ─► ``_joining`` ─► the next push sends it the
@@ -17,6 +18,7 @@ import asyncio
 import logging
 from typing import Any
 
+from contracts.rollout import GroupReport, GroupRequest
 from sync.errors import SyncFailed
 
 __all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "ActorLostError", "RolloutFaults", "is_dead", "one_line"]
@@ -65,6 +67,7 @@ class RolloutFaults:
 
     rollouts: list[Any]
     trainer: Any
+    queue: Any
     cfg: Any
     step: int
 
@@ -162,6 +165,23 @@ class RolloutFaults:
             self._respawning.discard(asyncio.current_task())  # type: ignore[arg-type]
             self._notify_rollouts()
             self._on_rollouts_changed()
+
+    async def lost_group(self, group: GroupRequest) -> tuple[GroupReport, int]:
+        """The report of a group whose rollout actor died before reporting it, and
+        how many of the samples it says queued the queue dropped (``actor_died``)
+        instead. The queue has its samples only if the actor put them before it
+        died (a group may even be half written): pending ones are dropped there
+        (counted by the queue), leased ones are being trained; otherwise they
+        never reached it and the report drops them."""
+        n = group.n
+        uids = [f"{group.group_id}-{i}" for i in range(n)]  # as RolloutActor.generate_group names them
+        try:
+            await self.queue.drop(uids, ACTOR_DIED)
+        except LookupError:  # never put: lost with the actor
+            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=0, dropped={ACTOR_DIED: n}), 0
+        except RuntimeError:  # leased: the trainer has them
+            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), 0
+        return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), n
 
     def _on_rollouts_changed(self) -> None:
         """Hook: a replacement is ready or failed (the schedule may have to stop or join it)."""

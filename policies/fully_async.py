@@ -38,10 +38,10 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from contracts.rollout import GroupReport, GroupRequest
+from contracts.rollout import GroupRequest
 from contracts.training import StepReport
 from policies.admission import Admission, window_budget
-from policies.base import ACTOR_DIED, PolicyBase
+from policies.base import PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
@@ -121,7 +121,7 @@ class FullyAsyncPolicy(PolicyBase):
             except Exception as err:
                 if not await self.lose_rollout(actor, err):
                     raise
-                report, release = await self._lost_group(group)
+                report, release = await self.lost_group(group)
             kept = self.on_group(report)
             self.in_flight -= group.n
             if kept < group.n or release:
@@ -134,22 +134,6 @@ class FullyAsyncPolicy(PolicyBase):
             self._fail(err)
         finally:
             self._load[actor.name] -= 1
-
-    async def _lost_group(self, group: GroupRequest) -> tuple[GroupReport, int]:
-        """The report of a group whose rollout actor died before reporting it, and
-        the admission slots to give back beyond the report's drops. The queue has
-        its samples only if the actor put them before it died (a group may even
-        be half written): pending ones are dropped there (counted by the queue),
-        leased ones are being trained; otherwise they never reached it."""
-        n = group.n
-        uids = [f"{group.group_id}-{i}" for i in range(n)]  # as RolloutActor.generate_group names them
-        try:
-            await self.queue.drop(uids, ACTOR_DIED)
-        except LookupError:  # never put: lost with the actor
-            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=0, dropped={ACTOR_DIED: n}), 0
-        except RuntimeError:  # leased: the trainer has them
-            return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), 0
-        return GroupReport(group_id=group.group_id, num_samples=n, num_queued=n), n
 
     async def _train_once(self) -> StepReport:
         """One trainer step, unless a background task failed: then that error is

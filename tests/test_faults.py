@@ -5,7 +5,8 @@ produced was trained, dropped with a counted reason, or is pending
     a rollout actor killed mid-generation   its groups counted ``actor_died``; the run goes on
                                             with the other, or stops with one line if none is left
                                             (``rollout.max_respawns=0``); else a replacement joins
-                                            at the next push (at once if none is left)
+                                            at the next push (at once if none is left); under every
+                                            schedule (fully_async, sync, one_step_off)
     a weight push that fails half way       engines back on the old version, counted; training goes on
     a user reward that hangs                timed out, counted ``reward_timeout``; the run goes on
     the trainer killed mid-step             its leased batch back in the queue; one-line error
@@ -34,6 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8"]
 PROCESS = ["runtime.type=process", "transfer_queue.deployment=local"]
 NO_RESPAWN = ["rollout.max_respawns=0"]
+SCHEDULES = ["fully_async", "sync", "one_step_off"]  # every schedule handles a rollout actor that dies
 
 
 def _assert_nothing_lost(run: Any) -> None:
@@ -48,10 +50,11 @@ def _assert_nothing_lost(run: Any) -> None:
 # -- a rollout actor dies ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
-def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_with_the_other(tmp_path):
+def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_with_the_other(schedule, tmp_path):
     run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, *NO_RESPAWN, "rollout.num_actors=2",
-                 f"run.output_dir={tmp_path}")
+                 f"policy.type={schedule}", f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=2)
         policy = run.policy
@@ -76,6 +79,7 @@ def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_wi
         assert len(policy.lost_rollouts) == 1 and "rollout-1" in policy.lost_rollouts[0]
         assert "exit code -9" in policy.lost_rollouts[0]
         assert [m["step"] for m in records] == [3, 4, 5]
+        assert records[-1]["trained"] == 5 * policy.batch_request().batch_size  # every batch whole
         # its groups: never put (dropped here), or put and not reported (dropped by the queue); whole groups
         queue_dropped = loop.run(run.queue.statistics_async()).dropped_by_reason
         died = records[-1]["dropped"].get("actor_died", 0) + queue_dropped.get("actor_died", 0)
@@ -87,9 +91,11 @@ def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_wi
         _assert_nothing_lost(run)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
-def test_the_last_rollout_actor_dying_stops_the_run_with_a_one_line_error(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, *NO_RESPAWN, f"run.output_dir={tmp_path}")
+def test_the_last_rollout_actor_dying_stops_the_run_with_a_one_line_error(schedule, tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, *NO_RESPAWN, f"policy.type={schedule}",
+                 f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=1)
         os.kill(loop.run(run.policy.rollouts[0].ping()), signal.SIGKILL)
@@ -119,9 +125,12 @@ def _on_the_trainers_weights(run: Any) -> None:
     assert all(loop.run(h.weights_digest()) == want for h in policy.rollouts)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(180)
-def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_on_the_trainers_weights(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, "rollout.num_actors=2", f"run.output_dir={tmp_path}")
+def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_on_the_trainers_weights(
+        schedule, tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, "rollout.num_actors=2", f"policy.type={schedule}",
+                 f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=2)
         policy = run.policy
@@ -141,9 +150,10 @@ def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_
         _assert_nothing_lost(run)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(180)
-def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(schedule, tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"policy.type={schedule}", f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=1)
         policy = run.policy
@@ -157,9 +167,10 @@ def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(t
         _assert_nothing_lost(run)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
-def test_a_replacement_that_cannot_be_set_up_for_the_last_actor_stops_the_run_in_one_line(tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"run.output_dir={tmp_path}")
+def test_a_replacement_that_cannot_be_set_up_for_the_last_actor_stops_the_run_in_one_line(schedule, tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"policy.type={schedule}", f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=1)
         policy = run.policy
