@@ -161,8 +161,22 @@ class FullyAsyncPolicy(PolicyBase):
         if not step.done():
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
+            await self._count_an_unrecorded_step()
             self._failure.result()  # re-raises the background error here
         return step.result()
+
+    async def _count_an_unrecorded_step(self) -> None:
+        """A trainer in another process may have taken its batch just as the step
+        was given up here (the cancel does not reach it): it trains and acknowledges
+        it unrecorded. Wait (bounded) for its lease to settle, then count what it
+        acknowledged as trained, so the stopped run's accounting holds."""
+        for _ in range(600):
+            if not await self._trainer_holds_a_batch():
+                break
+            await asyncio.sleep(0.05)
+        consumer = (await self.queue.statistics_async()).consumers.get(self.consumer)
+        if consumer is not None and consumer.delivered > self.trained:
+            self.trained = consumer.delivered
 
     async def _trainer_holds_a_batch(self) -> bool:
         stats = await self.queue.statistics_async()
