@@ -602,6 +602,7 @@ class _TrainCall:
 
 
 _WAKE_S = 0.1  # how often train_async's caller wakes while it waits
+_CLOSE_TRAIN_WAIT_S = 10.0  # close() lets a train call still running end its step this long, then cancels it
 # modules whose tasks read a connection of the run's (the queue client's): they live as long as it
 _CONNECTION_MODULES = ("transfer_queue.rpc",)
 
@@ -611,7 +612,7 @@ def _module_of(task: asyncio.Task[Any]) -> str:
     frame = getattr(task.get_coro(), "cr_frame", None)
     return frame.f_globals.get("__name__", "") if frame is not None else ""
 
-_CLOSE_TRAIN_WAIT_S = 10.0  # close() lets a train call still running end its step this long, then cancels it
+
 _DEFAULT_CONFIG = "fully_async.yaml"
 
 
@@ -711,7 +712,7 @@ def _resume_hint(run: Run) -> str:
     """How to go on after a run stopped on a lost actor or failing pushes."""
     if run.last_checkpoint is not None:
         return f"resume with: python -m actors.launch --resume {run.dir} (from {run.last_checkpoint.name})"
-    every = run.cfg.run.checkpoint_every
+    every = checkpoint_every(run.cfg)
     return ("no checkpoint was written (run.checkpoint_every=0)" if not every
             else f"no checkpoint yet (run.checkpoint_every={every})")
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = ["FullyAsyncPolicy"]
 
 # How often a trainer step that waits for its batch looks for samples the queue dropped as stale.
 _DROP_POLL_S = 0.25
+_UNRECORDED_STEP_WAIT_S = 30.0  # how long a stopped run waits for a step its trainer took unasked
 
 
 def _stale_drops(stats: Any) -> int:
@@ -170,9 +172,8 @@ class FullyAsyncPolicy(PolicyBase):
         was given up here (the cancel does not reach it): it trains and acknowledges
         it unrecorded. Wait (bounded) for its lease to settle, then count what it
         acknowledged as trained, so the stopped run's accounting holds."""
-        for _ in range(600):
-            if not await self._trainer_holds_a_batch():
-                break
+        deadline = time.monotonic() + _UNRECORDED_STEP_WAIT_S
+        while await self._trainer_holds_a_batch() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         consumer = (await self.queue.statistics_async()).consumers.get(self.consumer)
         if consumer is not None and consumer.delivered > self.trained:

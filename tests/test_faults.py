@@ -150,14 +150,27 @@ def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_
         _assert_nothing_lost(run)
 
 
+def _one_actor_run(schedule: str, tmp_path: pathlib.Path) -> Any:
+    """The default job with one rollout actor in its own process, one step taken."""
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"policy.type={schedule}", f"run.output_dir={tmp_path}")
+    try:
+        run.train(steps=1)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def _kill(handle: Any) -> None:
+    os.kill(loop.run(handle.ping()), signal.SIGKILL)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(180)
 def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(schedule, tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"policy.type={schedule}", f"run.output_dir={tmp_path}")
-    with run:
-        run.train(steps=1)
+    with _one_actor_run(schedule, tmp_path) as run:
         policy = run.policy
-        os.kill(loop.run(policy.rollouts[0].ping()), signal.SIGKILL)
+        _kill(policy.rollouts[0])
         # the trainer waits for a batch only a replacement can make: it joins without a step's push
         records = run.train(steps=4)
         assert [m["step"] for m in records] == [2, 3, 4, 5]
@@ -170,16 +183,14 @@ def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(s
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.timeout(120)
 def test_a_replacement_that_cannot_be_set_up_for_the_last_actor_stops_the_run_in_one_line(schedule, tmp_path):
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *PROCESS, f"policy.type={schedule}", f"run.output_dir={tmp_path}")
-    with run:
-        run.train(steps=1)
+    with _one_actor_run(schedule, tmp_path) as run:
         policy = run.policy
 
         async def cannot(dead: Any) -> Any:
             raise OSError("injected: no room for a new actor")
 
         policy.respawn_rollout = cannot
-        os.kill(loop.run(policy.rollouts[0].ping()), signal.SIGKILL)
+        _kill(policy.rollouts[0])
         with pytest.raises(ActorLostError, match=r"^every rollout actor died \(rollout-0: .*exit code -9.*; the "
                                                  r"replacement of rollout-0: injected: no room") as info:
             run.train(steps=5)
