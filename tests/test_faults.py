@@ -64,11 +64,15 @@ def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_wi
         in_flight_at_kill: list[bool] = []
 
         async def killed_mid_generation(group):
+            if in_flight_at_kill:
+                return await generate(group)
+            # paused, the actor holds the request unanswered however long the driver's loop stalls
+            # (else its reply could already be on the way when the kill lands, and nothing is lost)
+            await victim.pause()
             call = asyncio.ensure_future(generate(group))
-            if not in_flight_at_kill:
-                await asyncio.sleep(0.005)  # the request is in the actor's engine
-                in_flight_at_kill.append(not call.done())
-                os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.005)  # the request is in the actor
+            in_flight_at_kill.append(not call.done())
+            os.kill(pid, signal.SIGKILL)
             return await call
 
         victim.generate_group = killed_mid_generation
