@@ -201,6 +201,15 @@ class RolloutActor(Actor):
         update = await self.blocking(self._link.receive, handle) if self._link.kind == "dist" else handle
         return await self.engine.update_weights(update)
 
+    async def stage_weights(self, handle: Any) -> bool:
+        """Check the update behind ``handle`` ahead of :meth:`update_weights`
+        while generating (the engine's ``stage_weights``); False over a broadcast link."""
+        if self._link is None:
+            raise RuntimeError("stage_weights() before open_weight_link()")
+        if self._link.kind == "dist":
+            return False
+        return await self.engine.stage_weights(handle)
+
     async def placement(self) -> Any:
         from contracts.placement import placement
 

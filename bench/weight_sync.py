@@ -23,9 +23,15 @@ transport and kind, plus what ``auto`` mode would choose from those costs.
     full and delta alike), so background work left by the previous push (Ray
     freeing objects) is not billed to the next one.
 
+    stage_ms:    inproc and cuda_ipc, as ``sync.sequence`` does before the pause:
+                 publish + the receiver's check of a planned full payload
+                 (``stage_update``), wall time until it answers; 0 elsewhere
     transfer_ms: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
                  measured as receiver-acknowledged wall time minus its apply time
-    apply_ms:    apply_update on the receiver (payload checks, decode, write, verify)
+    apply_ms:    apply_update on the receiver (payload checks, decode, write,
+                 verify; a staged payload: the copy alone)
+    paused:      transfer + apply, what the engines wait through: the encode and
+                 the stage run while they still generate
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 
 from actors.backends.mixed_precision import MainParamsOptimizer
 from sync import WeightSender, apply_update
+from sync.apply import stage_update, stageable
 from sync import native
 from sync.auto import AutoConfig, AutoPolicy
 from contracts.weights import WeightUpdate
@@ -105,13 +112,17 @@ class InProcessReceiver:
         self.version, self.device = 0, device
         self.transport = make_transport("inproc")
 
-    def push(self, update: WeightUpdate) -> tuple[float, float]:
+    def push(self, update: WeightUpdate) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        got = self.transport.receive(self.transport.send(update))
+        handle = self.transport.send(update)
+        if stageable(update.manifest):
+            stage_update(self.weights, self.transport.receive(handle))
         t1 = time.perf_counter()
+        got = self.transport.receive(handle)
+        t2 = time.perf_counter()
         self.version = apply_update(self.weights, got, self.version)
         _sync(self.device)
-        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3
 
     def close(self) -> None:
         pass
@@ -144,13 +155,13 @@ class RayReceiver:
         self.actor = ray.remote(num_cpus=0)(_RayEngine).remote(shapes)
         self.transport = make_transport("ray")
 
-    def push(self, update: WeightUpdate) -> tuple[float, float]:
+    def push(self, update: WeightUpdate) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         handle = self.transport.send(update)
         apply_ms, _ = self.ray.get(self.actor.update_weights.remote(handle))
         total_ms = (time.perf_counter() - t0) * 1e3
         self.transport.release(handle)
-        return total_ms - apply_ms, apply_ms
+        return 0.0, total_ms - apply_ms, apply_ms
 
     def close(self) -> None:
         self.ray.shutdown()
@@ -181,10 +192,16 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, conn: An
                 break
             update = transport.receive(None)
         else:
-            handle = conn.recv()
-            if handle is None:
+            msg = conn.recv()
+            if msg is None:
                 break
+            op, handle = msg
             update = transport.receive(handle) if transport is not None else handle
+            if op == "stage":
+                stage_update(weights, update)
+                del update
+                conn.send("staged")
+                continue
         t0 = time.perf_counter()
         version = apply_update(weights, update, version)
         _sync(device)
@@ -221,8 +238,14 @@ class SubprocessReceiver:
         if not self.conn.poll(300) or self.conn.recv() != "ready":
             raise RuntimeError(f"{kind} receiver process did not start")
 
-    def push(self, update: WeightUpdate) -> tuple[float, float]:
+    def _answer(self) -> Any:
+        if not self.conn.poll(600):
+            raise RuntimeError(f"{self.kind} receiver did not answer in 600 s")
+        return self.conn.recv()
+
+    def push(self, update: WeightUpdate) -> tuple[float, float, float]:
         t0 = time.perf_counter()
+        stage_ms = 0.0
         if self.kind == "gloo":
             import torch.distributed as dist
 
@@ -230,14 +253,17 @@ class SubprocessReceiver:
             self.transport.send(update)
         else:
             handle = self.transport.send(update) if self.transport is not None else update
-            self.conn.send(handle)
-        if not self.conn.poll(600):
-            raise RuntimeError(f"{self.kind} receiver did not answer in 600 s")
-        apply_ms, _ = self.conn.recv()
+            if self.kind == "cuda_ipc" and stageable(update.manifest):  # the handle goes twice, as two calls do
+                self.conn.send(("stage", handle))
+                self._answer()
+                stage_ms = (time.perf_counter() - t0) * 1e3
+                t0 = time.perf_counter()
+            self.conn.send(("apply", handle))
+        apply_ms, _ = self._answer()
         total_ms = (time.perf_counter() - t0) * 1e3
         if self.kind == "cuda_ipc":
             self.transport.release(handle)
-        return total_ms - apply_ms, apply_ms
+        return stage_ms, total_ms - apply_ms, apply_ms
 
     def close(self) -> None:
         if self.kind == "gloo":
@@ -393,20 +419,21 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
             # shared host: the fastest of the repeats is the closest to the uncontended cost
             row["encode_ms"] = {k: round(min(v), 2) for k, v in encode_ms.items()}
             row["encode_ms_max"] = {k: round(max(v), 2) for k, v in encode_ms.items()}
-            spread = {name: {k: [round(min(sum(t) for t in v), 2), round(max(sum(t) for t in v), 2)]
+            spread = {name: {k: [round(min(sum(t[1:]) for t in v), 2), round(max(sum(t[1:]) for t in v), 2)]
                              for k, v in by_kind.items()} for name, by_kind in timings.items()}
-            timings = {name: {k: (min(t[0] for t in v), min(t[1] for t in v)) for k, v in by_kind.items()}
+            timings = {name: {k: tuple(min(t[i] for t in v) for i in range(3)) for k, v in by_kind.items()}
                        for name, by_kind in timings.items()}
             row["transports"] = {}
             for name, by_kind in timings.items():
                 out: dict[str, Any] = {}
                 policy = AutoPolicy(AutoConfig(alpha=1.0))
                 for kind in ("full", "delta"):
-                    transfer_ms, apply_ms = by_kind[kind]
-                    total = row["encode_ms"][kind] + transfer_ms + apply_ms
-                    out[kind] = {"transfer_ms": round(transfer_ms, 2), "apply_ms": round(apply_ms, 2),
-                                 "total_ms": round(total, 2),
-                                 # transfer + apply: what the engines wait through (encode runs before the pause)
+                    stage_ms, transfer_ms, apply_ms = by_kind[kind]
+                    total = row["encode_ms"][kind] + stage_ms + transfer_ms + apply_ms
+                    out[kind] = {"stage_ms": round(stage_ms, 2), "transfer_ms": round(transfer_ms, 2),
+                                 "apply_ms": round(apply_ms, 2), "total_ms": round(total, 2),
+                                 # transfer + apply: what the engines wait through (encode and stage run before
+                                 # the pause)
                                  "paused_ms_min_max": spread[name][kind]}
                     policy.observe(kind, total)
                 out["delta_over_full"] = round(out["delta"]["total_ms"] / out["full"]["total_ms"], 3)

@@ -262,18 +262,49 @@ _MAX_PLANS = 4  # per layout
 def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
     """Apply a full update laid out for the device fast path (:mod:`sync.device`)
     when its layout checks out against ``weights``; False to take the generic path."""
+    planned = _planned(weights, update)
+    if planned is None:
+        return False
+    plan, region = planned
+    plan.apply(update.manifest, region)
+    return True
+
+
+def stage_update(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
+    """Check ``update``'s payload ahead of :func:`apply_update`, writing nothing:
+    a receiver does it while its engine still generates, so that the apply,
+    with the engine paused, only copies. True when checked (a planned full
+    update); False when the apply will check as it goes (any other update).
+    Raises :class:`~sync.errors.ChecksumError` for a corrupt payload."""
+    m = update.manifest
+    planned = _planned(weights, update) if stageable(m) else None
+    if planned is None:
+        return False
+    plan, region = planned
+    plan.check(m, region)
+    return True
+
+
+def stageable(manifest: Any) -> bool:
+    """Whether :func:`stage_update` can check an update of this manifest ahead."""
+    return bool(manifest.layout) and manifest.kind == "full"
+
+
+def _planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> tuple[device.ReceiverPlan, torch.Tensor] | None:
+    """The receiver's plan for a full planned update and the buckets as one
+    region, when its layout checks out against ``weights``; None otherwise."""
     m = update.manifest
     if len(update.buckets) != len(m.bucket_sizes) or not m.entries:
-        return False
+        return None
     region = device.contiguous_region([bucket_tensor(b) for b in update.buckets], m.bucket_sizes)
     if region is None:
-        return False
+        return None
     plans = _PLANS.setdefault(m.layout, [])
     plan = next((p for p in plans if p.still_valid(weights)), None)  # engines pass a fresh dict each time
     if plan is None:
         plan = _plan_receiver(weights, m, region)
         if plan is None:
-            return False
+            return None
         for layout, others in list(_PLANS.items()):  # this receiver's plans of other layouts: stale,
             if layout != m.layout:                     # and they hold views of the sender's old buckets
                 others[:] = [p for p in others if not p.still_valid(weights)]
@@ -281,8 +312,7 @@ def _apply_planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bo
                     del _PLANS[layout]
         plans.insert(0, plan)
         del plans[_MAX_PLANS:]
-    plan.apply(m, region)
-    return True
+    return plan, region
 
 
 def _plan_receiver(weights: dict[str, torch.Tensor], m: Any, region: torch.Tensor) -> device.ReceiverPlan | None:

@@ -250,6 +250,7 @@ class ReceiverPlan:
                                 region.device)
         self._region_ptr = -1
         self._src: list[torch.Tensor] = []
+        self._checked: tuple[Any, ...] | None = None  # the update the last check() passed
 
     def still_valid(self, weights: dict[str, torch.Tensor]) -> bool:
         """The receiver still holds the same tensors, at the same addresses."""
@@ -259,11 +260,14 @@ class ReceiverPlan:
                 return False
         return True
 
-    def apply(self, manifest: Manifest, region: torch.Tensor) -> None:
-        """Phase 1 (check every payload against its checksum, on the device,
-        one read of the verdict) then phase 2 (one multi-tensor copy)."""
+    def check(self, manifest: Manifest, region: torch.Tensor) -> None:
+        """Phase 1: every payload against its checksum, on the device, one read
+        of the verdict. Nothing is written; a pass is remembered, so that
+        :meth:`apply` of this same update copies at once (a receiver checks
+        ahead, while its engine still generates: ``stage_weights``)."""
         from sync.errors import ChecksumError
 
+        self._checked = None
         if region.data_ptr() != self._region_ptr:  # other buckets: view them once
             self._src = [region[a : a + n].view(d).view(shape)
                          for (a, n), d, shape in zip(self.spans, self.dtypes, self.shapes)]
@@ -272,6 +276,16 @@ class ReceiverPlan:
         for e, (a, b) in zip(manifest.entries, sums):
             if (a & cks.MASK64, b & cks.MASK64) != tuple(e.checksum):
                 raise ChecksumError(f"{e.name}[{e.start}:{e.start + e.count}]: payload checksum mismatch")
+        self._checked = _checked_key(manifest, region)
+
+    def apply(self, manifest: Manifest, region: torch.Tensor) -> None:
+        """Phase 1 (:meth:`check`, unless this very update passed it last) then
+        phase 2 (one multi-tensor copy). The sender leaves its buckets as they
+        are until every receiver has applied, so a pass holds until then."""
+        checked, self._checked = self._checked, None  # one use
+        if checked is None or checked != _checked_key(manifest, region):
+            self.check(manifest, region)
+            self._checked = None
         dst = []
         for ref, sl, count in zip(self.refs, self.slices, self.counts):
             t = ref()
@@ -279,6 +293,12 @@ class ReceiverPlan:
         torch._foreach_copy_(dst, self._src)
         if region.is_cuda:  # the sender may refill its buckets as soon as this returns
             torch.cuda.current_stream(region.device).synchronize()
+
+
+def _checked_key(manifest: Manifest, region: torch.Tensor) -> tuple[Any, ...]:
+    """What must be the same for a check to stand for an apply: the update's
+    version and checksums, and where its bytes are."""
+    return manifest.version, region.data_ptr(), region.numel(), tuple(tuple(e.checksum) for e in manifest.entries)
 
 
 def bucket_offsets(sizes: list[int]) -> list[int]:

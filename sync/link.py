@@ -202,6 +202,7 @@ class _ActorPush:
 
     def __init__(self, trainer: Any, kind: Kind) -> None:
         self.trainer, self.kind = trainer, kind
+        self.can_stage = kind in ("inproc", "cuda_ipc")  # see Transport.can_stage
         self._task: asyncio.Task[Any] | None = None
 
     def send(self, update: WeightUpdate) -> Any:

@@ -17,8 +17,9 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     resume: without ``colocated`` the encode runs before the pause), ``pause_ms``
     the first part of that: until every engine has stopped and aborted its requests.
     ``sender_encode_ms``: the encode as the sender timed it, without the call
-    that fetched it; ``device_plan``: the update took the device fast path
-    (:mod:`sync.device`)."""
+    that fetched it; ``stage_ms``: the engines' check of a published payload
+    before the pause, while they still generate (``stage_weights``);
+    ``device_plan``: the update took the device fast path (:mod:`sync.device`)."""
 
     version: int
     kind: Literal["full", "delta"]
@@ -35,6 +36,7 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     num_aborted: int = 0
     sender_encode_ms: float = 0.0
     device_plan: bool = False
+    stage_ms: float = 0.0
 
 
 class SyncResult(msgspec.Struct, kw_only=True):

@@ -1,11 +1,13 @@
 """The weight-sync sequence, driven by the policy on the global loop.
 
-    [not colocated: versions + encode while the engines still generate]
+    [not colocated: versions + encode while the engines still generate,
+     then publish + each engine checks the payload (stage_weights), still generating]
     pause all ─► abort in-flight (keep partials) ─► sleep(1) if colocated
         ─► [colocated: versions + encode now, with the KV cache freed]
         ─► versions check: a delta only goes to engines at its base, others refuse ─► full
         ─► push to every engine concurrently, each verifies checksums in apply_update
-           and reports the version it now holds, which must be the target
+           (a full payload it staged: copied at once) and reports the version it
+           now holds, which must be the target
         ─► an engine that refused or failed gets one full retry
         ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
     finally: wake_up(kv_cache) ─► reset_prefix_cache ─► resume
@@ -36,6 +38,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
+from sync.apply import stageable
 from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
 from contracts.weights import WeightUpdate
@@ -127,10 +132,17 @@ async def sync_weights(
     transport = transport or InProcessTransport()
     src = _Source(source, weights, version, released)
     t0 = time.perf_counter()
+    staged: _Staged | None = None
     if not colocated:
         before, update = await _prepare(engines, src)
+        staged = await _stage(engines, update, transport)
     t_pause = time.perf_counter()
-    await asyncio.gather(*(e.pause() for e in engines))
+    try:
+        await asyncio.gather(*(e.pause() for e in engines))
+    except BaseException:
+        if staged is not None:
+            transport.release(staged.handle)
+        raise
     try:
         aborted = list(await asyncio.gather(*(e.abort(None) for e in engines)))
         t_stopped = time.perf_counter()
@@ -143,7 +155,10 @@ async def sync_weights(
                               transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
                               num_aborted=sum(a if isinstance(a, int) else len(a) for a in aborted),
                               pause_ms=(t_stopped - t_pause) * 1e3)
-        errors = await _push(engines, list(range(len(engines))), update, transport, metrics)
+        if staged is not None:
+            metrics.transfer_ms, metrics.stage_ms = staged.send_ms, staged.stage_ms
+        errors = await _push(engines, list(range(len(engines))), update, transport, metrics,
+                             handle=None if staged is None else staged.handle)
         if errors and src.can_retry:
             metrics.num_full_retries = 1
             full = await src.update(full=True)
@@ -180,11 +195,40 @@ async def _prepare(engines: list[Any], src: _Source) -> tuple[list[int], WeightU
     return before, update
 
 
-async def _push(engines: list[Any], which: list[int], update: WeightUpdate, transport: Transport,
-                metrics: SyncMetrics) -> dict[int, BaseException]:
-    """Push ``update`` to ``engines[i]`` for i in ``which``; return the failures."""
+class _Staged(msgspec.Struct):
+    handle: Any
+    send_ms: float
+    stage_ms: float
+
+
+async def _stage(engines: list[Any], update: WeightUpdate, transport: Transport) -> _Staged | None:
+    """Publish ``update`` and let every engine that can check it now, while it
+    still generates (``stage_weights``), so that the apply with the engines
+    paused only copies. Best effort: a check that fails here is made again by
+    the apply, which reports it. None when the transport cannot publish ahead
+    (a broadcast needs every engine in step), an engine cannot check ahead, or
+    the update is not one a check ahead takes (a planned full update)."""
+    if (not stageable(update.manifest) or not getattr(transport, "can_stage", False)
+            or not all(hasattr(e, "stage_weights") for e in engines)):
+        return None
     t0 = time.perf_counter()
     handle = transport.send(update)
+    t1 = time.perf_counter()
+    results = await asyncio.gather(*(e.stage_weights(handle) for e in engines), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            transport.release(handle)
+            raise r  # cancellation and the like
+    return _Staged(handle, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+
+
+async def _push(engines: list[Any], which: list[int], update: WeightUpdate, transport: Transport,
+                metrics: SyncMetrics, handle: Any = None) -> dict[int, BaseException]:
+    """Push ``update`` to ``engines[i]`` for i in ``which`` (through ``handle``
+    when :func:`_stage` published it already); return the failures."""
+    t0 = time.perf_counter()
+    if handle is None:
+        handle = transport.send(update)
     t1 = time.perf_counter()
     results = await asyncio.gather(*(engines[i].update_weights(handle) for i in which), return_exceptions=True)
     t2 = time.perf_counter()

@@ -261,3 +261,31 @@ class TestTorchEngineContractOverlappedSteps(EngineContract):
     def engine_factory(self):
         return lambda model_dir, **options: TorchEngine(model_dir, device="cpu", dtype="float32",
                                                         overlap_steps=True, **options)
+
+
+def test_a_planned_full_update_is_staged_while_generating_and_applied_after(engine_factory, tiny_models):
+    """``stage_weights`` checks the payload between decode steps and writes
+    nothing (a generation running through it stays on the old weights);
+    ``update_weights`` of the same update then applies it."""
+    sync = pytest.importorskip("sync")
+    path, hf_a = tiny_models["qwen2"]
+    _, hf_b = tiny_models["qwen2-b"]
+    state_b = {k: v.detach().clone() for k, v in hf_b.state_dict().items()}
+    update = sync.WeightSender(mode="full", dtype=torch.float32, device_plan="always").encode(state_b, version=1)
+    assert update.manifest.layout  # the device fast path's layout, on CPU here
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            before = {k: v.clone() for k, v in engine.named_weights().items()}
+            gen = asyncio.ensure_future(engine.generate(req("a", PROMPTS[0], 8)))
+            staged = await engine.stage_weights(update)
+            unchanged = all(torch.equal(v, before[k]) for k, v in engine.named_weights().items())
+            during = (await gen).token_ids
+            version = await engine.update_weights(update)
+            after = (await engine.generate(req("b", PROMPTS[0], 8))).token_ids
+            return staged, unchanged, during, version, after
+
+    staged, unchanged, during, version, after = loop.run(body())
+    assert staged and unchanged and version == 1
+    assert during == hf_greedy(hf_a, PROMPTS[0], 8)
+    assert after == hf_greedy(hf_b, PROMPTS[0], 8)

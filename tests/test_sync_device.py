@@ -253,11 +253,14 @@ def _ipc_receiver(shapes: dict, conn) -> None:
     version = 0
     while (handle := conn.recv()) is not None:
         try:
+            # checked ahead (a full one; as a rollout actor does before the pause), then applied
+            staged = sync_apply.stage_update(recv, transport.receive(handle))
             update = transport.receive(handle)
             version = apply_update(recv, update, version)
             m = update.manifest
             keys = [(e.name, e.shard, e.start, e.count) for e in m.entries]
-            planned = (any(p.still_valid(recv) for p in sync_apply._PLANS.get(m.layout, [])) if m.kind == "full"
+            planned = (staged and any(p.still_valid(recv) for p in sync_apply._PLANS.get(m.layout, []))
+                       if m.kind == "full"
                        else any(p.find(recv, keys) is not None for p in sync_apply._DELTA_PLANS.get(m.layout, [])))
             conn.send((version if planned else -1, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
         except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -284,7 +287,7 @@ def test_planned_pushes_over_cuda_ipc_between_processes() -> None:
             here.send(handle)
             got_version, got = here.recv()
             transport.release(handle)
-            assert got_version == version, got  # -1: applied, but not on the receiver's planned path
+            assert got_version == version, got  # -1: applied, but not on the receiver's planned (or staged) path
             assert all(torch.equal(torch.from_numpy(got[k]), w[k].bfloat16().cpu().view(torch.int16)) for k in shapes)
         here.send(None)
     finally:
@@ -352,3 +355,59 @@ def test_planned_delta_receiver_kernels_check_everything_before_writing() -> Non
     with pytest.raises(ChecksumError, match="differ from the base version"):
         apply_update(recv, update, 3)
     assert _exact(recv, before)
+
+
+def _count_checks(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = device._PieceSums.__call__
+    monkeypatch.setattr(device._PieceSums, "__call__", lambda self, v: calls.append(1) or real(self, v))
+    return calls
+
+
+def test_a_staged_full_update_is_checked_once_and_its_apply_only_copies(monkeypatch) -> None:
+    w = _weights()
+    sender, recv = _sender("always"), _receiver(w)
+    update = sender.encode(w, 1)
+    checks = _count_checks(monkeypatch)
+    assert sync_apply.stage_update(recv, update)
+    assert all(not v.any() for v in recv.values()) and len(checks) == 1  # checked, nothing written
+    assert apply_update(recv, update, 0) == 1
+    assert len(checks) == 1  # the apply copied at once
+    assert all(torch.equal(recv[k], w[k].bfloat16()) for k in recv)
+    with torch.no_grad():
+        w["norm"].add_(1.0)
+    second = sender.encode(w, 2)
+    checks.clear()
+    apply_update(recv, second, 1)  # not staged: the apply checks
+    assert len(checks) == 1 and torch.equal(recv["norm"], w["norm"].bfloat16())
+
+
+def test_a_stage_stands_only_for_the_update_it_checked(monkeypatch) -> None:
+    w = _weights()
+    sender, recv = _sender("always"), _receiver(w)
+    first = sender.encode(w, 1)
+    assert sync_apply.stage_update(recv, first)
+    with torch.no_grad():
+        w["norm"].add_(1.0)
+    second = sender.encode(w, 2)  # same buckets, other bytes and checksums
+    e = next(e for e in second.manifest.entries if e.name == "norm")
+    second.buckets[e.bucket][e.offset + 3] ^= 1
+    with pytest.raises(ChecksumError, match="payload checksum mismatch"):
+        apply_update(recv, second, 0)  # checked again: refused, nothing written
+    assert all(not v.any() for v in recv.values())
+    with pytest.raises(ChecksumError):
+        sync_apply.stage_update(recv, second)
+    with pytest.raises(ChecksumError):
+        apply_update(recv, second, 0)  # a failed stage is not remembered as a pass
+
+
+def test_only_planned_full_updates_are_staged() -> None:
+    w = _weights()
+    recv = _receiver(w)
+    assert not sync_apply.stage_update(recv, _sender("never").encode(w, 1))  # generic: the apply checks
+    sender = _sender("always", mode="delta")
+    apply_update(recv, sender.encode(w, 1), 0)
+    with torch.no_grad():
+        w["proj"].mul_(2)
+    delta = sender.encode(w, 2)
+    assert delta.manifest.kind == "delta" and not sync_apply.stage_update(recv, delta)

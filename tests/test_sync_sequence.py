@@ -10,7 +10,9 @@ import torch
 from contracts.rollout import GenerateOutput
 from sync import ChecksumError, SyncFailed, WeightSender, apply_update
 from contracts.weights import WeightUpdate, bucket_tensor
+from sync.apply import stage_update
 from sync.sequence import sync_weights
+from sync.transport.inproc import InProcessTransport
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]
 
@@ -258,3 +260,56 @@ async def test_released_source_is_not_re_encoded_a_failed_push_is_reverted() -> 
         await sync_weights(engines, trainer, colocated=False, released=released)
     assert released.is_set() and "update_full:1" not in log  # no full retry
     assert info.value.versions == [1, 1] and not any(e.paused for e in engines)
+
+
+class StagingEngine(FakeEngine):
+    """A FakeEngine that checks a payload ahead of the pause (``stage_weights``),
+    as the torch engine does; ``fail_stage``: its check raises instead."""
+
+    fail_stage = False
+
+    async def stage_weights(self, update: WeightUpdate) -> bool:
+        self._note("stage")
+        assert not self.paused, "staged with the engine paused"
+        if self.fail_stage:
+            raise RuntimeError("stage broke")
+        return stage_update(self.weights, update)
+
+
+@pytest.mark.parametrize("fail_stage", [False, True])
+async def test_a_planned_full_payload_is_checked_before_the_pause_the_apply_after_only_copies(
+        fail_stage: bool, monkeypatch) -> None:
+    """Published and checked while the engines still generate; with them paused
+    the apply copies (no second check). A check that fails ahead is made again
+    by the apply, which decides."""
+    from sync import device
+
+    w, log = _trainer(), []
+    engines = [StagingEngine({k: tuple(v.shape) for k, v in w.items()}, log, i) for i in range(2)]
+    engines[1].fail_stage = fail_stage
+    sender = WeightSender(mode="full", device_plan="always")
+    checks: list[str] = []
+    real = device.ReceiverPlan.check
+    monkeypatch.setattr(device.ReceiverPlan, "check", lambda self, m, r: checks.append(log[-1]) or real(self, m, r))
+    result = await sync_weights(engines, sender, weights=w, version=1, colocated=False,
+                                transport=InProcessTransport())
+    steps = [entry.split(":")[0] for entry in log]
+    assert [x for i, x in enumerate(steps) if x not in steps[:i]] == [
+        "stage", "pause", "abort", "update_full", "reset_prefix_cache", "resume"]
+    assert all(e.version == 1 and _holds(e, w) for e in engines)
+    # engine 0: checked at its stage only; engine 1 (its stage raised before checking): at its update
+    assert checks == (["stage:0", "update_full:1"] if fail_stage else ["stage:0", "stage:1"])
+    assert result.metrics.stage_ms > 0 and result.metrics.device_plan
+
+
+async def test_nothing_is_staged_over_a_transport_that_cannot_publish_ahead() -> None:
+    w, log = _trainer(), []
+    engines = [StagingEngine({k: tuple(v.shape) for k, v in w.items()}, log, i) for i in range(2)]
+
+    class Collective(InProcessTransport):
+        can_stage = False  # as a broadcast: the engines receive in step with the send
+
+    result = await sync_weights(engines, WeightSender(mode="full", device_plan="always"), weights=w, version=1,
+                                colocated=False, transport=Collective())
+    assert not any(x.startswith("stage") for x in log) and result.metrics.stage_ms == 0
+    assert all(e.version == 1 and _holds(e, w) for e in engines)

@@ -70,6 +70,13 @@ class RolloutEngine(abc.ABC):
         """Apply a ``sync`` weight update (full or delta); return the new version.
         Invalidates every cache computed with the old weights."""
 
+    async def stage_weights(self, update: object) -> bool:
+        """Check ``update`` ahead of :meth:`update_weights`, writing nothing,
+        while requests still run, so that the apply with the engine paused
+        only copies. True when checked; False (the default) when
+        :meth:`update_weights` checks as it applies. Raises for a corrupt payload."""
+        return False
+
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:
         """Drop any prefix / KV cache reuse state."""

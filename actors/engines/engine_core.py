@@ -246,11 +246,22 @@ class EngineCore:
         return self.awake
 
     def _cmd_update(self, update: object) -> int:
+        return self._on_update_tensors(self._apply_update, update)
+
+    def _cmd_stage(self, update: object) -> bool:
+        """Check ``update`` ahead of its apply, between decode steps (see ``sync.apply.stage_update``)."""
+        if isinstance(update, FullWeights):
+            return False
+        from sync.apply import stage_update
+
+        return self._on_update_tensors(lambda u: stage_update(self._update_targets(u), u), update)
+
+    def _on_update_tensors(self, fn: Callable[[Any], Any], update: Any) -> Any:
         cuda = self.opts.device.type == "cuda"
         if cuda:  # the update's tensors were written on other threads' (default) streams
             torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.opts.device))
         try:
-            return self._apply_update(update)
+            return fn(update)
         finally:
             if cuda:  # the sender may free or reuse its tensors once this returns
                 torch.cuda.current_stream().synchronize()

@@ -250,6 +250,9 @@ class TorchEngine(RolloutEngine):
         self._version = await self._call("update", update)
         return self._version
 
+    async def stage_weights(self, update: object) -> bool:
+        return bool(await self._call("stage", update))
+
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 

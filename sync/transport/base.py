@@ -22,6 +22,10 @@ class Transport(abc.ABC):
     """Moves weight updates; one instance per process and side."""
 
     name: str = "?"
+    # engines may check a payload ahead of the pause (sync.sequence._stage): a
+    # handle exists before any receiver acts on it (not so for a collective) and
+    # reading it twice costs nothing (no fetch: the payload stays where it is)
+    can_stage: bool = False
 
     @abc.abstractmethod
     def send(self, update: WeightUpdate) -> Any:

@@ -80,6 +80,7 @@ class CudaIpcTransport(Transport):
     """``device``: the GPU the buckets live on (they are moved there if not)."""
 
     name = "cuda_ipc"
+    can_stage = True
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
         self.device = torch.device(device)

@@ -38,6 +38,7 @@ class InProcessTransport(Transport):
     """For a trainer and engines in one process (the ``local`` runtime, tests)."""
 
     name = "inproc"
+    can_stage = True
 
     def send(self, update: WeightUpdate) -> WeightUpdate:
         refs = []
