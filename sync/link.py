@@ -33,6 +33,7 @@ import msgspec
 from contracts.placement import Placement, node_address
 from contracts.weights import WeightUpdate, merge_updates
 from sync.sequence import sync_weights
+from sync.transport import transport_class
 
 __all__ = ["DistPush", "EngineLink", "TrainerLink", "choose_transport", "digest_named", "push_weights",
            "weight_sync_fn"]
@@ -202,7 +203,7 @@ class _ActorPush:
 
     def __init__(self, trainer: Any, kind: Kind) -> None:
         self.trainer, self.kind = trainer, kind
-        self.can_stage = kind in ("inproc", "cuda_ipc")  # see Transport.can_stage
+        self.can_stage = transport_class(kind).can_stage  # the engines check ahead where that transport lets them
         self._task: asyncio.Task[Any] | None = None
 
     def send(self, update: WeightUpdate) -> Any:

@@ -11,25 +11,30 @@ from typing import Any
 
 from sync.transport.base import Transport
 
-__all__ = ["Transport", "make_transport"]
+__all__ = ["Transport", "make_transport", "transport_class"]
 
 
-def make_transport(name: str, **kwargs: Any) -> Transport:
-    """Build the transport called ``name`` (``inproc``, ``ray``, ``dist``, ``cuda_ipc``)."""
+def transport_class(name: str) -> type[Transport]:
+    """The transport class called ``name`` (``inproc``, ``ray``, ``dist``, ``cuda_ipc``)."""
     if name == "inproc":
         from sync.transport.inproc import InProcessTransport
 
-        return InProcessTransport(**kwargs)
+        return InProcessTransport
     if name == "ray":
         from sync.transport.ray_store import RayObjectStoreTransport
 
-        return RayObjectStoreTransport(**kwargs)
+        return RayObjectStoreTransport
     if name == "dist":
         from sync.transport.dist import BroadcastTransport
 
-        return BroadcastTransport(**kwargs)
+        return BroadcastTransport
     if name == "cuda_ipc":
         from sync.transport.cuda_ipc import CudaIpcTransport
 
-        return CudaIpcTransport(**kwargs)
+        return CudaIpcTransport
     raise ValueError(f"unknown transport {name!r}; expected one of 'inproc', 'ray', 'dist', 'cuda_ipc'")
+
+
+def make_transport(name: str, **kwargs: Any) -> Transport:
+    """Build the transport called ``name`` (see :func:`transport_class`)."""
+    return transport_class(name)(**kwargs)
