@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -18,3 +20,13 @@ def wide_heads() -> bool:
     """The engine contract's tiny models with head_dim 64 (override with True in a
     module whose engine needs it, as vLLM's CPU build does)."""
     return False
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for a test that sends
+    SIGINT: a suite started in the background by a non-interactive shell
+    inherits SIGINT ignored, and such a test would then wait forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

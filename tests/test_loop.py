@@ -126,7 +126,7 @@ def test_open_file_descriptors_stay_flat_over_10000_calls():
 
 
 @pytest.mark.parametrize("where", ["the loop in this thread", "a foreign loop in this thread"])
-def test_an_interrupt_with_on_interrupt_lets_the_coroutine_end_then_raises_keyboard_interrupt(where):
+def test_an_interrupt_with_on_interrupt_lets_the_coroutine_end_then_raises_keyboard_interrupt(where, default_sigint):
     """SIGINT (Ctrl-C, a notebook's stop button) while ``run(coro, on_interrupt=...)``
     blocks: ``on_interrupt`` runs on the loop, ``coro`` ends its own way, nothing is
     left running, then KeyboardInterrupt; Python's SIGINT handler is back after."""

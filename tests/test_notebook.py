@@ -51,7 +51,7 @@ def _check_between_calls(run) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_a_keyboard_interrupt_stops_train_at_the_step_boundary_and_the_same_run_trains_again(run):
+def test_a_keyboard_interrupt_stops_train_at_the_step_boundary_and_the_same_run_trains_again(run, default_sigint):
     """SIGINT to this process while ``train`` blocks (the loop in this thread, then
     from a thread that runs a foreign loop, as a notebook cell does)."""
 
