@@ -3,6 +3,7 @@ import torch
 
 from actors.backends.batching import micro_batches
 from actors.backends import TrainerBackend, TrainerConfig, make_backend
+from actors.backends import config as backend_config
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR, load_causal_lm
 from contracts.sample import Sample
@@ -118,8 +119,12 @@ def test_make_backend_builds_the_torch_backend_from_its_config_section_with_its_
     assert backend.shard_specs() is None  # unsharded
 
 
-def test_make_backend_refuses_a_backend_this_build_lacks_naming_the_key():
-    with pytest.raises(ValueError, match=r"^trainer\.backend: 'megatron' is not available: this build has no megatron backend"):
+def test_make_backend_refuses_a_backend_this_build_lacks_naming_the_key(monkeypatch):
+    # whether or not megatron-core is installed here: its package is made absent
+    monkeypatch.setitem(backend_config._PACKAGES, "megatron", "megatron_core_absent_for_this_test")
+    with pytest.raises(ValueError, match=r"^trainer\.backend: 'megatron' is not available: this build has no megatron "
+                                         r"backend without megatron_core_absent_for_this_test, which is not installed; "
+                                         r"install the optional extra: pip install -e \"\.\[megatron\]\"$"):
         make_backend(TrainerConfig(backend="megatron"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)
     with pytest.raises(ValueError, match=r"^trainer\.backend: 'jax' is unknown"):
         make_backend(TrainerConfig(backend="jax"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)  # type: ignore[arg-type]

@@ -28,12 +28,12 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -
     ``seed`` seeds initialisation. Raises ``ValueError`` naming
     ``trainer.backend`` for a backend this build does not have.
     """
+    if cfg.backend == "megatron" and cfg.activation_checkpointing:  # wrong whether or not megatron-core is here
+        raise ValueError("trainer.activation_checkpointing: the megatron backend does not offer it in this build "
+                         "(backend: torch does)")
     reason = backend_unavailable(cfg.backend, cfg.device)
     if reason is not None:
         raise ValueError(f"trainer.backend: {reason}")
-    if cfg.backend == "megatron" and cfg.activation_checkpointing:
-        raise ValueError("trainer.activation_checkpointing: the megatron backend does not offer it in this build "
-                         "(backend: torch does)")
     if cfg.backend == "megatron":
         from actors.backends.megatron_backend import MegatronBackend
 
