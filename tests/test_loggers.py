@@ -17,12 +17,14 @@ import pytest
 
 from actors.config import ConfigError, load_config
 from actors.loggers import flatten
+from tests.extras import needs_mark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["trainer.batch_prompts=2", "rollout.n=4", "rollout.max_response_tokens=8", "run.progress=false"]
 ALL = "run.loggers=[jsonl,tensorboard,wandb]"
 
 pytestmark = pytest.mark.timeout(240)
+needs_tensorboard, needs_wandb = needs_mark("tensorboard", "tensorboard"), needs_mark("wandb", "wandb")
 
 
 def _cli(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
@@ -98,6 +100,8 @@ def _wandb_run(run_dir: pathlib.Path) -> tuple[dict[int, dict], dict]:
     return history, config
 
 
+@needs_tensorboard
+@needs_wandb
 def test_the_default_job_logs_the_same_metrics_to_tensorboard_and_wandb_as_to_metrics_jsonl(tmp_path):
     _cli(tmp_path, "fully_async.yaml", *SMALL, "run.total_steps=3", "policy.eval_every=2",
          f"run.output_dir={tmp_path / 'runs'}", ALL)
@@ -124,6 +128,8 @@ def test_the_default_job_logs_the_same_metrics_to_tensorboard_and_wandb_as_to_me
     assert config["trainer"]["lr"] == 2e-4 and config["run"]["loggers"] == ["jsonl", "tensorboard", "wandb"]
 
 
+@needs_tensorboard
+@needs_wandb
 def test_a_resumed_run_replaces_the_rolled_back_steps_in_tensorboard_and_continues_the_wandb_run(tmp_path):
     out = tmp_path / "runs"
     _cli(tmp_path, "fully_async.yaml", *SMALL, "run.total_steps=3", "run.checkpoint_every=2",

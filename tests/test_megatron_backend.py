@@ -11,7 +11,6 @@ world size 1, by the first backend's setup).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import pathlib
 import socket
@@ -25,10 +24,11 @@ from actors.backends import megatron_convert as mc
 from actors.backends.torch_backend import TorchBackend
 from contracts.sample import Sample
 from policies.losses import make_loss
+from tests.extras import installed, needs_mark
 
 PPO = make_loss("ppo_clip")
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed")
+HAVE_MEGATRON = installed("megatron.core")
+needs_megatron = needs_mark("megatron.core", "megatron")
 
 
 # -- tiny models ------------------------------------------------------------------------

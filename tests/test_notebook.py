@@ -21,6 +21,7 @@ import pytest
 import loop
 from actors import notebook
 from actors.launch import launch
+from tests.extras import needs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the smallest run that takes the real path: built-in engine, torch trainer, queue, delta pushes
@@ -144,7 +145,7 @@ def test_repr_metrics_and_plot(run, monkeypatch):
 
 
 def test_metrics_table_is_a_dataframe_by_step_with_pandas():
-    pd = pytest.importorskip("pandas")
+    pd = needs("pandas", "plot")
     history = [{"step": 1, "reward": 0.5, "dropped": {}}, {"step": 2, "reward": 0.7, "dropped": {"stale": 2}}]
     table = notebook.metrics_table(history)
     assert isinstance(table, pd.DataFrame)
@@ -152,7 +153,7 @@ def test_metrics_table_is_a_dataframe_by_step_with_pandas():
 
 
 def test_plot_draws_reward_eval_staleness_and_throughput_with_matplotlib():
-    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib = needs("matplotlib", "plot")
     matplotlib.use("Agg")
     history = [{"step": s, "reward": 0.1 * s, "staleness_mean": 0.5, "staleness_max": 1, "samples_per_s": 90.0,
                 "train/loss": 1.0 / s, **({"eval/reward": 0.3} if s == 2 else {})} for s in (1, 2, 3)]
@@ -171,7 +172,7 @@ def test_plot_draws_reward_eval_staleness_and_throughput_with_matplotlib():
 def test_progress_bar_falls_back_to_the_text_bar_without_a_warning(monkeypatch):
     """In a notebook without ipywidgets ``tqdm.auto`` warns "IProgress not found"
     and uses the text bar; the run's bar is that text bar, with no warning."""
-    pytest.importorskip("IPython")
+    needs("IPython", "dev")
     import warnings
 
     from tqdm.std import tqdm as text_bar
@@ -211,9 +212,7 @@ def _interrupt_when_running(client, delay_s: float):
 
 @pytest.mark.timeout(300)
 def test_quickstart_notebook_runs_in_a_jupyter_kernel_with_interrupts_mid_training(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
+    nbformat, nbclient, _ = needs("nbformat", "dev"), needs("nbclient", "dev"), needs("ipykernel", "dev")
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     launch_cell = next(c for c in nb.cells if c.cell_type == "code" and "launch(" in c.source)
     assert launch_cell.source.count("'policy.eval_every=10')") == 1
