@@ -6,28 +6,47 @@
 
 Every policy runs the same task, model, engine, trainer, batch size and
 number of trainer steps (so the same sample budget), one after the other in
-this process, seed by seed (every policy runs seed 0, then seed 1, ...),
-each run first taking ``--warmup-steps`` trainer steps untimed: one-time costs (CUDA
-context, kernels JIT-compiled or graphs captured per shape, first use of each prefill
-shape) land there in whichever processes the actors live, and every policy is timed in
-steady state (fully-async starts the timed window with its pipeline full and ends it with
-work in flight alike). Prints one JSON object: per policy the wall time of the timed
-steps (setup excluded), samples/s, trainer and rollout idle ratios and the final
-reward (mean over the last 10% of steps), each as mean and spread over seeds,
-and the speedup of each policy over sync (in wall time, steps/s and trained
-tokens/s). ``fully_async`` syncs weights after every trainer step like the
-baselines; ``fully_async_k2`` every second step.
+this process, seed by seed (every policy runs seed 0, then seed 1, ...). The
+order of the policies rotates from seed to seed (two policies alternate: seed 0
+sync then fully_async, seed 1 fully_async then sync), so whatever the machine
+does early or late in a seed falls on each policy in turn; the JSON records it
+(``policy_order``, and each run's ``seed`` and ``position``).
+
+Warm-up, alike for every policy: each run starts its own actors and takes
+``--warmup-steps`` trainer steps untimed (at least one weight sync of every
+policy: the flag's minimum is the longest sync interval among the policies),
+waits for the last of their pushes, and with ``--eval-prompts`` evaluates once
+before them; one-time costs (CUDA context, kernels JIT-compiled or graphs
+captured per shape, first use of each prefill shape) land there in whichever
+processes the actors live, and every policy is timed in steady state
+(fully-async starts the timed window with its pipeline full and ends it with
+work in flight alike). Before seed 0, one throw-away run (the first policy, on a
+seed outside the timed ones, untimed, ``warmup_run``; ``--no-warmup-run`` skips
+it) takes the costs paid once per process or machine (on-disk kernel caches,
+the ``local`` runtime's own process) so they land in no timed window.
+
+Prints one JSON object: per policy the wall time of the timed steps (setup
+excluded), steps/s, trained tokens/s, samples/s, trainer and rollout idle ratios
+and the final reward (mean over the last 10% of steps), each as mean, spread,
+min and max over seeds, and the speedup of each policy over sync: from the mean
+over seeds of trained tokens/s (the headline, ``speedup_X_over_sync``) and of
+steps/s, and seed by seed. ``fully_async`` syncs weights after every trainer
+step like the baselines; ``fully_async_k2`` every second step.
 
 Learning, at equal trained samples: ``--eval-prompts N`` scores N fixed
 held-out prompts of the task (one greedy response each, ``policy.eval_prompts``)
 before the first step and after the last, both untimed; ``--eval-every K``
-adds evaluations every K trainer steps (``policy.eval_every``), whose time is
-subtracted from the timed window (``wall_s``; ``wall_with_eval_s`` keeps it).
-Each run reports ``eval_reward_first``, ``eval_reward_last``,
-``eval_at_trained`` (samples trained at the last evaluation: the same for every
-policy, which all train the same steps of the same batch) and ``eval_curve``
-(``[step, trained, reward]``). Fully-async's rollout may keep generating during
-an in-loop evaluation; ``--eval-every 0`` gives the strictest throughput comparison.
+adds evaluations every K trainer steps (``policy.eval_every``), whose time
+counts in the timed window (``eval_in_window: true``): fully-async's rollout
+keeps generating during them and the baselines' does not, so stopping the
+clock would hand fully-async free generation. ``--eval-outside-window`` subtracts
+them anyway (the old figures; ``eval_in_window: false``): generation cannot be
+paused for them, since the engine that would pause is the one they run on.
+Each run reports ``eval_s`` (the in-window evaluations), ``eval_reward_first``,
+``eval_reward_last``, ``eval_at_trained`` (samples trained at the last
+evaluation: the same for every policy, which all train the same steps of the
+same batch) and ``eval_curve`` (``[step, trained, reward]``); ``--eval-every 0``
+gives the purest throughput comparison.
 
 A text task on a 402M-parameter model (the Qwen2.5-0.5B body over SmolLM2's
 tokenizer), on one GPU. Here, where the converted SmolLM2 checkpoint is (only
@@ -58,7 +77,8 @@ in its 75 s, held-out reward still 0: a CPU-sized model learns this slowly);
 one benchmark run (process runtime, 2 + 30 steps of 64 samples, 4
 evaluations of 128 prompts) about 220 s with setup, 190 s timed, so the whole
 3-seed, 2-policy benchmark about 20 min. ``tests/test_text_bench.py`` runs a
-1-seed, 3-step version in a few seconds.
+1-seed, 3-step version in a few seconds; ``tests/test_bench_fairness.py`` checks
+the order, warm-up and timed-window rules on the built-in 397k model.
 """
 
 from __future__ import annotations
@@ -148,12 +168,36 @@ def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace
     return overrides
 
 
+def sync_interval(policy: str, overrides: list[str]) -> int:
+    """Trainer steps between two weight syncs of ``policy`` at most: its
+    ``policy.trigger_parameter_sync_step`` (the last override of it wins; the
+    config's default 1). The baselines sync after every step whatever it says."""
+    every = 1
+    for item in (*POLICIES[policy], *overrides):
+        key, _, value = item.partition("=")
+        if key.strip() == "policy.trigger_parameter_sync_step":
+            every = int(value)
+    return every
+
+
+def rotated(items: list[str], seed: int) -> list[str]:
+    """The order ``items`` (policies, or runtimes) run in for ``seed``: rotated one
+    place per seed (two alternate), so none always runs first in a seed."""
+    k = seed % len(items)
+    return items[k:] + items[:k]
+
+
 def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers: int = 1) -> dict[str, Any]:
     run = launch(ROOT / "fully_async.yaml", *run_overrides(policy, seed, runtime, args, workers))
     transport = run.weight_transport
     with run:
-        evals = [_evaluate(run)] if args.eval_prompts else []  # step 0: the weights every policy starts from
-        warm = run.train(args.warmup_steps)  # untimed: one-time costs of the actors' processes land here
+        # untimed warm-up, the same for every policy: an evaluation (step 0: the weights every policy
+        # starts from), --warmup-steps steps with at least one weight sync, and that sync finished
+        evals = [_evaluate(run)] if args.eval_prompts else []
+        warm = run.train(args.warmup_steps)  # one-time costs of the actors' processes land here
+        loop.run(run.policy.settle())  # a push still running (overlapped) ends before the window opens
+        warmup_weight_version = loop.run(run.policy.rollouts[0].get_version())
+        warmup_evals = len(evals) + (run.initial_eval is not None) + sum("eval/reward" in m for m in warm)
         engine0 = loop.run(run.policy.rollouts[0].statistics())
         t0 = time.perf_counter()
         hist = run.train(args.steps)
@@ -162,9 +206,10 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         evals += [m for m in warm + hist if "eval/reward" in m]
         if args.eval_prompts and (not evals or evals[-1]["step"] != args.warmup_steps + args.steps):
             evals.append(_evaluate(run))  # after the timed window: the weights of the last step
-    # evaluations inside the timed window (--eval-every) do not count as training time
+    # the evaluations inside the timed window (--eval-every) count as its time unless asked otherwise:
+    # fully-async keeps generating during them, the baselines do not
     eval_s = sum(m.get("eval/s", 0.0) for m in hist)
-    wall_s = wall_with_eval_s - eval_s
+    wall_s = wall_with_eval_s if args.eval_in_window else wall_with_eval_s - eval_s
     # the engine's counters over the timed steps only (gauges such as num_running: at the end)
     gauges = ("num_running", "num_waiting", "kv_cache_bytes", "weights_bytes")
     engine = {k: v if k in gauges or not isinstance(v, (int, float)) else round(v - engine0.get(k, 0), 4)
@@ -173,11 +218,17 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
     last = hist[-1]
     start = warm[-1] if warm else {"trained": 0, "elapsed_s": 0.0, "trainer_idle_ratio": 0.0,
                                    "rollout_idle_ratio": 0.0}
+    # the idle ratios' span runs from the last warm-up step's record to the last step's record: it holds
+    # the evaluation after that warm-up step (before the window), and those after the timed steps but
+    # the last (in the window: left in unless --eval-outside-window)
+    not_timed_s = start.get("eval/s", 0.0) + (0.0 if args.eval_in_window else
+                                                 sum(m.get("eval/s", 0.0) for m in hist[:-1]))
 
-    def idle(key: str) -> float:  # over the timed steps less their evaluations (the counters run from the start)
+    def idle(key: str) -> float:  # over the timed steps (the counters run from the start)
         busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
-        return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"] - eval_s)))
+        return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"] - not_timed_s)))
     return {
+        "seed": seed,
         "weight_transport": transport,
         "wall_s": wall_s,
         "wall_with_eval_s": wall_with_eval_s,
@@ -186,6 +237,9 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         # trained response tokens (the trainer's count) per second
         "tokens_per_s": sum(m["num_tokens"] for m in hist) / wall_s,
         "samples_per_s": (last["trained"] - start["trained"]) / wall_s,
+        # what the warm-up did: the engine's weight version when the window opened (>= 1: a sync
+        # was applied), evaluations run
+        "warmup_steps": len(warm), "warmup_weight_version": warmup_weight_version, "warmup_evals": warmup_evals,
         **_eval_fields(evals),
         "trainer_idle_ratio": idle("trainer_idle_ratio"),
         "rollout_idle_ratio": idle("rollout_idle_ratio"),
@@ -242,7 +296,16 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     return parts
 
 
-#: Summarised over seeds (mean and spread), in this order: throughput side by side, then learning.
+EVAL_IN_WINDOW = ("the in-loop evaluations (--eval-every) count in each run's timed window (wall_s "
+                  "holds eval_s): fully-async's rollout keeps generating during them, the baselines' does not")
+EVAL_OUTSIDE_WINDOW = (
+    "the in-loop evaluations' time (eval_s) is subtracted from each run's timed window "
+    "(wall_s = wall_with_eval_s - eval_s), but generation is not paused during them (pausing the "
+    "rollout actors pauses the engine the evaluation runs on): fully-async's in-flight groups and "
+    "feeder keep generating while the clock is stopped, generation the baselines do not get, so its "
+    "throughput is overstated by up to eval_s of free generation")
+
+#: Summarised over seeds (mean, spread, min and max), in this order: throughput side by side, then learning.
 SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
                 "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
                 "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean",
@@ -255,25 +318,35 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in runs if key in r]
         if not values:  # e.g. no evaluations asked for
             continue
-        out[key] = {"mean": statistics.fmean(values),
-                    "spread": (max(values) - min(values)) if len(values) > 1 else 0.0}
+        out[key] = {"mean": statistics.fmean(values), "spread": max(values) - min(values),
+                    "min": min(values), "max": max(values)}
     out["seeds"] = runs
     return out
 
 
+#: What the speedup fields are, written into the JSON beside them.
+SPEEDUP_NOTE = ("speedup_X_over_sync: mean over seeds of X's trained tokens/s over the mean of sync's (the "
+                "headline; = speedup_tokens_per_s_X_over_sync); speedup_steps_per_s_X_over_sync: the same "
+                "from steps/s; each *_per_seed: the ratio seed by seed (runs of the same seed)")
+
+
 def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Each policy's runs summarised over seeds (``policies``), and each policy's
-    speedup over sync: in wall time (mean, and per seed), in steps/s and in
-    trained tokens/s (the two differ as response lengths do)."""
+    """Each policy's runs summarised over seeds (``policies``: mean, spread, min
+    and max), and each policy's speedup over sync: the ratio of the means over
+    seeds of trained tokens/s (the headline) and of steps/s (the two differ as
+    response lengths do), and both seed by seed."""
     pol = {policy: _summarise(r) for policy, r in runs.items()}
     out: dict[str, Any] = {"policies": pol}
+    if "sync" in pol and len(pol) > 1:
+        out["speedup"] = SPEEDUP_NOTE
     for name in pol:
         if name != "sync" and "sync" in pol:
-            out[f"speedup_{name}_over_sync"] = pol["sync"]["wall_s"]["mean"] / pol[name]["wall_s"]["mean"]
-            out[f"speedup_{name}_over_sync_per_seed"] = [
-                round(a["wall_s"] / b["wall_s"], 3) for a, b in zip(runs["sync"], runs[name])]
-            for rate in ("steps_per_s", "tokens_per_s"):
+            for rate in ("tokens_per_s", "steps_per_s"):
                 out[f"speedup_{rate}_{name}_over_sync"] = pol[name][rate]["mean"] / pol["sync"][rate]["mean"]
+                out[f"speedup_{rate}_{name}_over_sync_per_seed"] = [
+                    round(b[rate] / a[rate], 3) for a, b in zip(runs["sync"], runs[name])]
+            out[f"speedup_{name}_over_sync"] = out[f"speedup_tokens_per_s_{name}_over_sync"]
+            out[f"speedup_{name}_over_sync_per_seed"] = out[f"speedup_tokens_per_s_{name}_over_sync_per_seed"]
     return out
 
 
@@ -325,12 +398,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="held-out prompts per evaluation (greedy, policy.eval_prompts); > 0 evaluates "
                         "before the first step and after the last, untimed (0: no evaluation)")
     p.add_argument("--eval-every", type=int, default=0,
-                   help="also evaluate every this many trainer steps (policy.eval_every); their time is "
-                        "subtracted from the timed window")
+                   help="also evaluate every this many trainer steps (policy.eval_every); their time counts "
+                        "in the timed window (fully-async keeps generating during them, the baselines do not)")
+    p.add_argument("--eval-outside-window", action="store_true",
+                   help="subtract the --eval-every evaluations' time from the timed window (the old figures; "
+                        "generation is not paused during them, so fully-async gains free generation)")
     p.add_argument("--staleness-threshold", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--policies", default="sync,one_step_off,fully_async,fully_async_k2")
-    p.add_argument("--warmup-steps", type=int, default=3, help="trainer steps each run takes untimed before the timed --steps (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=3,
+                   help="trainer steps each run takes untimed before the timed --steps; at least the longest "
+                        "sync interval of the policies (1; 2 with fully_async_k2), so each warms a weight sync")
+    p.add_argument("--no-warmup-run", dest="warmup_run", action="store_false",
+                   help="skip the throw-away run before seed 0 (it takes what is paid once per process or "
+                        "machine, such as on-disk kernel caches, out of the first timed run)")
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--trainer-workers", default="1",
@@ -352,6 +433,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--eval-every and --eval-prompts must be >= 0")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts > 0")
+    args.eval_in_window = not args.eval_outside_window
+    try:
+        need = {name: sync_interval(name, args.overrides) for name in policies}
+    except ValueError:
+        p.error("policy.trigger_parameter_sync_step: expected an integer")
+    slowest = max(need, key=need.__getitem__)
+    if args.warmup_steps < need[slowest]:
+        p.error(f"--warmup-steps: at least {need[slowest]}, so every policy's warm-up holds a weight sync "
+                f"({slowest} syncs every {need[slowest]} trainer step(s))")
     try:
         task_kwargs(args)
     except ValueError as e:
@@ -374,12 +464,18 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_prompts * args.n, "max_response_tokens": args.max_response_tokens,
         "task_kwargs": task_kwargs(args), "max_model_len": max_model_len(args),
         "eval_prompts": args.eval_prompts, "eval_every": args.eval_every,
-        "timing": "wall_s: the timed steps less the evaluations inside them (eval_s, --eval-every); "
-                  "steps_per_s, tokens_per_s (trained response tokens) and samples_per_s over wall_s; "
-                  "the evaluations before the first step and after the last are untimed. "
-                  "eval_reward_*: greedy mean reward on the task's held-out prompts, "
-                  "eval_at_trained: trained samples at the last evaluation (equal across policies); "
-                  "fully-async's rollout may keep generating during an in-loop evaluation",
+        "eval_in_window": args.eval_in_window,
+        "eval_in_window_means": EVAL_IN_WINDOW if args.eval_in_window else EVAL_OUTSIDE_WINDOW,
+        "timing": "wall_s: the timed steps (wall_with_eval_s), less the evaluations inside them (eval_s) "
+                  "only when eval_in_window is false; steps_per_s, tokens_per_s (trained response tokens) "
+                  "and samples_per_s over wall_s; the evaluations before the first step and after the last "
+                  "are untimed. eval_reward_*: greedy mean reward on the task's held-out prompts, "
+                  "eval_at_trained: trained samples at the last evaluation (equal across policies)",
+        "warmup_steps": args.warmup_steps,
+        "warmup": "each run, untimed before its window: its own actors started, an evaluation (with "
+                  "--eval-prompts), --warmup-steps trainer steps holding at least one weight sync, that "
+                  "sync finished (per run: warmup_weight_version >= 1, warmup_evals)",
+        "policy_order": {},
         "staleness_threshold": args.staleness_threshold, "max_staleness": args.max_staleness,
         "overrides": args.overrides,
         "policies": {},
@@ -390,10 +486,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{rt}:w{n}": (rt, n) for rt in runtimes for n in args.workers}
     runtimes = list(sides)
     every: dict[str, dict[str, list[dict[str, Any]]]] = {rt: {policy: [] for policy in policies} for rt in runtimes}
+    result["warmup_run"] = args.warmup_run
+    if args.warmup_run:  # what a process or machine pays once (disk kernel caches; the local runtime's
+        # own process) lands here, not in seed 0's first run; a seed no timed run uses, results dropped
+        result["warmup_runs"] = []
+        for rt in runtimes:
+            first = rotated(policies, 0)[0]
+            t0 = time.perf_counter()
+            _one(first, args.seeds, sides[rt][0], args, sides[rt][1])
+            result["warmup_runs"].append({"policy": first, "runtime": rt, "seed": args.seeds,
+                                          "seconds": round(time.perf_counter() - t0, 2)})
+            print(f"[async_vs_sync] throw-away warm-up run {first} {rt}: "
+                  f"{result['warmup_runs'][-1]['seconds']:.2f} s with setup", file=sys.stderr)
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
-        for policy in policies:
-            for rt in runtimes:
-                every[rt][policy].append(_one(policy, seed, sides[rt][0], args, sides[rt][1]))
+        order = rotated(policies, seed)  # and the order rotates: no policy always runs first in a seed
+        result["policy_order"][str(seed)] = order
+        if len(runtimes) > 1:
+            result.setdefault("runtime_order", {})[str(seed)] = rotated(runtimes, seed)
+        for position, policy in enumerate(order):
+            for rt in rotated(runtimes, seed):
+                every[rt][policy].append({**_one(policy, seed, sides[rt][0], args, sides[rt][1]),
+                                          "position": position})
                 print(f"[async_vs_sync] seed {seed} {policy} {rt}: {every[rt][policy][-1]['wall_s']:.2f} s",
                       file=sys.stderr)
                 if args.out:  # every finished run is kept, should the invocation be cut short

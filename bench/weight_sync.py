@@ -14,24 +14,34 @@ sync reads the bf16 model params, so neither full nor delta pays a cast.
 to the engine's bf16 inside the sync. For each step
 the same version is pushed as a delta and as a full update through every
 transport, and we print one JSON object: changed fraction, bytes sent, bytes
-per changed element, and encode / transfer / apply milliseconds per
-transport and kind, plus what ``auto`` mode would choose from those costs.
+per changed element, and per transport and kind the whole push (encode, stage,
+transfer and apply in one timed span) as the median over repeats with its min
+and max, each component's minimum beside it, plus what ``auto`` mode would
+choose from the medians.
 
-    Each repeat times the delta and then the full push of the same version
-    (then takes it back), so noise on this shared host falls on both kinds.
-    Every timed encode and push starts after a short pause (``--settle-s``,
-    full and delta alike), so background work left by the previous push (Ray
-    freeing objects) is not billed to the next one.
+    Each repeat, on each transport in turn, times the delta and then the full
+    push of the same version from the same base (then takes the delta back,
+    untimed), so noise on this shared host falls on both kinds; every push
+    encodes its own update, as a real sync does. Every timed push starts after
+    a short pause (``--settle-s``, full and delta alike), so background work
+    left by the previous push (Ray freeing objects) is not billed to the next.
 
-    stage_ms:    inproc and cuda_ipc, as ``sync.sequence`` does before the pause:
-                 publish + the receiver's check of a planned full payload
-                 (``stage_update``), wall time until it answers; 0 elsewhere
-    transfer_ms: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
-                 measured as receiver-acknowledged wall time minus its apply time
-    apply_ms:    apply_update on the receiver (payload checks, decode, write,
-                 verify; a staged payload: the copy alone)
-    paused:      transfer + apply, what the engines wait through: the encode and
-                 the stage run while they still generate
+    push_ms_median:   encode + stage + transfer + apply, measured as one span per
+                      repeat; the median (``median_low``: one measured push), with
+                      push_ms_min / push_ms_max and every repeat (push_ms_repeats)
+    component_min_ms: each component's fastest repeat, from different repeats;
+                      sum_of_component_minima_ms adds them: a composite lower
+                      bound under the whole push, not a push anyone measured
+      encode:   the sender's encode of the update
+      stage:    inproc and cuda_ipc, as ``sync.sequence`` does before the pause:
+                publish + the receiver's check of a planned full payload
+                (``stage_update``), wall time until it answers; 0 elsewhere
+      transfer: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
+                measured as receiver-acknowledged wall time minus its apply time
+      apply:    apply_update on the receiver (payload checks, decode, write,
+                verify; a staged payload: the copy alone)
+    paused_ms_*:      transfer + apply of the same repeat, what the engines wait
+                      through: the encode and the stage run while they still generate
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -298,6 +309,44 @@ def _codec_mix(update: WeightUpdate) -> dict[str, float]:
     return {k: round(v / total, 4) for k, v in mix.most_common()}
 
 
+def _delta_figures(delta: WeightUpdate) -> dict[str, Any]:
+    """What a delta update holds: changed elements, bytes, bytes per changed element, codecs."""
+    return {
+        "changed_fraction": round(delta.manifest.changed_fraction, 5),
+        "num_elements": delta.manifest.num_elements,
+        "num_changed": delta.manifest.num_changed,
+        "delta_bytes": delta.nbytes,
+        "bytes_per_changed_element": round(delta.nbytes / max(1, delta.manifest.num_changed), 3),
+        "delta_codec_mix": _codec_mix(delta),
+    }
+
+
+COMPONENTS = ("encode", "stage", "transfer", "apply")
+
+
+def push_figures(repeats: list[tuple[float, ...]]) -> dict[str, Any]:
+    """One transport's pushes of one kind, from one ``(encode, stage, transfer,
+    apply, whole)`` ms tuple per repeat (``whole``: the encode and the push in
+    one timed span). The headline is the median whole push, ``median_low``, so
+    it is one measured repeat; beside it each component's minimum, each from
+    whichever repeat was fastest at it, and their sum: a lower bound no single
+    push need have reached."""
+    assert repeats, "at least one repeat"
+    wholes = [t[4] for t in repeats]
+    paused = [t[2] + t[3] for t in repeats]  # transfer + apply: what the engines wait through
+    minima = {name: min(t[i] for t in repeats) for i, name in enumerate(COMPONENTS)}
+    return {
+        "push_ms_median": round(statistics.median_low(wholes), 2),
+        "push_ms_min": round(min(wholes), 2), "push_ms_max": round(max(wholes), 2),
+        "push_ms_repeats": [round(w, 2) for w in wholes],
+        "component_min_ms": {name: round(v, 2) for name, v in minima.items()},
+        "sum_of_component_minima_ms": round(sum(minima.values()), 2),
+        # the encode and the stage run before the engines pause: paused is transfer + apply
+        "paused_ms_median": round(statistics.median_low(paused), 2),
+        "paused_ms_min_max": [round(min(paused), 2), round(max(paused), 2)],
+    }
+
+
 def machine(device: str) -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "device": device,
@@ -379,64 +428,54 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         for lr in LRS:
             version += 1
             optimizer_step(model, opt, lr, seed=version, device=device)
-            encode_ms: dict[str, list[float]] = {"delta": [], "full": []}
-            timings: dict[str, dict[str, list[tuple[float, float]]]] = {r.name: {"delta": [], "full": []} for r in receivers}
+            # per transport and kind, one (encode, stage, transfer, apply, whole push) in ms per repeat
+            timings: dict[str, dict[str, list[tuple[float, ...]]]] = {
+                r.name: {"delta": [], "full": []} for r in receivers}
+            row: dict[str, Any] = {"lr": lr, "version": version}
             # delta and full alternate within each repeat, so a slow spell on
             # this shared host lands on both kinds rather than on one of them
-            for rep in range(repeat):
-                if rep:  # take the delta back everywhere, then time both again from the same base
-                    undo = sender.revert_update()
-                    for r in receivers:
-                        r.push(undo)
-                    del undo
-                for kind in ("delta", "full"):
-                    if kind == "full":
-                        sender.force_full()  # the same version, as a full push (the delta stays undoable)
-                    time.sleep(settle_s)
-                    t0 = time.perf_counter()
-                    update = sender.encode(weights, version)
-                    _sync(device)
-                    encode_ms[kind].append((time.perf_counter() - t0) * 1e3)
-                    for r in receivers:
+            for _ in range(repeat):
+                for r in receivers:  # every push starts from the same base (the last version)
+                    for kind in ("delta", "full"):
+                        if kind == "full":
+                            sender.force_full()  # the same version, as a full push (the delta stays undoable)
                         time.sleep(settle_s)
-                        timings[r.name][kind].append(r.push(update))
-                    if kind == "delta":
-                        delta = update  # small: kept for the row's figures
-                    else:
-                        full_bytes = update.nbytes
-                    del update
-            row: dict[str, Any] = {
-                "lr": lr, "version": version,
-                "changed_fraction": round(delta.manifest.changed_fraction, 5),
-                "num_elements": delta.manifest.num_elements,
-                "num_changed": delta.manifest.num_changed,
-                "delta_bytes": delta.nbytes,
-                "bytes_per_changed_element": round(delta.nbytes / max(1, delta.manifest.num_changed), 3),
-                "delta_codec_mix": _codec_mix(delta),
-            }
-            del delta
-            row["full_bytes"] = full_bytes
-            # shared host: the fastest of the repeats is the closest to the uncontended cost
-            row["encode_ms"] = {k: round(min(v), 2) for k, v in encode_ms.items()}
-            row["encode_ms_max"] = {k: round(max(v), 2) for k, v in encode_ms.items()}
-            spread = {name: {k: [round(min(sum(t[1:]) for t in v), 2), round(max(sum(t[1:]) for t in v), 2)]
-                             for k, v in by_kind.items()} for name, by_kind in timings.items()}
-            timings = {name: {k: tuple(min(t[i] for t in v) for i in range(3)) for k, v in by_kind.items()}
-                       for name, by_kind in timings.items()}
+                        # one span per push: encode, then the push itself (stage, transfer, apply)
+                        t0 = time.perf_counter()
+                        update = sender.encode(weights, version)
+                        _sync(device)
+                        encode_ms = (time.perf_counter() - t0) * 1e3
+                        parts = r.push(update)
+                        whole_ms = (time.perf_counter() - t0) * 1e3
+                        timings[r.name][kind].append((encode_ms, *parts, whole_ms))
+                        if kind == "delta" and "delta_bytes" not in row:
+                            row.update(_delta_figures(update))
+                        elif kind == "full":
+                            row["full_bytes"] = update.nbytes
+                        del update
+                    undo = sender.revert_update()  # back to the base on this receiver (untimed)
+                    assert undo is not None, "a delta followed by a full push of its version stays undoable"
+                    r.push(undo)
+                    del undo
+            update = sender.encode(weights, version)  # every receiver on this version for the next step
+            for r in receivers:
+                r.push(update)
+            del update
+            encodes = {kind: [t[0] for by_kind in timings.values() for t in by_kind[kind]]
+                       for kind in ("delta", "full")}
+            # shared host: the fastest encode of the repeats is the closest to the uncontended cost
+            row["encode_ms_min"] = {k: round(min(v), 2) for k, v in encodes.items()}
+            row["encode_ms_max"] = {k: round(max(v), 2) for k, v in encodes.items()}
             row["transports"] = {}
             for name, by_kind in timings.items():
                 out: dict[str, Any] = {}
                 policy = AutoPolicy(AutoConfig(alpha=1.0))
                 for kind in ("full", "delta"):
-                    stage_ms, transfer_ms, apply_ms = by_kind[kind]
-                    total = row["encode_ms"][kind] + stage_ms + transfer_ms + apply_ms
-                    out[kind] = {"stage_ms": round(stage_ms, 2), "transfer_ms": round(transfer_ms, 2),
-                                 "apply_ms": round(apply_ms, 2), "total_ms": round(total, 2),
-                                 # transfer + apply: what the engines wait through (encode and stage run before
-                                 # the pause)
-                                 "paused_ms_min_max": spread[name][kind]}
-                    policy.observe(kind, total)
-                out["delta_over_full"] = round(out["delta"]["total_ms"] / out["full"]["total_ms"], 3)
+                    out[kind] = push_figures(by_kind[kind])
+                for _ in range(2):  # auto measures each kind twice before it compares: it gets the medians
+                    for kind in ("full", "delta"):
+                        policy.observe(kind, out[kind]["push_ms_median"])
+                out["delta_over_full"] = round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
                 out["faster"] = "delta" if out["delta_over_full"] < 1 else "full"
                 out["auto_choice"] = policy.choose()
                 row["transports"][name] = out
@@ -446,7 +485,7 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
     finally:
         for r in receivers:
             r.close()
-    limit = copy_limit(full_bytes, device) if device.startswith("cuda") else None
+    limit = copy_limit(runs[-1]["full_bytes"], device) if device.startswith("cuda") else None
     return {
         "benchmark": "weight_sync",
         "copy_limit": limit,
@@ -462,8 +501,13 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         "sync_threads": native.NUM_THREADS,
         "bucket_bytes": bucket_bytes,
         "repeat": repeat,
-        "timing": ("min over `repeat` pushes of the same update from the same base, per component; "
-                   "each repeat times the delta and then the full push"),
+        "timing": ("each repeat, per transport: the delta and then the full push of the same version from "
+                   "the same base, each one timed span (encode + stage + transfer + apply) after the settle "
+                   "pause, then the delta taken back untimed. push_ms_median: the median whole push over "
+                   "the repeats (median_low: a measured push), with push_ms_min / push_ms_max; "
+                   "component_min_ms: each component's fastest repeat (not one push), and "
+                   "sum_of_component_minima_ms their sum, a composite lower bound; paused_ms_*: transfer + "
+                   "apply of the same repeat; delta_over_full and auto_choice from the push medians"),
         "settle_s": settle_s,
         "settle": ("pause before every timed encode and push, full and delta alike: Ray frees the previous "
                    "push's objects in the background, which otherwise lands on the next timed step"),
@@ -480,7 +524,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma list of inproc, ray, gloo, cuda_ipc, pickle; "
                         "default inproc,ray,gloo on cpu, inproc,cuda_ipc,pickle on cuda")
     p.add_argument("--bucket-mib", type=int, default=64, help="payload bucket size")
-    p.add_argument("--repeat", type=int, default=5, help="time each push this many times (min is kept)")
+    p.add_argument("--repeat", type=int, default=5,
+                   help="time each push this many times (the median whole push is the headline; odd counts "
+                        "give a true median)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--settle-s", type=float, default=1.0,
                    help="pause before each timed encode and push (lets Ray finish freeing the last push)")

@@ -1,0 +1,169 @@
+"""Fair benchmarks (issue 28): ``bench.async_vs_sync`` rotates the order of the
+policies from seed to seed, warms every run alike, counts in-loop evaluations
+inside the timed window and takes its speedups from means over seeds;
+``bench.weight_sync`` reports the median whole push, measured in one span, with
+the per-component minima beside it as a lower bound. The built-in 397k model,
+a few steps of a tiny batch: seconds each."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+
+import pytest
+
+from bench import async_vs_sync, weight_sync
+
+pytestmark = pytest.mark.timeout(180)
+
+#: The smallest real benchmark: the built-in model, 4-digit reversals, one process.
+SMALL = ["--task", "reverse_digits", "--task-max-len", "4", "--batch-prompts", "2", "--n", "2",
+         "--max-response-tokens", "8", "--steps", "2", "--warmup-steps", "1", "--runtime", "local"]
+
+
+def _main(module, argv: list[str]) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(argv)
+    return json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def bench_result(tmp_path_factory) -> dict:
+    """Two policies over two seeds, an evaluation after every step, the throw-away run first."""
+    out = tmp_path_factory.mktemp("avs")
+    return _main(async_vs_sync, [*SMALL, "--policies", "sync,fully_async", "--seeds", "2", "--eval-prompts", "2",
+                                 "--eval-every", "1", "--output-dir", str(out)])
+
+
+def test_the_policy_order_alternates_across_seeds_and_is_in_the_json(bench_result):
+    assert bench_result["policy_order"] == {"0": ["sync", "fully_async"], "1": ["fully_async", "sync"]}
+    for name in ("sync", "fully_async"):
+        runs = bench_result["policies"][name]["seeds"]
+        assert [r["seed"] for r in runs] == [0, 1]
+        assert [r["position"] for r in runs] == [bench_result["policy_order"][str(r["seed"])].index(name)
+                                                 for r in runs]
+
+
+def test_more_policies_rotate_so_each_runs_first_once_in_as_many_seeds():
+    names = ["sync", "one_step_off", "fully_async"]
+    orders = [async_vs_sync.rotated(names, seed) for seed in range(4)]
+    assert orders[:3] == [names, ["one_step_off", "fully_async", "sync"], ["fully_async", "sync", "one_step_off"]]
+    assert orders[3] == orders[0] and sorted(o[0] for o in orders[:3]) == sorted(names)
+
+
+def test_runs_go_in_the_recorded_order_after_one_throw_away_run(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_one(policy, seed, runtime, args, workers=1):
+        calls.append((policy, seed))
+        return {"seed": seed, "wall_s": 1.0, "steps_per_s": 2.0, "tokens_per_s": 10.0, "sync_ms_mean": 1.0}
+
+    monkeypatch.setattr(async_vs_sync, "_one", fake_one)
+    result = _main(async_vs_sync, ["--policies", "sync,one_step_off,fully_async", "--seeds", "3",
+                                   "--output-dir", str(tmp_path)])
+    assert result["warmup_run"] is True and calls[0] == ("sync", 3)  # a seed no timed run uses
+    assert result["warmup_runs"] == [{"policy": "sync", "runtime": "process", "seed": 3,
+                                      "seconds": result["warmup_runs"][0]["seconds"]}]
+    assert calls[1:] == [(p, seed) for seed in range(3) for p in result["policy_order"][str(seed)]]
+    assert [result["policy_order"][str(s)][0] for s in range(3)] == ["sync", "one_step_off", "fully_async"]
+    calls.clear()
+    result = _main(async_vs_sync, ["--policies", "sync,fully_async", "--seeds", "1", "--no-warmup-run",
+                                   "--output-dir", str(tmp_path)])
+    assert result["warmup_run"] is False and "warmup_runs" not in result and calls == [("sync", 0), ("fully_async", 0)]
+
+
+def test_evaluations_count_inside_the_timed_window_by_default(bench_result):
+    assert bench_result["eval_in_window"] is True and "eval_in_window_means" in bench_result
+    for name in ("sync", "fully_async"):
+        for run in bench_result["policies"][name]["seeds"]:
+            # an evaluation after each of the 2 timed steps, timed with them
+            assert [s for s, _, _ in run["eval_curve"]][-2:] == [2, 3] and run["eval_s"] > 0
+            assert run["wall_s"] == run["wall_with_eval_s"] >= run["eval_s"]
+            assert run["steps_per_s"] == pytest.approx(2 / run["wall_s"])
+
+
+def test_every_run_warms_alike_with_a_weight_sync_and_an_evaluation(bench_result):
+    runs = [r for name in ("sync", "fully_async") for r in bench_result["policies"][name]["seeds"]]
+    assert bench_result["warmup_steps"] == 1 and {r["warmup_steps"] for r in runs} == {1}
+    assert all(r["warmup_weight_version"] >= 1 and r["warmup_evals"] >= 1 for r in runs)
+
+
+def test_speedups_come_from_mean_tokens_and_steps_per_second_over_seeds_and_per_seed(bench_result):
+    pol = bench_result["policies"]
+    for rate in ("tokens_per_s", "steps_per_s"):
+        sync = [r[rate] for r in pol["sync"]["seeds"]]
+        fa = [r[rate] for r in pol["fully_async"]["seeds"]]
+        assert bench_result[f"speedup_{rate}_fully_async_over_sync"] == \
+            pytest.approx(statistics.fmean(fa) / statistics.fmean(sync))
+        assert bench_result[f"speedup_{rate}_fully_async_over_sync_per_seed"] == \
+            [round(b / a, 3) for a, b in zip(sync, fa)]
+        assert pol["sync"][rate]["min"] == min(sync) and pol["sync"][rate]["max"] == max(sync)
+    assert bench_result["speedup_fully_async_over_sync"] == bench_result["speedup_tokens_per_s_fully_async_over_sync"]
+
+
+def test_the_speedup_is_the_ratio_of_means_not_the_mean_of_ratios():
+    def run(tokens_per_s: float) -> dict:
+        return {"wall_s": 1.0, "steps_per_s": 1.0, "tokens_per_s": tokens_per_s}
+
+    out = async_vs_sync.compare({"sync": [run(100.0), run(300.0)], "fully_async": [run(300.0), run(300.0)]})
+    assert out["speedup_fully_async_over_sync"] == pytest.approx(1.5)  # the mean of the ratios would be 2.0
+    assert out["speedup_fully_async_over_sync_per_seed"] == [3.0, 1.0]
+    assert out["policies"]["sync"]["tokens_per_s"] == {"mean": 200.0, "spread": 200.0, "min": 100.0, "max": 300.0}
+
+
+def test_eval_outside_the_window_subtracts_it_and_says_what_that_means(tmp_path):
+    result = _main(async_vs_sync, [*SMALL, "--policies", "fully_async", "--seeds", "1", "--eval-prompts", "2",
+                                   "--eval-every", "1", "--eval-outside-window", "--no-warmup-run",
+                                   "--output-dir", str(tmp_path)])
+    assert result["eval_in_window"] is False and "not paused" in result["eval_in_window_means"]
+    (run,) = result["policies"]["fully_async"]["seeds"]
+    assert run["eval_s"] > 0 and run["wall_s"] == pytest.approx(run["wall_with_eval_s"] - run["eval_s"])
+
+
+def test_a_warm_up_too_short_for_a_weight_sync_is_refused(capsys):
+    for argv, message in ((["--policies", "sync,fully_async", "--warmup-steps", "0"], "--warmup-steps: at least 1"),
+                          (["--policies", "sync,fully_async_k2", "--warmup-steps", "1"],
+                           "fully_async_k2 syncs every 2"),
+                          (["--warmup-steps", "2", "policy.trigger_parameter_sync_step=3"], "at least 3")):
+        with pytest.raises(SystemExit):
+            async_vs_sync.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert async_vs_sync.parse_args(["--policies", "fully_async_k2", "--warmup-steps", "2"]).warmup_steps == 2
+
+
+# ---------------------------------------------------------------- bench.weight_sync
+
+
+def test_push_figures_headline_a_measured_median_with_the_component_minima_beside_it():
+    # (encode, stage, transfer, apply, whole): each component's minimum comes from another repeat
+    repeats = [(1.0, 0.0, 9.0, 9.0, 19.5), (9.0, 0.0, 1.0, 9.0, 19.25), (9.0, 0.0, 9.0, 1.0, 19.0),
+               (5.0, 0.0, 5.0, 5.0, 15.5)]
+    got = weight_sync.push_figures(repeats)
+    assert got["push_ms_median"] == 19.0 and got["push_ms_median"] in got["push_ms_repeats"]  # median_low
+    assert (got["push_ms_min"], got["push_ms_max"]) == (15.5, 19.5)
+    assert got["component_min_ms"] == {"encode": 1.0, "stage": 0.0, "transfer": 1.0, "apply": 1.0}
+    assert got["sum_of_component_minima_ms"] == 3.0 < got["push_ms_min"]  # no push was that fast
+    assert got["paused_ms_min_max"] == [10.0, 18.0] and got["paused_ms_median"] == 10.0
+
+
+def test_weight_sync_reports_the_median_whole_push_at_least_the_sum_of_component_minima():
+    result = _main(weight_sync, ["--small", "--transports", "inproc", "--repeat", "3", "--settle-s", "0"])
+    assert "push_ms_median" in result["timing"]
+    for row in result["runs"]:
+        assert row["delta_bytes"] < row["full_bytes"] and 0 < row["changed_fraction"] < 1
+        out = row["transports"]["inproc"]
+        for kind in ("full", "delta"):
+            push = out[kind]
+            assert len(push["push_ms_repeats"]) == 3 and push["push_ms_median"] in push["push_ms_repeats"]
+            assert push["push_ms_min"] <= push["push_ms_median"] <= push["push_ms_max"]
+            assert push["push_ms_min"] >= push["sum_of_component_minima_ms"] == \
+                pytest.approx(sum(push["component_min_ms"].values()), abs=0.02)
+            assert set(push["component_min_ms"]) == {"encode", "stage", "transfer", "apply"}
+            assert push["component_min_ms"]["encode"] >= row["encode_ms_min"][kind]
+            assert push["paused_ms_min_max"][0] <= push["paused_ms_median"] <= push["paused_ms_min_max"][1]
+            assert "total_ms" not in push  # the composite sum is named as what it is
+        assert out["delta_over_full"] == round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
+        assert out["auto_choice"] == out["faster"]
