@@ -1,17 +1,34 @@
 """The driver carries control only: every sample goes rollout actor →
 TransferQueue → trainer actor and every weight payload trainer → engines.
 
-Each test runs a short real fully-async run (first sync full, then deltas)
-and inspects every message the driver sends to or receives from an actor or
-the queue: the bytes of sample payload (Sample objects, token arrays) and of
-weight payload (tensors, arrays, raw buffers) must be zero, while control
-messages flow (their count is checked, so the probe cannot pass by seeing nothing).
+A probe (``tests/driver_probe.py``) hooks the driver's serialization
+boundaries: the ``process`` runtime's pipe codec and its spawn, the
+TransferQueue's socket frames, Ray's serialize / deserialize of every
+``.remote()`` argument and every result the driver takes, and the ``local``
+runtime's in-process calls. It sees each message as objects and as bytes on the
+wire and counts the sample payload (Samples, queue rows, token lists), the
+weight payload (tensors, update buckets) and raw buffers (arrays, bytes,
+memoryviews, PickleBuffers, many small chunks together) inside it.
+
+Each real run is a short fully-async run (first sync full, then deltas): the
+payload bytes through the driver, at setup and while training, must be zero
+while control messages flow (their count is checked, so the probe cannot pass
+by seeing nothing). The negative controls show that check fails when payload
+does cross: samples and a weight update routed through the driver on purpose
+after the training (``process`` and ``ray`` runtimes) and a trainer that
+returns its update in-band instead of publishing it (``local``), each found
+where it crossed. Unit checks show each payload shape counts by its bytes and
+control messages count zero.
 """
 
 from __future__ import annotations
 
+import array
+import dataclasses
 import pathlib
+import pickle
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -19,83 +36,125 @@ import numpy as np
 import pytest
 import torch
 
-from actors import runtime as rt
+import loop
 from actors.launch import launch
+from contracts.rollout import GroupReport, GroupRequest
 from contracts.sample import Sample
-from contracts.weights import WeightUpdate
+from contracts.training import BatchRequest, StepReport
+from contracts.weights import Manifest, TensorEntry, WeightUpdate
+from sync.encode import WeightSender
+from sync.link import DistPush
+from tests.driver_probe import (BUFFER, SAMPLE, SMALL_CHUNKS_MAX_CONTROL, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe,
+                                Seen, install, payload, payload_bytes)
 from transfer_queue import rpc
+from transfer_queue.served import ServedDeployment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8",
          "sync.mode=delta"]
 
 
-def payload_bytes(obj: Any, _depth: int = 0) -> int:
-    """Bytes of sample or weight payload anywhere inside ``obj``."""
-    if _depth > 20 or obj is None or isinstance(obj, (bool, int, float, str)):
-        return 0
-    if isinstance(obj, Sample):
-        return max(1, sum(np.asarray(getattr(obj, f)).nbytes for f in
-                          ("prompt_ids", "response_ids", "rollout_logprobs", "token_versions")))
-    if isinstance(obj, torch.Tensor):
-        return max(1, obj.numel() * obj.element_size())
-    if isinstance(obj, np.ndarray):
-        return max(1, obj.nbytes)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj) if len(obj) > 64 else 0  # a secret or a token is not payload
-    if isinstance(obj, dict):
-        return sum(payload_bytes(k, _depth + 1) + payload_bytes(v, _depth + 1) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(payload_bytes(x, _depth + 1) for x in obj)
-    if isinstance(obj, msgspec.Struct):
-        return sum(payload_bytes(getattr(obj, f), _depth + 1) for f in obj.__struct_fields__)
-    return 0
+# ------------------------------------------------------------ the probe itself
+@dataclasses.dataclass
+class _Holder:
+    tokens: np.ndarray
 
 
-def test_the_probe_sees_samples_tensors_and_weight_buckets() -> None:
-    s = Sample(uid="a", group_id="g", prompt_ids=[1, 2, 3])
-    assert payload_bytes({"x": [s]}) > 0
-    assert payload_bytes((1, "m", torch.zeros(4))) == 16
-    assert payload_bytes(WeightUpdate(manifest=None, buckets=[np.zeros(100, np.uint8)])) == 100
-    assert payload_bytes({"step": 3, "reward": 0.5, "dropped": {"stale": 2}}) == 0
+class _WithDict:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
 
-class _Probe:
-    """Counts the driver's messages and the payload bytes inside them."""
+class _WithSlots:
+    __slots__ = ("inner",)
 
-    def __init__(self) -> None:
-        self.messages = Counter[str]()
-        self.payload: Counter[str] = Counter()
-
-    def see(self, where: str, obj: Any) -> None:
-        self.messages[where] += 1
-        n = payload_bytes(obj)
-        if n:
-            self.payload[where] += n
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
 
+class _Carrier(msgspec.Struct):
+    body: Any
+
+
+def _sample(uid: str = "a", num_tokens: int = 8) -> Sample:
+    return Sample(uid=uid, group_id="g", prompt_ids=[1, 2, 3], response_ids=[4] * num_tokens,
+                  rollout_logprobs=[-0.5] * num_tokens, token_versions=[0] * num_tokens, reward=1.0)
+
+
+def _manifest(num_buckets: int) -> Manifest:
+    entry = TensorEntry(name="w", dtype="float32", shape=(64, 64), start=0, count=4096, encoding="raw",
+                        num_changed=4096, bucket=0, offset=0, nbytes=16384, checksum=(1, 2))
+    return Manifest(version=3, base_version=None, kind="full", entries=[entry] * num_buckets,
+                    bucket_sizes=[16384] * num_buckets, num_elements=4096 * num_buckets, num_changed=0)
+
+
+PAYLOADS: dict[str, tuple[Any, str, int]] = {  # message, the kind it is, its bytes
+    "sample": (_sample(num_tokens=8), SAMPLE, 8 * (3 + 8 + 8 + 8)),
+    "queue row": ({"uid": "a", "group_id": "g", "response_ids": [4, 5]}, SAMPLE, 1 + 16),
+    "tensor": ((1, "m", torch.zeros(4)), WEIGHT, 16),
+    "ndarray": (np.zeros(100, np.uint8), BUFFER, 100),
+    "bytes": (b"x" * 100, BUFFER, 100),
+    "bytearray": (bytearray(100), BUFFER, 100),
+    "memoryview": (memoryview(np.zeros(50, np.int16)), BUFFER, 100),
+    "array.array": (array.array("i", range(25)), BUFFER, 100),
+    "PickleBuffer": (pickle.PickleBuffer(b"x" * 100), BUFFER, 100),
+    "PickleBuffer in a call (rpc.oob)": (("put", 3, rpc.oob(bytearray(1000))), BUFFER, 1000),
+    "token-id list": ([7] * (TOKEN_LIST_MAX_CONTROL + 1), SAMPLE, 8 * (TOKEN_LIST_MAX_CONTROL + 1)),
+    "token-id tuple": (tuple(range(100)), SAMPLE, 800),
+    "log-prob list": ([-0.5] * 32, SAMPLE, 256),
+    "nested containers": ({"a": [({"b": {np.zeros(10, np.uint8).tobytes() * 10}},)]}, BUFFER, 100),
+    "dataclass holding an ndarray": (_Holder(np.zeros(8, np.int32)), BUFFER, 32),
+    "msgspec Struct holding bytes": (_Carrier(b"y" * 65), BUFFER, 65),
+    "object with __dict__ holding a tensor": (_WithDict(torch.zeros(2, 2)), WEIGHT, 16),
+    "object with __slots__ holding a PickleBuffer": (_WithSlots(pickle.PickleBuffer(b"z" * 80)), BUFFER, 80),
+    "100 chunks of 40 bytes": ([bytes([i]) * 40 for i in range(100)], BUFFER, 4000),
+    "100 chunks of 40 bytes in a dict": ({i: bytes([i]) * 40 for i in range(100)}, BUFFER, 4000),
+    "weight update with its buckets": (
+        WeightUpdate(manifest=_manifest(2), buckets=[bytes(200), np.zeros(50, np.uint8)]), WEIGHT, 250),
+    "PickleBuffer bucket of a weight update": (WeightUpdate(manifest=_manifest(1), buckets=[rpc.oob(bytes(300))]),
+                                               WEIGHT, 300),
+}
+
+
+@pytest.mark.parametrize("name", PAYLOADS)
+def test_the_probe_counts_every_payload_shape_by_its_bytes_and_kind(name: str) -> None:
+    message, kind, nbytes = PAYLOADS[name]
+    assert payload(message) == Counter({kind: nbytes})
+
+
+CONTROL: dict[str, Any] = {
+    "counters": {"step": 3, "reward": 0.5, "dropped": {"stale": 2}},
+    "a short id list": list(range(TOKEN_LIST_MAX_CONTROL)),
+    "a numpy scalar": {"loss": np.float32(0.25)},
+    "a group request (its prompt is the request)": GroupRequest(group_id="g", prompt_ids=list(range(200)), n=8),
+    "a group report": GroupReport(group_id="g", num_samples=8, num_queued=7, dropped={"error": 1}),
+    "a batch request": BatchRequest(batch_size=8, group_size=4, current_version=2, max_staleness=1),
+    "a step report": StepReport(version=3, num_samples=8, num_tokens=64, wait_s=0.1, train_s=0.2,
+                                metrics={f"m{i}": float(i) for i in range(40)}),
+    "a published update: manifest, no buckets": WeightUpdate(manifest=_manifest(40), buckets=[]),
+    "a broadcast push": DistPush(version=3),
+    "the queue client (its 32-byte secret)": ServedDeployment(("127.0.0.1", 1), bytes(32)),
+    "one auth token": (b"t" * 64,),
+    "a few digests": [bytes([i]) * 32 for i in range(SMALL_CHUNKS_MAX_CONTROL // 32)],
+    "an error": RuntimeError("out of memory"),
+    "a call": (7, "train_step", (BatchRequest(batch_size=8, group_size=4, current_version=2),), {}),
+}
+
+
+@pytest.mark.parametrize("name", CONTROL)
+def test_the_probe_counts_zero_for_control_messages(name: str) -> None:
+    assert payload_bytes(CONTROL[name]) == 0
+
+
+def test_a_shared_buffer_counts_once_as_pickle_writes_it_once() -> None:
+    buf = np.zeros(100, np.uint8)
+    assert payload_bytes([buf, buf, {"again": buf}]) == 100
+
+
+# ------------------------------------------------------------- real runs
 @pytest.fixture
-def probe(monkeypatch: pytest.MonkeyPatch) -> _Probe:
-    p = _Probe()
-
-    def wrap(cls: type, name: str) -> None:
-        call = getattr(cls, name)
-
-        async def probed(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-            p.see(f"{cls.__name__}.{method} (sent)", (args, kwargs))
-            result = await call(self, method, *args, **kwargs)
-            p.see(f"{cls.__name__}.{method} (received)", result)
-            return result
-
-        monkeypatch.setattr(cls, name, probed)
-
-    # every actor call of the driver (process, ray and local runtimes) and every
-    # message of its TransferQueue client (the socket transport of both served deployments)
-    for cls in (rt._ProcessHandle, rt._RayHandle, rt._LocalHandle):
-        wrap(cls, "call")
-    wrap(rpc.RpcClient, "call")
-    wrap(rpc.RpcClient, "send")
-    return p
+def probe(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
+    return install(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -107,36 +166,131 @@ def ray_cluster() -> Any:
     ray.shutdown()
 
 
-def _train(probe: _Probe, tmp_path: pathlib.Path, *overrides: str) -> Any:
+@dataclasses.dataclass
+class _Outcome:
+    run: Any
+    setup: Seen  # what crossed the driver while launch() spawned and wired the actors
+    training: Seen  # what crossed it while it trained
+    routed: Seen | None  # what crossed it while ``route`` ran, after training
+    route_result: Any  # what ``route`` returned
+
+
+def _run(probe: DriverProbe, tmp_path: pathlib.Path, *overrides: str,
+         route: Callable[[Any], Awaitable[Any]] | None = None) -> _Outcome:
+    """A short fully-async run (3 steps: the first sync full, then deltas) and,
+    when given, ``route(run)`` on the driver's loop after its training."""
     run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}", *overrides)
     with run:
-        probe.messages.clear()  # setup (spawn arguments: configs, the queue's address) is not the run
+        setup = probe.snapshot()
         run.train(steps=3)
+        trained = probe.snapshot()
+        routed = result = None
+        if route is not None:
+            result = loop.run(route(run))
+            routed = probe.snapshot() - trained
     kinds = [m["sync/kind"] for m in run.history]
     assert kinds[0] == "full" and kinds[1:] == ["delta", "delta"], kinds
     assert run.history[-1]["trained"] == 3 * 2 * 4
-    assert probe.messages, "the probe saw no driver message: it is not wired"
-    assert not probe.payload, f"payload through the driver: {dict(probe.payload)}"
-    return run
+    return _Outcome(run, setup, trained - setup, routed, result)
 
 
-def test_process_runtime_driver_carries_control_only(probe: _Probe, tmp_path: pathlib.Path) -> None:
-    run = _train(probe, tmp_path, "runtime.type=process", "transfer_queue.deployment=local")
-    assert run.weight_transport == "dist"  # CPU processes: a gloo broadcast from the trainer
-    assert any(k.startswith("_ProcessHandle.train_step") for k in probe.messages)
-    assert any(k.startswith("RpcClient.call") for k in probe.messages)  # the queue's counters
+def _assert_control_only(seen: Seen) -> None:
+    """The check of every real run: messages flowed, none carried payload."""
+    assert seen.messages, "the probe saw no driver message: it is not wired"
+    assert not seen.payload, f"payload through the driver: {dict(seen.payload)}"
+
+
+def _assert_run_carried_control_only(out: _Outcome) -> None:
+    _assert_control_only(out.training)
+    assert not out.setup.payload, f"payload through the driver at setup: {dict(out.setup.payload)}"
+
+
+ROUTED_SAMPLES = 4
+
+
+async def _route_payload_through_the_driver(run: Any) -> dict[str, int]:
+    """What the design forbids, done on purpose from the driver: samples into the
+    queue and back out through its client, the trainer's weights to the driver
+    and on to an engine as an in-band update (buckets as PickleBuffers).
+    Returns the bytes of the weights and of the update's buckets."""
+    samples = [_sample(f"routed-{i}") for i in range(ROUTED_SAMPLES)]
+    await run.queue.put(samples, partition="routed")
+    batch = await run.queue.get("driver", ROUTED_SAMPLES, partition="routed", timeout_s=30)
+    assert sorted(s.uid for s in batch.samples) == sorted(s.uid for s in samples)
+    await run.queue.ack(batch.batch_id)
+
+    trainer, rollout = run.policy.trainer, run.policy.rollouts[0]
+    weights, _ = await trainer.local_weights("float32")
+    update = WeightSender(mode="full", dtype=torch.float32).encode(weights, await rollout.get_version())
+    in_band = WeightUpdate(manifest=update.manifest, buckets=[rpc.oob(b.numpy()) for b in update.buckets])
+    assert await rollout.update_weights(in_band) == update.manifest.version
+    return {"weights": sum(t.numel() * t.element_size() for t in weights.values()),
+            "buckets": update.manifest.payload_bytes}
+
+
+@pytest.fixture(scope="module")
+def process_run(tmp_path_factory: pytest.TempPathFactory) -> _Outcome:
+    """One run under the ``process`` runtime with the queue served from its own
+    process, shared by the positive check and the negative control (which routes
+    payload after the training, counted apart): one run instead of two."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _run(install(monkeypatch), tmp_path_factory.mktemp("process"), "runtime.type=process",
+                    "transfer_queue.deployment=local", route=_route_payload_through_the_driver)
+
+
+def test_process_runtime_driver_carries_control_only(process_run: _Outcome) -> None:
+    out = process_run
+    _assert_run_carried_control_only(out)
+    assert out.run.weight_transport == "dist"  # CPU processes: a gloo broadcast from the trainer
+    assert out.training.messages["process:trainer.train_step (sent)"] == 3
+    assert out.training.messages["process:trainer.train_step (received)"] == 3
+    assert out.training.messages["process:rollout-0.update_weights (sent)"] == 3  # a DistPush each: control
+    assert out.training.messages["queue:call.statistics (received)"] > 0  # the queue's counters
+    assert out.training.wire_bytes["pipe"] > 0 and out.training.wire_bytes["socket"] > 0
+
+
+def test_payload_routed_through_the_driver_is_found_where_it_crossed(process_run: _Outcome) -> None:
+    """The negative control: a sample and a weight bucket through the driver on
+    purpose, after the run of the test above. The probe finds each where it
+    crossed, so the check every real run makes fails."""
+    routed, sent = process_run.routed, process_run.route_result
+    assert routed is not None
+    with pytest.raises(AssertionError, match="payload through the driver"):
+        _assert_control_only(routed)
+    samples = routed.bytes_of(SAMPLE)
+    sample_bytes = ROUTED_SAMPLES * payload_bytes(_sample())
+    assert samples.get("queue:write_commit (sent)", 0) >= sample_bytes, samples  # the put's rows
+    assert samples.get("queue:read (received)", 0) >= sample_bytes, samples  # the get's rows
+    weights = routed.bytes_of(WEIGHT)
+    assert weights.get("process:trainer.local_weights (received)") == sent["weights"] > 0, weights
+    assert weights.get("process:rollout-0.update_weights (sent)") == sent["buckets"] > 0, weights
+    assert not routed.bytes_of(BUFFER), "every routed payload was named sample or weight"
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("deployment", ["local", "ray"])
-def test_ray_runtime_driver_carries_control_only(deployment: str, probe: _Probe, tmp_path: pathlib.Path,
+def test_ray_runtime_driver_carries_control_only(deployment: str, probe: DriverProbe, tmp_path: pathlib.Path,
                                                  ray_cluster: Any) -> None:
-    run = _train(probe, tmp_path, "runtime.type=ray", f"transfer_queue.deployment={deployment}")
-    assert run.weight_transport == "dist"
-    assert any(k.startswith("_RayHandle.generate_group") for k in probe.messages)
+    out = _run(probe, tmp_path, "runtime.type=ray", f"transfer_queue.deployment={deployment}",
+               route=_route_payload_through_the_driver)
+    _assert_run_carried_control_only(out)
+    assert out.run.weight_transport == "dist"
+    assert out.training.messages["ray:RolloutActor.generate_group (sent)"] > 0
+    assert out.training.messages["ray:RolloutActor.generate_group (received)"] > 0
+    assert out.training.wire_bytes["ray"] > 0 and out.training.wire_bytes["socket"] > 0
+    # and its negative control: payload routed on purpose is found where it crossed (the
+    # ray queue's rows travel as msgpack in out-of-band PickleBuffers: raw buffers here)
+    routed, sent = out.routed, out.route_result
+    assert routed is not None
+    rows = routed.bytes_of(BUFFER if deployment == "ray" else SAMPLE)
+    assert rows.keys() >= ({"queue:put_new (sent)", "queue:get (received)"} if deployment == "ray" else
+                           {"queue:write_commit (sent)", "queue:read (received)"}), rows
+    weights = routed.bytes_of(WEIGHT)
+    assert weights.get("ray:TrainerActor.local_weights (received)") == sent["weights"] > 0, weights
+    assert weights.get("ray:RolloutActor.update_weights (sent)") == sent["buckets"] > 0, weights
 
 
-def test_local_runtime_policy_never_holds_a_sample_or_a_weight_tensor(probe: _Probe, tmp_path: pathlib.Path,
+def test_local_runtime_policy_never_holds_a_sample_or_a_weight_tensor(probe: DriverProbe, tmp_path: pathlib.Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from policies.base import PolicyBase
 
@@ -152,17 +306,37 @@ def test_local_runtime_policy_never_holds_a_sample_or_a_weight_tensor(probe: _Pr
         init(self, cfg, queue=_Watch(), **kwargs)
 
     monkeypatch.setattr(PolicyBase, "__init__", watched)
-    run = _train(probe, tmp_path, "runtime.type=local")
-    assert run.weight_transport == "inproc"
+    out = _run(probe, tmp_path, "runtime.type=local")
+    _assert_run_carried_control_only(out)
+    assert out.run.weight_transport == "inproc"
     assert set(queue_calls) <= {"statistics_async", "close"}, queue_calls
-    assert any(k.startswith("_LocalHandle.weight_update (received)") for k in probe.messages)
+    assert out.training.messages["local:trainer.weight_update (received)"] > 0
+
+
+def test_a_trainer_that_hands_the_driver_its_update_in_band_fails_the_check(
+        probe: DriverProbe, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regression in the code, not a call from the test: the trainer's update is
+    returned as it is instead of published on the weight link. The run still
+    trains (the engines apply what they get), and the probe finds the buckets
+    on both legs of their trip through the policy."""
+    from actors.trainer import TrainerActor
+
+    def in_band(self: Any) -> WeightUpdate:
+        return self.sender.encode(self.backend.named_weights(), self.backend.version)
+
+    monkeypatch.setattr(TrainerActor, "_weight_update", in_band)
+    out = _run(probe, tmp_path, "runtime.type=local")
+    with pytest.raises(AssertionError, match="payload through the driver"):
+        _assert_control_only(out.training)
+    weights = out.training.bytes_of(WEIGHT)
+    assert weights.keys() == {"local:trainer.weight_update (received)", "local:rollout-0.update_weights (sent)"}
+    assert weights["local:trainer.weight_update (received)"] == weights["local:rollout-0.update_weights (sent)"] > 0
 
 
 def test_a_failed_train_step_hands_its_batch_back_to_the_queue(tmp_path: pathlib.Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer acks only after its step; a step that raises nacks, so none
     of the batch's samples is lost or left leased."""
-    import loop
     from actors.backends.torch_backend import TorchBackend
 
     def broken(self: Any, samples: Any, advantages: Any) -> Any:
