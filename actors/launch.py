@@ -445,8 +445,8 @@ class Run:
         """Check the run between train calls (after an interrupt, say) and return its
         counters. Between calls rollout goes on until what may run ahead of the
         trainer is generated, then stops: this waits for that (up to ``timeout_s``),
-        then raises unless produced == trained + dropped + pending
-        (``policies.base.AccountingError``), no sample is leased from the queue,
+        then raises unless produced == trained + dropped + pending and each rollout
+        actor's own counts add up (``policies.base.AccountingError``), no sample is leased from the queue,
         no engine is left paused, and no task is left on the run's loop but the
         schedule's parked ones and the readers of its connections (RuntimeError
         naming the rest)."""
@@ -477,6 +477,7 @@ class Run:
             raise RuntimeError(f"rollout actors left paused between train calls: {', '.join(paused)}")
         if not policy.rollout_idle():
             raise RuntimeError(f"rollout did not stop within {timeout_s:g} s: {policy.in_flight} samples in flight")
+        policy.check_rollout_statistics(policy.rollouts, stats)  # stopped: each actor's own counters, exact
         if stray := left():
             names = ", ".join(f"{t.get_name()} ({getattr(t.get_coro(), '__qualname__', '?')})" for t in stray)
             raise RuntimeError(f"tasks left running on the run's loop between train calls: {names}")

@@ -22,6 +22,12 @@ takes only whole groups), counted by reason in the report: ``reward_error``
 (the reward raised or returned a bad value), ``reward_timeout`` (it took longer
 than ``reward_timeout_s``), ``aborted``, and ``group_incomplete`` for the
 failed member's group-mates.
+
+The actor counts for itself (``RolloutCounts``, in every report and in
+``statistics``): the samples of every group it finished generating, and of
+those the ones the queue took and the ones it dropped, by reason. The policy
+checks ``generated == queued + dropped`` per actor, and the actors' ``queued``
+against the queue's own count of samples put.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any
 import msgspec
 
 from actors.runtime import Actor, quiet_transformers
-from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, SamplingParams
+from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, RolloutCounts, SamplingParams
 from contracts.sample import Sample, pack_tokens
 
 __all__ = ["RolloutActor"]
@@ -77,6 +83,7 @@ class RolloutActor(Actor):
         self._scoring = asyncio.Lock()  # rewards run one at a time (one worker thread), each timed on its own
         self.num_reward_timeouts = 0
         self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
+        self.num_generated = 0  # samples of every group finished generating: then queued, or dropped here
         self.num_queued = 0
         self.dropped: Counter[str] = Counter()
 
@@ -108,15 +115,25 @@ class RolloutActor(Actor):
         await asyncio.gather(*(self._generate_one(s) for s in samples))
         report = GroupReport(group_id=group.group_id, num_samples=len(samples), num_queued=0,
                              num_resumed=sum(1 for s in samples if s.num_resumes > 0))
-        if all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples):
+        whole = all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples)
+        if whole:
             await self.queue.put([pack_tokens(s) for s in samples])  # finished: token lists become arrays
+        # counted at once, after the put returns (the queue has them): no await between the
+        # three counts, so generated == queued + dropped whenever anyone reads them
+        self.num_generated += len(samples)
+        if whole:
             report.num_queued = len(samples)
             self.num_queued += len(samples)
         else:
             reasons = Counter(_drop_reason(s) for s in samples)
             report.dropped = dict(reasons)
             self.dropped.update(reasons)
+        report.counts = self._counts()
         return report
+
+    def _counts(self) -> RolloutCounts:
+        """This actor's totals (see the module docstring)."""
+        return RolloutCounts(generated=self.num_generated, queued=self.num_queued, dropped=dict(self.dropped))
 
     async def evaluate(self, prompts: list[GroupRequest]) -> list[tuple[float | None, int]]:
         """One greedy response to each prompt, scored: (reward, or None when the
@@ -253,7 +270,7 @@ class RolloutActor(Actor):
         stats = getattr(self.engine, "statistics", None)
         return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
-                "num_queued": self.num_queued, "dropped": dict(self.dropped),
+                "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()
 
     async def close(self) -> None:

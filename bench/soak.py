@@ -12,7 +12,13 @@ What it checks, as figures (tests/test_soak.py asserts on them):
 - the run's processes (the driver's descendants: Ray's own, the actors' workers)
   at both ends: a killed actor's worker is gone, its replacement's there;
 - the accounting identity ``produced == trained + dropped + pending`` of every
-  step's record, the policy's own check at the end, and the queue's identity.
+  step's record, the policy's own check at the end, and the queue's identity;
+- each rollout actor's own count, ``generated == queued + dropped before the
+  queue`` (checked by the policy at every step: a step it fails stops the soak),
+  the killed ones' as last seen; at the end, with rollout stopped (``run.check``),
+  the live actors' counters are their last reports' and the queue's put is
+  exactly what the actors queued (the killed ones' as reported) plus what the
+  killed ones took unreported (``lost``).
 
 A kill comes right after a step picked at random in each window of
 ``--kill-every`` steps (the first window after the warm-up), from a thread
@@ -196,8 +202,11 @@ def soak(steps: int, kill_every: int = 100, warmup: int | None = None, seed: int
             series.append(snapshot())
         wall_s = time.perf_counter() - t_start
         end = series[-1]
-        loop.run(policy.check_accounting())  # raises AccountingError if it does not hold
+        run.check(timeout_s=120)  # raises AccountingError if an identity does not hold (rollout stopped: exactly)
         stats = loop.run(run.queue.statistics_async())
+        actors = {name: {"generated": c.generated, "queued": c.queued, "dropped": sum(c.dropped.values())}
+                  for name, c in policy.rollout_counts.items()}
+        totals = policy.rollout_totals()
         last = run.history[-1]
         identity_every_step = all(m["produced"] == m["trained"] + sum(m["dropped"].values()) + m["pending"]
                                   for m in run.history)
@@ -225,7 +234,13 @@ def soak(steps: int, kill_every: int = 100, warmup: int | None = None, seed: int
                            "queue": {"put": stats.put, "delivered": stats.delivered, "dropped": stats.dropped,
                                      "pending": stats.pending, "in_flight": stats.in_flight,
                                      "holds": stats.put == stats.delivered + stats.dropped + stats.pending
-                                     + stats.in_flight}},
+                                     + stats.in_flight},
+                           # by actor name, the killed ones' as last seen; "lost": samples of groups a killed
+                           # actor took unreported that the queue had (put by it, counted by none)
+                           "rollout_actors": {"actors": actors, "queued": totals.queued,
+                                              "lost": policy.lost_queued, "queue_put": stats.put,
+                                              "holds": all(a["generated"] == a["queued"] + a["dropped"]
+                                                           for a in actors.values())}},
             "reward_first100": round(sum(m["reward"] for m in run.history[:100]) / min(100, len(run.history)), 4),
             "reward_last100": round(sum(m["reward"] for m in run.history[-100:]) / min(100, len(run.history)), 4),
             "load_average_end": list(os.getloadavg()),

@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["GenerateOutput", "GenerateRequest", "GroupReport", "GroupRequest", "SamplingParams"]
+__all__ = ["GenerateOutput", "GenerateRequest", "GroupReport", "GroupRequest", "RolloutCounts", "SamplingParams"]
 
 
 class GroupRequest(msgspec.Struct, kw_only=True):
@@ -22,6 +22,17 @@ class GroupRequest(msgspec.Struct, kw_only=True):
     prompt_ids: list[int]
     n: int
     meta: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class RolloutCounts(msgspec.Struct, kw_only=True):
+    """A rollout actor's own totals over the groups it finished generating: each
+    sample of them went into the TransferQueue (``queued``: the queue took it) or
+    was dropped before it (``dropped``: samples by reason), so ``generated ==
+    queued + sum(dropped)`` at any time; a group still generating is in none."""
+
+    generated: int = 0
+    queued: int = 0
+    dropped: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class GroupReport(msgspec.Struct, kw_only=True):
@@ -34,6 +45,9 @@ class GroupReport(msgspec.Struct, kw_only=True):
     num_queued: int
     num_resumed: int = 0
     dropped: dict[str, int] = msgspec.field(default_factory=dict)
+    # the actor's totals once this group was counted; None: a report the policy wrote
+    # itself, for a group whose actor died before reporting it
+    counts: RolloutCounts | None = None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):

@@ -72,7 +72,7 @@ class _BatchPolicy(PolicyBase):
                 raise
             report, dropped_in_queue = await self.lost_group(group)
         self.in_flight -= group.n
-        return self.on_group(report) - dropped_in_queue
+        return self.on_group(report, actor.name) - dropped_in_queue
 
     async def _wait_for_a_replacement(self, join_now: bool) -> None:
         """Until a rollout actor is there again; raises :class:`ActorLostError`

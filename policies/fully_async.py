@@ -124,7 +124,7 @@ class FullyAsyncPolicy(PolicyBase):
                 if not await self.lose_rollout(actor, err):
                     raise
                 report, release = await self.lost_group(group)
-            kept = self.on_group(report)
+            kept = self.on_group(report, actor.name)
             self.in_flight -= group.n
             if kept < group.n or release:
                 await self.admission.release(group.n - kept + release)

@@ -10,11 +10,30 @@ import sys
 
 import pytest
 
+import loop
 from actors.launch import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["run.total_steps=4", "trainer.batch_prompts=2", "rollout.n=4", "run.progress=false",
          "rollout.max_response_tokens=8"]
+
+
+def _check_rollout_counts(run, stopped: bool = True) -> dict:
+    """Each rollout actor's own count, read from it: every sample of every group it
+    finished is queued or dropped before the queue (at any time). ``stopped``: with
+    rollout stopped (``run.check``: their counters are their last reports') the
+    actors' queued is exactly what the queue registered as put; else the policy's
+    check bounds it. Returns the actors' statistics."""
+    if stopped:
+        run.check()
+    else:
+        loop.run(run.policy.check_accounting())
+    stats = {h.name: loop.run(h.statistics()) for h in run.policy.rollouts}
+    for name, st in stats.items():
+        assert st["num_generated"] == st["num_queued"] + sum(st["dropped"].values()) > 0, (name, st)
+    if stopped:
+        assert sum(st["num_queued"] for st in stats.values()) == loop.run(run.queue.statistics_async()).put
+    return stats
 
 
 def _check_run(run, steps: int) -> None:
@@ -31,6 +50,7 @@ def _check_run(run, steps: int) -> None:
     lines = (run.dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == steps and json.loads(lines[-1])["step"] == steps
     assert (run.dir / "config.yaml").is_file()
+    _check_rollout_counts(run)
 
 
 @pytest.mark.parametrize(("runtime", "queue"), [("local", "local"), pytest.param("ray", "ray", marks=pytest.mark.ray)])
@@ -52,6 +72,7 @@ def test_baseline_policies_run_on_the_same_parts(policy, tmp_path):
     with run:
         run.train(steps=3)
         lags = [m["staleness_max"] for m in run.history]
+        _check_rollout_counts(run)
     assert lags == ([0, 0, 0] if policy == "sync" else [0, 1, 1])
 
 
@@ -93,6 +114,9 @@ def test_a_reward_function_that_raises_is_counted_and_isolated(tmp_path):
     with run:
         run.train(steps=3)
         last = run.history[-1]
+        # its drops free admission slots: rollout goes on between train calls, never stopped to check
+        (st,) = _check_rollout_counts(run, stopped=False).values()
+    assert st["dropped"]["reward_error"] > 0 and st["dropped"]["group_incomplete"] > 0  # the actor's own count
     assert last["dropped"]["reward_error"] > 0
     assert last["dropped"].get("group_incomplete", 0) > 0  # their group-mates, counted too
     assert last["produced"] == last["trained"] + sum(last["dropped"].values()) + last["pending"]

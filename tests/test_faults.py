@@ -10,6 +10,10 @@ produced was trained, dropped with a counted reason, or is pending
     a weight push that fails half way       engines back on the old version, counted; training goes on
     a user reward that hangs                timed out, counted ``reward_timeout``; the run goes on
     the trainer killed mid-step             its leased batch back in the queue; one-line error
+
+and each rollout actor's own count adds up (``generated == queued + dropped
+before the queue``; a dead actor's as last seen). A negative control: a fake
+report that under-reports ``queued`` fails the check, naming the actor.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import pytest
 
 import loop
 from actors.launch import launch
-from policies.base import ActorLostError
+from contracts.rollout import GroupReport, RolloutCounts
+from policies.base import AccountingError, ActorLostError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8"]
@@ -38,13 +43,20 @@ NO_RESPAWN = ["rollout.max_respawns=0"]
 SCHEDULES = ["fully_async", "sync", "one_step_off"]  # every schedule handles a rollout actor that dies
 
 
-def _assert_nothing_lost(run: Any) -> None:
-    """Every record's identity, the policy's check now, and the queue's own identity."""
+def _assert_nothing_lost(run: Any, stopped: bool = False) -> None:
+    """Every record's identity, the policy's check now, the queue's own identity, and
+    each rollout actor's (the dead ones' as last seen). ``stopped``: the run goes on,
+    check it between train calls (``run.check``: the actors' queued against the
+    queue's put, exactly)."""
     for m in run.history:
         assert m["produced"] == m["trained"] + sum(m["dropped"].values()) + m["pending"], m
     loop.run(run.policy.check_accounting())
+    if stopped:
+        run.check()
     s = loop.run(run.queue.statistics_async())
     assert s.put == s.delivered + s.dropped + s.pending + s.in_flight, s
+    for name, c in run.policy.rollout_counts.items():
+        assert c.generated == c.queued + sum(c.dropped.values()), (name, c)
 
 
 # -- a rollout actor dies ------------------------------------------------------------------------------
@@ -92,7 +104,8 @@ def test_a_rollout_actor_killed_mid_generation_is_counted_and_the_run_goes_on_wi
         # the weight group was re-formed without the dead actor: the last push reached the live one
         assert records[-1]["sync/version"] == 5 and "sync/failed" not in records[-1]
         assert loop.run(policy.rollouts[0].get_version()) == 5
-        _assert_nothing_lost(run)
+        assert set(policy.rollout_counts) == {"rollout-0", "rollout-1"}  # the dead one's, as last seen
+        _assert_nothing_lost(run, stopped=True)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -151,7 +164,8 @@ def test_a_killed_rollout_actor_is_replaced_and_its_replacement_joins_at_a_push_
         _on_the_trainers_weights(run)
         assert loop.run(policy.rollouts[1].statistics())["num_queued"] > 0  # it generates
         assert dead_pid not in {p.pid for p in multiprocessing.active_children()}  # let go of, not kept
-        _assert_nothing_lost(run)
+        assert set(policy.rollout_counts) == {"rollout-0", "rollout-1", "rollout-2"}
+        _assert_nothing_lost(run, stopped=True)
 
 
 def _one_actor_run(schedule: str, tmp_path: pathlib.Path) -> Any:
@@ -181,7 +195,7 @@ def test_the_last_rollout_actor_killed_is_replaced_at_once_and_the_run_goes_on(s
         assert [h.name for h in policy.rollouts] == ["rollout-1"]
         assert records[-1]["lost_rollout_actors"] == records[-1]["respawned_rollout_actors"] == 1
         _on_the_trainers_weights(run)
-        _assert_nothing_lost(run)
+        _assert_nothing_lost(run, stopped=True)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -362,3 +376,54 @@ def test_a_trainer_killed_mid_step_returns_its_batch_to_the_queue_and_stops_the_
         assert s.pending >= batch
         assert run.policy.trained == batch and run.policy.step == 1
         _assert_nothing_lost(run)
+
+
+# -- the accounting check itself -----------------------------------------------------------------------
+
+
+class _FakeQueue:
+    """A queue that registered one group of 4 samples, all pending."""
+
+    async def statistics_async(self) -> Any:
+        from transfer_queue.wire import QueueStats
+
+        return QueueStats(put=4, delivered=0, dropped=0, pending=4, in_flight=0, redelivered=0, capacity=64,
+                          closed=False)
+
+
+def _policy_with_one_group_reported(counts: RolloutCounts) -> Any:
+    """A schedule (no actors) that admitted one group of 4 and got a report on it
+    from rollout actor ``fake-rollout``, whose totals are ``counts``."""
+    from types import SimpleNamespace
+
+    from policies.baselines import SyncPolicy
+
+    cfg = SimpleNamespace(run=SimpleNamespace(seed=0), rollout=SimpleNamespace(n=4, max_respawns=0))
+    policy = SyncPolicy(cfg, rollouts=[], trainer=None, queue=_FakeQueue(), task=None, weight_sync=None)
+    policy.in_flight = 4
+    policy.on_group(GroupReport(group_id="g0", num_samples=4, num_queued=4, counts=counts), "fake-rollout")
+    policy.in_flight = 0
+    return policy
+
+
+def test_a_fake_rollout_report_that_under_reports_queued_fails_the_check_naming_the_actor_and_its_counts():
+    """Negative control: the queue's own identity holds (4 put, 4 pending) and the
+    report's group counts agree with it; only the actor's totals are one queued
+    sample short. The check names the actor and its three numbers, on one line."""
+    honest = _policy_with_one_group_reported(RolloutCounts(generated=4, queued=4))
+    assert loop.run(honest.check_accounting()) == 4  # the control passes as it is
+
+    fake = _policy_with_one_group_reported(RolloutCounts(generated=4, queued=3))  # a fake: one sample missing
+    with pytest.raises(AccountingError, match=r"^rollout actor fake-rollout: generated=4 != queued=3 \+ "
+                                              r"dropped before the queue=0$"):
+        loop.run(fake.check_accounting())
+
+
+def test_a_fake_rollout_actor_that_counts_samples_queued_the_queue_never_registered_fails_the_check():
+    """Negative control of the cross-check: the actor's own identity holds (8 = 8 + 0)
+    and so does the queue's, but it counts 8 queued where the queue registered 4
+    (samples lost between an actor and the queue): only the actors' count shows it."""
+    fake = _policy_with_one_group_reported(RolloutCounts(generated=8, queued=8))  # a fake: 4 never reached the queue
+    with pytest.raises(AccountingError, match=r"^rollout actors' queued=8 > queue put=4: they counted samples the "
+                                              r"queue never registered$"):
+        loop.run(fake.check_accounting())

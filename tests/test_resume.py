@@ -123,6 +123,16 @@ def _first_batch_reward(queue_file: pathlib.Path) -> float:
         tq.shutdown_sync()
 
 
+def _check_rollout_counts(policy_state: dict) -> None:
+    """A checkpoint's totals of the rollout actors before it: each sample they
+    finished queued or dropped before the queue, and what they queued is what
+    the queue registered as put (samples in flight there never finished)."""
+    c = policy_state["rollout_counts"]
+    assert c["generated"] == c["queued"] + sum(c["dropped"].values()), c
+    assert c["queued"] == policy_state["queue_put"], (c, policy_state["queue_put"])
+    assert "in_flight_at_checkpoint" not in c["dropped"]  # the policy's reason, not an actor's
+
+
 def _check_accounting(records: list[dict], steps: int) -> None:
     """One record per step, in order; every sample trained once, dropped with a
     reason or pending, at every step of both halves."""
@@ -152,12 +162,14 @@ def test_a_driver_killed_with_sigkill_resumes_from_its_last_checkpoint_with_the_
         name = f"step-{step:06d}"
         _wait_for(f"checkpoint of step {step}", lambda name=name: (d := _run_dir(out)) is not None and
                   (d / "checkpoints" / name).is_dir(), proc)
-        lost = checkpoint.read_state(_run_dir(out) / "checkpoints" / name)["policy"]["num_in_flight_dropped"]
+        saved_policy = checkpoint.read_state(_run_dir(out) / "checkpoints" / name)["policy"]
+        lost = saved_policy["num_in_flight_dropped"]
         if lost:
             break
     run_dir = _run_dir(out)
     assert not _running(_sigkill_driver(proc))  # the local runtime: nothing outside the driver
     saved = _first_batch_reward(run_dir / "checkpoints" / name / "queue.msgpack")
+    _check_rollout_counts(saved_policy)  # the resumed run checks its actors' against these at every step
 
     resumed = _cli(tmp_path, "--resume", str(run_dir), "run.total_steps=20")
     assert _finish(resumed) == 0, _stderr(resumed)[-2000:]
@@ -316,6 +328,7 @@ def test_a_resumed_policy_takes_back_the_whole_state_of_its_checkpoint(policy, t
         ckpt = run.save_checkpoint()
     saved = checkpoint.read_state(ckpt)["policy"]
     assert saved.get("batch_ahead", False) == (policy == "one_step_off")
+    _check_rollout_counts(saved)
 
     resumed = launch(None, resume=run.dir)
     with resumed:
@@ -326,6 +339,14 @@ def test_a_resumed_policy_takes_back_the_whole_state_of_its_checkpoint(policy, t
         assert p.next_group(0).group_id == f"g{saved['num_groups']}"  # ids go on, none reused
         (m,) = resumed.train(1)
         assert (m["failed_pushes"], m["lost_rollout_actors"], m["respawned_rollout_actors"]) == (2, 1, 1)
+        # the new actors count from zero, beside the totals of those before: exact again with rollout stopped
+        resumed.check()
+        new = [loop.run(h.statistics()) for h in p.rollouts]
+        assert all(st["num_generated"] == st["num_queued"] + sum(st["dropped"].values()) > 0 for st in new)
+        totals = p.rollout_totals()
+        assert totals.generated == totals.queued + sum(totals.dropped.values())
+        assert totals.queued == saved["queue_put"] + sum(st["num_queued"] for st in new) == \
+            loop.run(resumed.queue.statistics_async()).put
 
 
 @pytest.mark.timeout(120)

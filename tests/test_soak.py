@@ -17,7 +17,11 @@ driver and the actors that live through the run (trainer, queue host):
   replacement's is there), give or take one (Ray may start a spare worker).
 
 And nothing lost: every step's record and the end state keep
-``produced == trained + dropped + pending``, and so does the queue's own count.
+``produced == trained + dropped + pending``, and so does the queue's own count;
+each rollout actor's own count keeps ``generated == queued + dropped before the
+queue`` (the killed ones' as last seen), and the actors' queued is the queue's
+put, give or take what killed actors took unreported (``run.check`` at the end
+asserts it exactly).
 """
 
 from __future__ import annotations
@@ -66,3 +70,7 @@ def test_a_long_run_whose_rollout_actors_keep_being_killed_stays_flat_and_loses_
     assert acc["holds"] and acc["holds_every_step"] and acc["queue"]["holds"], acc
     assert acc["produced"] == acc["trained"] + sum(acc["dropped"].values()) + acc["pending"]
     assert acc["trained"] == steps * 64  # 8 prompts x 8 samples a step, every step
+    actors = acc["rollout_actors"]
+    assert actors["holds"] and len(actors["actors"]) >= r["start"]["rollout_actors"], actors
+    assert all(a["generated"] == a["queued"] + a["dropped"] for a in actors["actors"].values()), actors
+    assert actors["queued"] <= actors["queue_put"] <= actors["queued"] + actors["lost"], actors
