@@ -268,30 +268,37 @@ class Run:
             return 0, device
         return (0.5 if self.cfg.sync.colocated else 1), "cuda"
 
-    def train(self, steps: int | None = None) -> list[dict[str, Any]]:
-        """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``);
-        returns their records. Blocks; in code already on an event loop use
-        :meth:`train_async`. A KeyboardInterrupt (Ctrl-C, a notebook's stop button)
-        stops training at the next step boundary (:meth:`interrupt`), then is raised:
-        the run can train again at once."""
+    def train(self, steps: int | None = None) -> notebook.TrainResult:
+        """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``;
+        more than the rest raises ``run.total_steps`` to match, with a one-line notice);
+        returns their records, a list whose repr is one line (:class:`~actors.notebook.TrainResult`).
+        Blocks; in code already on an event loop use :meth:`train_async`. A
+        KeyboardInterrupt (Ctrl-C, a notebook's stop button) stops training at the next
+        step boundary (:meth:`interrupt`), then is raised: the run can train again at once."""
         steps = self._steps(steps)
         if loop.in_loop():
             raise RuntimeError("run.train() would block the loop the run lives on: `await run.train_async(steps)`")
-        call = _TrainCall()
+        if self._train_call is None:  # a second call at once is refused: it must not move the budget
+            notebook.extend_total_steps(self.cfg.run, self.policy.step, steps)
+        call, t0 = _TrainCall(), time.perf_counter()
         try:
-            return loop.run(self._train_alone(steps, call), on_interrupt=call.interrupt)
+            records = loop.run(self._train_alone(steps, call), on_interrupt=call.interrupt)
         except KeyboardInterrupt:
             if not call.interrupted:  # raised by a SIGINT handler of the caller's own, mid-step
                 raise
             raise KeyboardInterrupt(f"training stopped after step {self.policy.step}; the run can train again") from None
+        return notebook.TrainResult(records, total_steps=self.cfg.run.total_steps, wall_s=time.perf_counter() - t0)
 
-    async def train_async(self, steps: int | None = None) -> list[dict[str, Any]]:
+    async def train_async(self, steps: int | None = None) -> notebook.TrainResult:
         """:meth:`train` for code on an event loop (a notebook cell with ``await``):
         the steps run on the run's loop (the caller's own, or a background thread's).
         Cancelling it (a notebook's stop button cancels the cell) stops training at
         the next step boundary as an interrupt does, then CancelledError propagates."""
-        call = _TrainCall()
-        work = self._train_alone(self._steps(steps), call)
+        steps = self._steps(steps)
+        if self._train_call is None:  # a second call at once is refused: it must not move the budget
+            notebook.extend_total_steps(self.cfg.run, self.policy.step, steps)
+        call, t0 = _TrainCall(), time.perf_counter()
+        work = self._train_alone(steps, call)
         if loop.in_loop():
             running: asyncio.Future[list[dict[str, Any]]] = asyncio.ensure_future(work)
         else:
@@ -312,7 +319,8 @@ class Run:
                 raise running.exception() from None
             raise asyncio.CancelledError(f"training stopped after step {self.policy.step}; the run can train "
                                          "again") from None
-        return running.result()
+        return notebook.TrainResult(running.result(), total_steps=self.cfg.run.total_steps,
+                                    wall_s=time.perf_counter() - t0)
 
     def interrupt(self) -> None:
         """Stop the train call in progress at the next step boundary: the step being
@@ -430,8 +438,9 @@ class Run:
         return notebook.describe(self.cfg.run.name, self.history, self.cfg.run.total_steps, self._closed)
 
     def metrics(self) -> Any:
-        """The steps' records so far: a pandas DataFrame indexed by step when pandas
-        is installed, else a list of dicts (``actors/notebook.py``)."""
+        """The steps' records so far, one row a step with ``step`` a column and nested
+        counters as ``dropped/<reason>``: a pandas DataFrame when pandas is installed,
+        else a list of dicts with the same columns (``actors/notebook.py``)."""
         return notebook.metrics_table(self.history)
 
     def plot(self, *panels: str) -> Any:

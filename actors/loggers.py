@@ -117,8 +117,10 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class TensorBoardMirror:
-    """Event files under ``log_dir``: scalars in float64 (step counts and byte
-    counts stay exact), texts with TensorBoard's text plugin. ``purge_step``: a
+    """Event files under ``log_dir``: scalars as float32 ``simple_value`` (what
+    ``tensorboard --logdir`` shows: its default fast loader drops the float64
+    tensor form; values round to float32, ~7 significant digits, metrics.jsonl
+    keeps them exact), texts with TensorBoard's text plugin. ``purge_step``: a
     resumed run's first step; TensorBoard hides what an earlier process logged
     from there on (the steps the resume rolled back)."""
 
@@ -135,7 +137,7 @@ class TensorBoardMirror:
 
     def log(self, step: int, scalars: dict[str, int | float], texts: dict[str, str]) -> None:
         for key, value in scalars.items():
-            self.writer.add_scalar(key, value, global_step=step, new_style=True, double_precision=True)
+            self.writer.add_scalar(key, value, global_step=step)
         for key, value in texts.items():
             self.writer.add_text(key, value, global_step=step)
 

@@ -1,10 +1,12 @@
 """How a :class:`~actors.launch.Run` shows itself in a notebook: its progress
-bar, its one-line repr, its metrics as a table and as a plot.
+bar, its one-line repr, what ``train`` returns (:class:`TrainResult`, one line
+too), its metrics as a table and as a plot.
 
-Each optional library is used when it is installed and never required:
-``ipywidgets`` (the notebook's progress widget; without it the text bar, and no
-warning about it), ``pandas`` (the table; without it a list of dicts),
-``matplotlib`` (the plot: the ``plot`` extra, named by the error without it).
+Each optional library is used when it is installed and never required (the
+``notebook`` extra installs them all): ``ipywidgets`` (the notebook's progress
+widget; without it the text bar, and no warning about it), ``pandas`` (the
+table; without it a list of dicts with the same columns), ``matplotlib`` (the
+plot: the ``plot`` extra, named by the error without it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PANELS", "describe", "metrics_table", "plot", "progress_bar"]
+__all__ = ["PANELS", "TrainResult", "describe", "extend_total_steps", "metrics_table", "plot", "progress_bar"]
 
 # What ``plot`` draws by default, one panel each: (record key, label) pairs.
 PANELS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -61,17 +63,58 @@ def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, clo
     return f"Run({', '.join(parts)})"
 
 
+class TrainResult(list):
+    """What ``run.train(n)`` returns: the records of the steps it took, a plain list
+    to index, slice, unpack and add, whose repr is one line, so a cell ending in
+    ``run.train(n)`` shows that line and not every record (``run.metrics()`` has
+    them all as a table). ``total_steps``: the run's budget after the call;
+    ``wall_s``: the call's wall time."""
+
+    def __init__(self, records: Sequence[dict[str, Any]], *, total_steps: int, wall_s: float) -> None:
+        super().__init__(records)
+        self.total_steps, self.wall_s = total_steps, wall_s
+
+    def __repr__(self) -> str:
+        if not self:
+            return f"TrainResult(0 steps of {self.total_steps}, {self.wall_s:.1f} s)"
+        first, last = self[0], self[-1]
+        steps = f"{len(self)} step{'s' * (len(self) > 1)} ({first['step']}-{last['step']} of {self.total_steps})"
+        return (f"TrainResult({steps}, reward {last['reward']:.3f}, {last['samples_per_s']:.1f} samples/s, "
+                f"{self.wall_s:.1f} s)")
+
+
+def extend_total_steps(run_cfg: Any, step: int, steps: int) -> None:
+    """An explicit ``run.train(steps)`` at ``step`` that goes past ``run.total_steps``
+    (the ``run`` section) raises it to where the call ends, visibly: one line on
+    stderr, the repr's total the new one, later checkpoints' config holding it (as
+    a resume's ``run.total_steps=`` override would)."""
+    if step + steps > run_cfg.total_steps:
+        print(f"run.total_steps: {run_cfg.total_steps} -> {step + steps} (train({steps}) from step {step})",
+              file=sys.stderr)
+        run_cfg.total_steps = step + steps
+
+
+def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def metrics_table(history: Sequence[dict[str, Any]]) -> Any:
-    """The records as a pandas DataFrame indexed by step (nested counters such as
-    ``dropped`` flattened to ``dropped/<reason>``) when pandas is installed, else
-    a list of dicts (copies)."""
+    """The records, one row a step, with the same columns with or without pandas:
+    ``step`` and every record key, nested counters flattened (``dropped: {stale: 3}``
+    as ``dropped/stale``). A pandas DataFrame (default index; ``step`` is a column)
+    when pandas is installed, else a list of those flat dicts."""
+    rows = [_flat(m) for m in history]
     try:
         import pandas as pd
     except ImportError:
-        return [dict(m) for m in history]
-    if not history:
-        return pd.DataFrame()
-    return pd.json_normalize(list(history), sep="/").set_index("step")
+        return rows
+    return pd.DataFrame(rows)
 
 
 def plot(history: Sequence[dict[str, Any]], initial_eval: dict[str, Any] | None,

@@ -1,8 +1,9 @@
 """run.loggers (issue 22 item 2): the default job, run from the command line with
 TensorBoard and W&B (offline) enabled, writes the same metric names and values at
-the same steps as metrics.jsonl, read back from the event files and from the
-W&B run file; the resolved config is logged as hyperparameters; a resumed run's
-steps replace the rolled-back ones; bad logger lists are refused at load."""
+the same steps as metrics.jsonl, read back from the event files (as scalars, the
+form ``tensorboard --logdir`` charts: issue 30) and from the W&B run file; the
+resolved config is logged as hyperparameters; a resumed run's steps replace the
+rolled-back ones; bad logger lists are refused at load."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from actors.config import ConfigError, load_config
@@ -51,15 +53,26 @@ def _records(run_dir: pathlib.Path) -> dict[int, tuple[dict, dict]]:
 def _tensorboard(run_dir: pathlib.Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
 
 
-def _tb_values(acc, tag: str) -> dict[int, object]:
+def _tb_texts(acc, tag: str) -> dict[int, bytes]:
     from tensorboard.util import tensor_util
 
     return {e.step: tensor_util.make_ndarray(e.tensor_proto).item() for e in acc.Tensors(tag)}
+
+
+def _tb_scalars(acc, tag: str) -> dict[int, float]:
+    """The scalars TensorBoard charts (``Scalars`` raises KeyError for a tag logged in
+    another form, such as the float64 tensors its default fast loader drops)."""
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def _f32(value: float) -> float:
+    """``value`` as a TensorBoard scalar holds it: float32 (``simple_value``)."""
+    return float(np.float32(value))
 
 
 def _wandb_records(path: pathlib.Path):
@@ -111,14 +124,15 @@ def test_the_default_job_logs_the_same_metrics_to_tensorboard_and_wandb_as_to_me
     assert "eval/reward" in expected[0][0] and "sync/kind" in expected[1][1]
 
     acc = _tensorboard(run_dir)
+    assert set(acc.Tags()["scalars"]) == {k for scalars, _ in expected.values() for k in scalars}
+    for tag in acc.Tags()["scalars"]:
+        want = {step: _f32(scalars[tag]) for step, (scalars, _) in expected.items() if tag in scalars}
+        # metrics.jsonl's values within float32 precision: each is the float32 nearest to it, exactly
+        assert _tb_scalars(acc, tag) == want, tag
     texts = {t.removesuffix("/text_summary") for t in acc.Tags()["tensors"] if t.endswith("/text_summary")}
-    scalar_tags = set(acc.Tags()["tensors"]) - {f"{t}/text_summary" for t in texts}
-    assert scalar_tags == {k for scalars, _ in expected.values() for k in scalars}
-    for tag in scalar_tags:
-        want = {step: float(scalars[tag]) for step, (scalars, _) in expected.items() if tag in scalars}
-        assert _tb_values(acc, tag) == want, tag  # float64 in the event file: exact
+    assert set(acc.Tags()["tensors"]) == {f"{t}/text_summary" for t in texts}  # no scalar as a tensor
     assert {k for _, t in expected.values() for k in t} | {"config"} == texts
-    assert _tb_values(acc, "sync/kind/text_summary")[1] == b"full"
+    assert _tb_texts(acc, "sync/kind/text_summary")[1] == b"full"
     assert b"trainer.lr" in acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
 
     history, config = _wandb_run(run_dir)
@@ -140,8 +154,8 @@ def test_a_resumed_run_replaces_the_rolled_back_steps_in_tensorboard_and_continu
     assert sorted(expected) == [1, 2, 3, 4] and "resumed_from" in expected[3][1]
     assert len(list(run_dir.glob("tensorboard/events.out.tfevents.*"))) == 2
     # the first process's step 3 is hidden (purged from step 3 on): each step's value is metrics.jsonl's
-    rewards = _tb_values(_tensorboard(run_dir), "reward")
-    assert rewards == {step: scalars["reward"] for step, (scalars, _) in expected.items()}
+    rewards = _tb_scalars(_tensorboard(run_dir), "reward")
+    assert rewards == {step: _f32(scalars["reward"]) for step, (scalars, _) in expected.items()}
     runs = sorted(run_dir.glob("wandb/offline-run-*"))
     assert len(runs) == 2 and all(p.name.endswith(f"-{run_dir.name}") for p in runs)  # one W&B run id
     history, _ = _wandb_run(run_dir)  # the later file's records win, as a sync would show them

@@ -1,7 +1,9 @@
 """The notebook API of a run: ``train`` and ``train_async`` stopped at a step
-boundary by an interrupt or a cancel (and training again at once), the repr,
-the metrics table, the plot, and ``notebooks/quickstart.ipynb`` executed in a
-real Jupyter kernel with two kernel interrupts mid-training."""
+boundary by an interrupt or a cancel (and training again at once), their one-line
+result, a train call past ``run.total_steps`` raising it visibly, the repr, the
+metrics table (the same columns with and without pandas), the plot, and
+``notebooks/quickstart.ipynb`` executed in a real Jupyter kernel with two kernel
+interrupts mid-training, within its budget and small."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import types
 
 import pytest
+import yaml
 
 import loop
 from actors import notebook
@@ -65,10 +68,10 @@ def test_a_keyboard_interrupt_stops_train_at_the_step_boundary_and_the_same_run_
         with pytest.raises(KeyboardInterrupt, match="training stopped after step"):
             if where == "this thread":
                 assert not [t for t in threading.enumerate() if t.name == "asyncrl-loop"]
-                run.train(100000)
+                run.train()  # the rest of run.total_steps
             else:
                 async def cell() -> None:
-                    run.train(100000)
+                    run.train()
 
                 foreign = asyncio.new_event_loop()  # with no SIGINT handler of its own, as Jupyter's
                 try:
@@ -90,7 +93,7 @@ def test_cancelling_train_async_at_random_points_20_times_leaves_a_run_that_trai
     rng = random.Random(0)
 
     async def cancel_at_random(delay_s: float) -> None:
-        task = asyncio.ensure_future(run.train_async(100000))
+        task = asyncio.ensure_future(run.train_async())
         await asyncio.sleep(delay_s)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -135,21 +138,64 @@ def test_repr_metrics_and_plot(run, monkeypatch):
     assert text.startswith("Run(fully_async, step ") and f"step {m['step']}/" in text
     assert f"reward {m['reward']:.3f}" in text and "staleness" in text and "samples/s" in text
 
-    monkeypatch.setitem(sys.modules, "pandas", None)  # not installed: a list of dicts
+    monkeypatch.setitem(sys.modules, "pandas", None)  # not installed: a list of dicts, one a step
     table = run.metrics()
-    assert table == run.history and table[0] is not run.history[0]
+    assert [row["step"] for row in table] == [m["step"] for m in run.history] and table[0] is not run.history[0]
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match=r"asyncrl\[plot\]"):
         run.plot()
 
 
-def test_metrics_table_is_a_dataframe_by_step_with_pandas():
-    pd = needs("pandas", "plot")
-    history = [{"step": 1, "reward": 0.5, "dropped": {}}, {"step": 2, "reward": 0.7, "dropped": {"stale": 2}}]
+def test_train_returns_one_line_with_the_steps_it_took_and_keeps_the_records(run):
+    result = run.train(3)
+    first, last = result[0]["step"], result[-1]["step"]
+    assert result == run.history[-3:] and last - first == 2  # still the records, a list
+    text = repr(result)
+    assert len(text) < 300 and "\n" not in text, text
+    assert text.startswith(f"TrainResult(3 steps ({first}-{last} of {run.cfg.run.total_steps}), "
+                           f"reward {result[-1]['reward']:.3f}, "), text
+    assert "samples/s" in text and text.endswith(" s)") and result.wall_s > 0
+    pretty = needs("IPython.lib.pretty", "dev").pretty
+    assert pretty(result) == text  # what a notebook cell ending in run.train(3) shows
+    again = loop.run(run.train_async(1))
+    assert repr(again).startswith(f"TrainResult(1 step ({last + 1}-{last + 1} of ") and again == run.history[-1:]
+
+
+def test_train_past_total_steps_raises_the_budget_with_a_one_line_notice(run, capsys):
+    if not run.history:
+        run.train(1)
+    budget, step = run.cfg.run.total_steps, run.policy.step
+    run.cfg.run.total_steps = step + 2  # two steps left
+    try:
+        capsys.readouterr()
+        run.train(1)  # within the budget: no notice
+        assert capsys.readouterr().err == "" and run.cfg.run.total_steps == step + 2
+        result = run.train(3)  # one step left, three asked for
+        assert capsys.readouterr().err == f"run.total_steps: {step + 2} -> {step + 4} (train(3) from step {step + 1})\n"
+        assert run.cfg.run.total_steps == step + 4 and f"of {step + 4})" in repr(result)
+        assert f"step {step + 4}/{step + 4}," in repr(run)
+        assert len(run.train()) == 0 and capsys.readouterr().err == ""  # the rest: none, and no notice
+        loop.run(run.train_async(2))
+        assert capsys.readouterr().err == f"run.total_steps: {step + 4} -> {step + 6} (train(2) from step {step + 4})\n"
+        assert f"step {step + 6}/{step + 6}," in repr(run)
+    finally:
+        run.cfg.run.total_steps = budget
+
+
+def test_metrics_table_has_the_same_columns_with_and_without_pandas(monkeypatch):
+    history = [{"step": 1, "reward": 0.5, "dropped": {}},
+               {"step": 2, "reward": 0.7, "dropped": {"stale": 2}, "eval/reward": 0.4}]
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "pandas", None)  # not installed
+        rows = notebook.metrics_table(history)
+    assert rows == [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.7, "dropped/stale": 2, "eval/reward": 0.4}]
+    pd = needs("pandas", "notebook")
     table = notebook.metrics_table(history)
     assert isinstance(table, pd.DataFrame)
-    assert list(table.index) == [1, 2] and table.loc[2, "reward"] == 0.7 and table.loc[2, "dropped/stale"] == 2
+    assert list(table.columns) == ["step", "reward", "dropped/stale", "eval/reward"]  # every row's keys, in order
+    assert list(table["step"]) == [1, 2] and table.loc[1, "reward"] == 0.7 and table.loc[1, "dropped/stale"] == 2
+    assert table.to_dict("records")[1] == rows[1]
 
 
 def test_plot_draws_reward_eval_staleness_and_throughput_with_matplotlib():
@@ -233,11 +279,20 @@ def test_quickstart_notebook_runs_in_a_jupyter_kernel_with_interrupts_mid_traini
     assert len(interrupted) == 2
     for cell in code:
         errors = [(o.ename, o.evalue) for o in cell.outputs if o.output_type == "error"]
-        if cell in interrupted:  # stopped by the interrupt, long before its 1000 steps, at a step boundary
+        if cell in interrupted:  # stopped by the interrupt, long before the budget's end, at a step boundary
             assert len(errors) == 1 and errors[0][0] in ("KeyboardInterrupt", "CancelledError"), errors
             assert errors[0][1].startswith("training stopped after step "), errors
         else:
             assert not errors, (cell.source, errors)
-    summary = json.loads((next(tmp_path.iterdir()) / "summary.json").read_text())
-    assert 5 + 3 < summary["steps"] < 5 + 3 + 2 * 1000
-    print(f"quickstart notebook: {wall_s:.1f} s, {summary['steps']} steps")
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    total_steps = yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["total_steps"]
+    assert 5 + 3 < summary["steps"] <= total_steps and "run.total_steps:" not in streams  # within its budget
+    (train_5,) = [c for c in code if c.source.startswith("run.train(5)")]
+    (shown,) = [o.data["text/plain"] for o in train_5.outputs if o.output_type == "execute_result"]
+    assert shown.startswith(f"TrainResult(5 steps (1-5 of {total_steps}), "), shown  # one line, not 5 records
+    executed = tmp_path / "quickstart.executed.ipynb"
+    nbformat.write(nb, executed)
+    size_bytes = executed.stat().st_size
+    assert size_bytes < 200_000, f"the executed notebook is {size_bytes} bytes"
+    print(f"quickstart notebook: {wall_s:.1f} s, {summary['steps']} steps, {size_bytes} bytes executed")
