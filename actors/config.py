@@ -278,7 +278,7 @@ def _check_consistency(cfg: Config) -> None:
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
             f"the prompt in rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}"
         )
-    _check_task(cfg.task)
+    _check_task(cfg.task, cfg.base_dir)
     _check_progress(cfg)
     from policies.admission import window_budget
 
@@ -337,8 +337,11 @@ def checkpoint_every(cfg: Config) -> int:
     return cfg.run.checkpoint_every or cfg.trainer.checkpoint_every
 
 
-def _check_task(task: TaskConfig) -> None:
-    """The task exists and takes ``task.kwargs`` (by its signature: nothing is built)."""
+def _check_task(task: TaskConfig, base_dir: str) -> None:
+    """The task exists and takes ``task.kwargs`` (by its signature: nothing is built);
+    a user reward function (``task.kwargs.reward``) is imported and its form read
+    from its signature, a relative ``file.py`` anchored as data files are."""
+    from policies.rewards import anchor_reward_spec, reward_form
     from policies.tasks import CONTEXT_OPTIONS, task_factory
 
     try:
@@ -354,6 +357,13 @@ def _check_task(task: TaskConfig) -> None:
         signature.bind(**task.kwargs, **context)
     except TypeError as err:
         raise ConfigError(f"task.kwargs: bad options for task {task.type!r}: {err}") from None
+    reward = task.kwargs.get("reward")
+    if isinstance(reward, str) and "reward" in signature.parameters:
+        task.kwargs["reward"] = reward = anchor_reward_spec(reward, base_dir)  # actors may run elsewhere
+        try:
+            reward_form(reward)  # a function no form fits is refused now, not at its first sample
+        except ValueError as err:
+            raise ConfigError(f"task.kwargs.reward: {err}") from None
 
 
 def _check_progress(cfg: Config) -> None:

@@ -1,15 +1,23 @@
-"""Where text prompts come from: rows read from a file (JSONL, or Parquet when
-pyarrow is installed), or the built-in generator of arithmetic problems.
+"""Where text prompts come from: rows read from a file or a dataset (JSONL,
+Parquet when pyarrow is installed, a Hugging Face ``datasets`` directory written
+by ``Dataset.save_to_disk``, or a ``datasets.Dataset`` / list of dicts passed
+from Python), or the built-in generator of arithmetic problems.
 
-A row is a prompt (text shown to the model) and its ground-truth answer (text
-the reward compares against), plus where it came from (``file:line``) so that
-every error names it. Rows are validated on load: a bad one is an error naming
-the file, the line (1-based; ``row N`` for Parquet) and the field — never
-skipped.
+A row is a prompt (shown to the model: a string, or chat messages
+``[{"role": "user", "content": ...}, ...]`` as verl and TRL write them) and its
+ground-truth answer (text the reward compares against), plus the whole record
+(every column, for user rewards that take them) and where it came from
+(``file:line``, ``file:row N``) so that every error names it. Rows are
+validated on load: a bad one is an error naming the file, the line (1-based;
+``row N`` for tables) and the field — never skipped.
 
-JSONL: one JSON object per line; blank lines are ignored. The prompt field must
-be a non-empty string; the answer field a non-empty string or a number (turned
-into its text: ``42`` -> ``"42"``). Other fields are ignored.
+Field names may be dotted paths into nested records: ``reward_model.ground_truth``
+is ``record["reward_model"]["ground_truth"]`` (a key that itself holds the dots
+is taken first). The prompt must be a non-empty string or a non-empty list of
+messages, each with a string ``role`` and ``content``; the answer a non-empty
+string or a number (turned into its text: ``42`` -> ``"42"``).
+
+JSONL: one JSON object per line; blank lines are ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import math
 import os
 import pathlib
 import random
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -27,33 +37,50 @@ __all__ = ["ArithmeticProblems", "Row", "load_rows"]
 
 
 class Row(msgspec.Struct, frozen=True):
-    """One validated example: ``prompt`` and ``answer`` text, ``where`` it was read (``file:line``)."""
+    """One validated example: the ``prompt`` (text, or chat messages) and the
+    ``answer`` text, ``where`` it was read (``file:line``), and the whole
+    record as read (``fields``: every column, nested ones as dicts)."""
 
-    prompt: str
+    prompt: str | list[dict[str, Any]]
     answer: str
     where: str
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-def load_rows(path: str | os.PathLike, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Row]:
-    """Every row of the JSONL or Parquet (``.parquet``/``.pq``) file at ``path``
-    (absolute, or relative to the current directory), in file order.
+def load_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
+              answer_field: str = "answer", name: str = "data") -> list[Row]:
+    """Every row of ``source``, in order: a JSONL or Parquet (``.parquet``/``.pq``)
+    file or a ``datasets`` ``save_to_disk`` directory at that path (absolute, or
+    relative to the current directory), or rows given as they are: a
+    ``datasets.Dataset`` or any iterable of dicts (named ``name`` in errors).
 
     Raises ``ValueError`` naming the file — and the line and field where one is
     at fault — when the file is missing, empty, not JSON, or a row lacks a
     field or has one of the wrong type."""
-    p = pathlib.Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"dataset {str(path)!r}: no such file (looked for {p.absolute()})")
-    if p.suffix in (".parquet", ".pq"):
-        rows = _parquet_rows(p, str(path), prompt_field, answer_field)
+    fields = (prompt_field, answer_field)
+    if isinstance(source, Mapping):  # a DatasetDict, say: iterating it would give split names
+        raise ValueError(f"dataset {name!r} is a mapping ({', '.join(map(str, source))}), not rows: "
+                         "give one split, e.g. ds['train']")
+    if not isinstance(source, (str, os.PathLike)):
+        rows = _dataset_rows(source, name, fields)
+        if not rows:
+            raise ValueError(f"dataset {name!r}: no rows")
+        return rows
+    p = pathlib.Path(source).expanduser()
+    if p.is_dir():
+        rows = _disk_rows(p, str(source), fields)
+    elif not p.is_file():
+        raise ValueError(f"dataset {str(source)!r}: no such file (looked for {p.absolute()})")
+    elif p.suffix in (".parquet", ".pq"):
+        rows = _parquet_rows(p, str(source), fields)
     else:
-        rows = _jsonl_rows(p, str(path), prompt_field, answer_field)
+        rows = _jsonl_rows(p, str(source), fields)
     if not rows:
-        raise ValueError(f"dataset {str(path)!r}: the file has no rows")
+        raise ValueError(f"dataset {str(source)!r}: the file has no rows")
     return rows
 
 
-def _jsonl_rows(p: pathlib.Path, name: str, prompt_field: str, answer_field: str) -> list[Row]:
+def _jsonl_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
     rows = []
     try:
         with p.open(encoding="utf-8") as f:
@@ -67,15 +94,15 @@ def _jsonl_rows(p: pathlib.Path, name: str, prompt_field: str, answer_field: str
                     raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno}); "
                                      "expected one JSON object per line") from None
                 if not isinstance(record, dict):
-                    raise ValueError(f"{where}: expected a JSON object with fields {prompt_field!r} and "
-                                     f"{answer_field!r}, got {_json_type(record)}")
-                rows.append(_row(record, where, prompt_field, answer_field))
+                    raise ValueError(f"{where}: expected a JSON object with fields {fields[0]!r} and "
+                                     f"{fields[1]!r}, got {_json_type(record)}")
+                rows.append(_row(record, where, fields))
     except UnicodeDecodeError as e:
         raise ValueError(f"dataset {name!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return rows
 
 
-def _parquet_rows(p: pathlib.Path, name: str, prompt_field: str, answer_field: str) -> list[Row]:
+def _parquet_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -85,29 +112,100 @@ def _parquet_rows(p: pathlib.Path, name: str, prompt_field: str, answer_field: s
         table = pq.read_table(p)
     except Exception as e:  # pyarrow's errors for a damaged file vary by version
         raise ValueError(f"dataset {name!r}: cannot read as Parquet: {type(e).__name__}: {e}") from None
-    for field in (prompt_field, answer_field):
-        if field not in table.column_names:
-            raise ValueError(f"dataset {name!r}: no column {field!r} (columns: {', '.join(table.column_names)})")
-    prompts, answers = table.column(prompt_field).to_pylist(), table.column(answer_field).to_pylist()
-    return [_row({prompt_field: q, answer_field: a}, f"{name}:row {i}", prompt_field, answer_field)
-            for i, (q, a) in enumerate(zip(prompts, answers), start=1)]
+    _check_columns(name, table.column_names, fields)
+    return [_row(record, f"{name}:row {i}", fields) for i, record in enumerate(table.to_pylist(), start=1)]
 
 
-def _row(record: dict, where: str, prompt_field: str, answer_field: str) -> Row:
-    for field in (prompt_field, answer_field):
-        if field not in record:
-            raise ValueError(f"{where}: missing field {field!r} (fields: {', '.join(map(str, record)) or 'none'})")
-    prompt, answer = record[prompt_field], record[answer_field]
-    if not isinstance(prompt, str):
-        raise ValueError(f"{where}: field {prompt_field!r} must be a string, got {_json_type(prompt)}")
+def _disk_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
+    """A directory written by ``Dataset.save_to_disk`` (a ``DatasetDict``'s is refused,
+    naming its splits: each split is a directory of its own)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"dataset {name!r} is a directory: reading one written by datasets' save_to_disk "
+                         'needs the datasets package (install the optional extra: pip install -e ".[datasets]")'
+                         ) from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # datasets raises FileNotFoundError, ValueError... for a directory it did not write
+        raise ValueError(f"dataset {name!r}: cannot read as a directory written by datasets' save_to_disk: "
+                         f"{type(e).__name__}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise ValueError(f"dataset {name!r} holds the splits {', '.join(ds)}: give one split's directory, "
+                         f"e.g. {str(p / next(iter(ds), 'train'))!r}")
+    return _dataset_rows(ds, name, fields)
+
+
+def _dataset_rows(ds: Iterable[Mapping[str, Any]], name: str, fields: tuple[str, str]) -> list[Row]:
+    columns = getattr(ds, "column_names", None)  # a datasets.Dataset knows them before its first row
+    if isinstance(columns, list):
+        _check_columns(name, columns, fields)
+    rows = []
+    for i, record in enumerate(ds, start=1):
+        where = f"{name}:row {i}"
+        if not isinstance(record, Mapping):
+            raise ValueError(f"{where}: expected a dict with fields {fields[0]!r} and {fields[1]!r}, "
+                             f"got {type(record).__name__}")
+        rows.append(_row(dict(record), where, fields))
+    return rows
+
+
+def _check_columns(name: str, columns: list[str], fields: tuple[str, str]) -> None:
+    """A field whose top-level column is absent is a file-level error (every row would fail)."""
+    for field in fields:
+        if field not in columns and field.split(".", 1)[0] not in columns:
+            raise ValueError(f"dataset {name!r}: no column {field!r} (columns: {', '.join(columns)})")
+
+
+_MISSING = object()
+
+
+def _get(record: dict, path: str, where: str) -> Any:
+    """``record[path]``, or down a dotted ``path`` through nested dicts. A key
+    missing on the way is a ``ValueError`` naming the row and the path."""
+    if path in record:
+        return record[path]
+    value: Any = record
+    for depth, key in enumerate(path.split(".")):
+        if not isinstance(value, Mapping) or value.get(key, _MISSING) is _MISSING:
+            if depth == 0:
+                raise ValueError(f"{where}: missing field {path!r} (fields: {', '.join(map(str, record)) or 'none'})")
+            parent = ".".join(path.split(".")[:depth])
+            has = (f"it has: {', '.join(map(str, value)) or 'nothing'}" if isinstance(value, Mapping)
+                   else f"it is {_json_type(value)}")
+            raise ValueError(f"{where}: missing field {path!r} (no {key!r} in {parent!r}; {has})")
+        value = value[key]
+    return value
+
+
+def _row(record: dict, where: str, fields: tuple[str, str]) -> Row:
+    prompt_field, answer_field = fields
+    prompt, answer = _get(record, prompt_field, where), _get(record, answer_field, where)
+    if isinstance(prompt, (list, tuple)):
+        prompt = _messages(prompt, where, prompt_field)
+    elif not isinstance(prompt, str):
+        raise ValueError(f"{where}: field {prompt_field!r} must be a string or a list of chat messages, "
+                         f"got {_json_type(prompt)}")
+    elif not prompt.strip():
+        raise ValueError(f"{where}: field {prompt_field!r} is empty")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
         answer = str(answer)
     if not isinstance(answer, str):
         raise ValueError(f"{where}: field {answer_field!r} must be a string or a number, got {_json_type(answer)}")
-    for field, value in ((prompt_field, prompt), (answer_field, answer)):
-        if not value.strip():
-            raise ValueError(f"{where}: field {field!r} is empty")
-    return Row(prompt=prompt, answer=answer, where=where)
+    if not answer.strip():
+        raise ValueError(f"{where}: field {answer_field!r} is empty")
+    return Row(prompt=prompt, answer=answer, where=where, fields=record)
+
+
+def _messages(prompt: list | tuple, where: str, field: str) -> list[dict[str, Any]]:
+    """A chat prompt as verl and TRL write it: ``[{"role": ..., "content": ...}, ...]``."""
+    if not prompt:
+        raise ValueError(f"{where}: field {field!r} is an empty list of chat messages")
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: field {field!r}: message {i} must be an object with a string 'role' and "
+                             f"a string 'content', got {m!r:.80}")
+    return [dict(m) for m in prompt]
 
 
 def _json_type(value: object) -> str:

@@ -1,6 +1,22 @@
-"""Reward functions on decoded text: plain functions ``(text, answer) -> float``
-in [0, 1], where ``text`` is the model's response (special tokens removed) and
-``answer`` the row's ground truth.
+"""Reward functions on decoded text, and the user functions a run may name.
+
+Every reward is adapted, when it is resolved, to one internal call
+``reward(response: Response) -> float`` in [0, 1], where the :class:`Response`
+holds the model's decoded text (special tokens removed), the row's ground
+truth and the row itself. A user function may be written in any of three forms,
+told apart by its parameter names (read once, when the config loads):
+
+    text   fn(text, answer) -> float                        this repo's own form
+    verl   compute_score(data_source, solution_str, ground_truth, extra_info=None)
+                            -> float, or a dict with a "score"
+    trl    reward_func(completions, **kwargs) -> list[float | None]
+           called per sample with lists of one: ``prompts``, ``completions``
+           (text, or ``[{"role": "assistant", "content": text}]`` when the
+           prompt is chat messages), ``completion_ids``, and each other column
+           of the row; ``None`` ("not applicable") scores 0.0, which is what
+           TRL's sum over reward functions makes of it when it is the only one
+
+Names a run may give (``task.kwargs.reward``):
 
     exact_match   the whole response equals the answer, after stripping
                   whitespace and trailing punctuation (``.,;:!?``); case-sensitive
@@ -8,6 +24,7 @@ in [0, 1], where ``text`` is the model's response (special tokens removed) and
                   (see :func:`math_answer`); 1.0 or 0.0
     pkg.mod:fn    a user function, imported by path when the task is built, run
                   with a timeout on its own thread (see :func:`resolve_reward`)
+    file.py:fn    the same, from a Python file (verl's custom_reward_function.path)
 
 The rollout actor calls a task's reward on its worker thread under
 ``policy.reward_timeout_s`` and counts a failure (raise, hang, a value outside
@@ -19,17 +36,43 @@ sample instead of its worker thread (which weight updates also run on).
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import math
+import numbers
+import pathlib
 import queue
 import re
+import sys
 import threading
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
-__all__ = ["BUILTIN_REWARDS", "exact_match", "extract_final_answer", "math_answer", "parse_number", "resolve_reward"]
+import msgspec
+
+__all__ = ["BUILTIN_REWARDS", "FORMS", "Response", "anchor_reward_spec", "exact_match", "extract_final_answer",
+           "math_answer", "parse_number", "resolve_reward", "reward_form"]
 
 RewardFn = Callable[[str, str], float]
+
+
+class Response(msgspec.Struct, frozen=True, kw_only=True):
+    """One response to score and the row it answers: all that a reward in any
+    of its forms is given."""
+
+    text: str
+    """The response, cut at its first stop token, special tokens skipped."""
+    answer: str
+    """The row's ground truth, as text."""
+    prompt: str | list[dict[str, Any]] = ""
+    """The row's prompt as written: text, or chat messages ("" for generated tasks)."""
+    ids: list[int] = msgspec.field(default_factory=list)
+    """The response's token ids as generated (TRL's ``completion_ids``)."""
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The whole row, every column (verl's ``data_source``, ``extra_info``; TRL's keyword lists)."""
 
 _TRAILING_PUNCT = ".,;:!?"
 
@@ -155,32 +198,158 @@ def math_answer(text: str, answer: str) -> float:
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_answer}
 
+#: The forms a user reward function may take, by the parameter names that tell them apart.
+FORMS = {"text": "(text, answer)", "verl": "(data_source, solution_str, ground_truth, extra_info=None)",
+         "trl": "(completions, **kwargs)"}
 
-def resolve_reward(spec: str, *, timeout_s: float) -> RewardFn:
-    """The reward function named by ``spec``: a built-in name (``exact_match``,
-    ``math``) or ``package.module:function`` (``function`` may be dotted, e.g.
-    ``Class.method``), imported now. A user function is wrapped to run on its
-    own thread under ``timeout_s`` (see :class:`TimedReward`).
 
-    Raises ``ValueError`` naming ``spec`` when it is neither, when its module
-    cannot be imported, or when what it names is missing or not callable."""
+def resolve_reward(spec: str, *, timeout_s: float) -> Callable[[Response], float]:
+    """The reward named by ``spec`` as one call ``reward(response) -> float``: a
+    built-in name (``exact_match``, ``math``), ``package.module:function``
+    (``function`` may be dotted, e.g. ``Class.method``) or ``path/to/file.py:function``,
+    imported now, in whichever of :data:`FORMS` its signature shows. A user
+    function runs on its own thread under ``timeout_s`` (see :class:`TimedReward`).
+
+    Raises ``ValueError`` naming ``spec`` when it is none of these, when its module
+    cannot be imported, when what it names is missing or not callable, or when
+    its signature fits no form."""
     if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected one of {', '.join(BUILTIN_REWARDS)} "
-                         "or an import path 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # any failure while importing user code is a bad reward path
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
+        return _adapt(BUILTIN_REWARDS[spec], "text")
+    fn = _import(spec)
+    return TimedReward(_adapt(fn, _form(fn, spec), spec), name=spec, timeout_s=timeout_s)
+
+
+def reward_form(spec: str) -> str:
+    """The form (a key of :data:`FORMS`) of the reward ``spec`` names, importing it;
+    ``ValueError`` as :func:`resolve_reward` raises. What the config checks on load."""
+    return "text" if spec in BUILTIN_REWARDS else _form(_import(spec), spec)
+
+
+def anchor_reward_spec(spec: str, base_dir: str) -> str:
+    """``spec`` with a relative ``file.py`` made absolute: against ``base_dir`` (the
+    config file's directory) when the file is there, else the current directory,
+    as data files are. Other specs are returned unchanged."""
+    path, sep, attr = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or pathlib.Path(path).expanduser().is_absolute():
+        return spec
+    near = pathlib.Path(base_dir) / path
+    return f"{(near if near.is_file() else pathlib.Path.cwd() / path).resolve()}:{attr}"
+
+
+def _import(spec: str) -> Callable[..., Any]:
+    path, sep, attr = spec.rpartition(":")  # rpartition: a file path may hold a ':' (C:\...)
+    if sep and path.endswith(".py") and attr:
+        obj = _import_file(spec, pathlib.Path(path).expanduser())
+        where = f"file {path!r}"
+    else:
+        module_name, sep, attr = spec.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"reward {spec!r}: expected one of {', '.join(BUILTIN_REWARDS)}, an import path "
+                             "'package.module:function' or a file 'path/to/file.py:function'")
+        try:
+            obj = importlib.import_module(module_name)
+        except Exception as e:  # any failure while importing user code is a bad reward path
+            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: "
+                             f"{type(e).__name__}: {e}") from None
+        where = f"module {module_name!r}"
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"reward {spec!r}: {where} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    return TimedReward(obj, name=spec, timeout_s=timeout_s)
+    return obj
+
+
+def _import_file(spec: str, path: pathlib.Path) -> Any:
+    """The module of the Python file ``path``, executed once per process: its
+    name is derived from the absolute path, so a task built twice reuses it."""
+    if not path.is_file():
+        raise ValueError(f"reward {spec!r}: no such file {str(path)!r} (looked for {path.absolute()})")
+    digest = hashlib.blake2b(str(path.resolve()).encode(), digest_size=6).hexdigest()
+    name = f"_asyncrl_reward_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    sys.modules[name] = module  # before running it: dataclasses and pickle look modules up by name
+    try:
+        module.__spec__.loader.exec_module(module)
+    except Exception as e:  # any failure while running user code is a bad reward file
+        del sys.modules[name]
+        raise ValueError(f"reward {spec!r}: cannot import {str(path)!r}: {type(e).__name__}: {e}") from None
+    return module
+
+
+def _form(fn: Callable[..., Any], name: str) -> str:
+    """Which of :data:`FORMS` ``fn`` is written in, by its parameter names: verl's
+    when it names ``solution_str`` and ``ground_truth``, TRL's when it names
+    ``completions``, else this repo's when it takes two positional arguments.
+    ``ValueError`` naming ``fn`` and the forms when it cannot be called as any."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: no names to read; today's form, as before
+        return "text"
+    if {"solution_str", "ground_truth"} <= sig.parameters.keys():
+        form, probe = "verl", lambda: sig.bind(**dict.fromkeys(_verl_keywords(sig)))
+    elif "completions" in sig.parameters:  # other parameters may be dataset columns: only this one is known now
+        form, probe = "trl", lambda: sig.bind_partial(completions=[])
+    else:
+        form, probe = "text", lambda: sig.bind("", "")
+    try:
+        probe()
+    except TypeError:
+        forms = "; ".join(f"{k} {v}" for k, v in FORMS.items())
+        raise ValueError(f"reward {name!r}: its signature {sig} fits none of the accepted forms: {forms}") from None
+    return form
+
+
+def _takes_any_keyword(sig: inspect.Signature) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _verl_keywords(sig: inspect.Signature) -> tuple[str, ...]:
+    """What verl passes (all by keyword) that the function takes, so one written
+    without ``extra_info`` (verl's optional argument) works too."""
+    names = ("data_source", "solution_str", "ground_truth", "extra_info")
+    return names if _takes_any_keyword(sig) else tuple(k for k in names if k in sig.parameters)
+
+
+def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Response], Any]:
+    """``fn`` (written in ``form``) as the one internal call on a :class:`Response`."""
+    if form == "text":
+        return lambda r: fn(r.text, r.answer)
+    sig = inspect.signature(fn)
+    if form == "verl":
+        keywords = _verl_keywords(sig)
+
+        def verl(r: Response) -> Any:
+            given = {"data_source": r.fields.get("data_source"), "solution_str": r.text, "ground_truth": r.answer,
+                     "extra_info": r.fields.get("extra_info")}
+            score = fn(**{k: given[k] for k in keywords})
+            if isinstance(score, dict):  # verl's reward managers take result["score"] and log the rest
+                if "score" not in score:
+                    raise ValueError(f"reward {name!r} returned a dict without a 'score' key "
+                                     f"(keys: {', '.join(map(str, score))})")
+                score = score["score"]
+            return score
+
+        return verl
+    any_keyword = _takes_any_keyword(sig)
+
+    def trl(r: Response) -> Any:
+        completion = [{"role": "assistant", "content": r.text}] if isinstance(r.prompt, list) else r.text
+        # as TRL does: every column but the prompt and completion ones, as keyword lists (of one here)
+        kwargs = {k: [v] for k, v in r.fields.items() if k not in ("prompt", "completion", "completion_ids")}
+        kwargs.update(prompts=[r.prompt], completions=[completion], completion_ids=[list(r.ids)])
+        if not any_keyword:
+            kwargs = {k: v for k, v in kwargs.items() if k in sig.parameters}
+        scores = fn(**kwargs)
+        if not isinstance(scores, (list, tuple)) or len(scores) != 1:
+            raise ValueError(f"reward {name!r} returned {scores!r}; expected a list of one score per "
+                             "completion (here one)")
+        return 0.0 if scores[0] is None else scores[0]
+
+    return trl
 
 
 class TimedReward:
@@ -191,9 +360,9 @@ class TimedReward:
     threads are made only on timeouts. With ``max_stuck`` abandoned calls
     still running, further calls fail at once (``RuntimeError``) rather than
     pile up threads. A result that is not a finite number in [0, 1] raises
-    ``ValueError`` naming the function."""
+    ``ValueError`` naming the function. Calls pass their arguments to ``fn``."""
 
-    def __init__(self, fn: RewardFn, *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
+    def __init__(self, fn: Callable[..., Any], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
         if not timeout_s > 0:
             raise ValueError(f"reward {name!r}: timeout_s must be > 0, got {timeout_s}")
         self.fn, self.name, self.timeout_s, self.max_stuck = fn, name, timeout_s, max_stuck
@@ -202,7 +371,7 @@ class TimedReward:
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue | None = None
 
-    def __call__(self, text: str, answer: str) -> float:
+    def __call__(self, *args: Any) -> float:
         with self._lock:
             if self._num_stuck >= self.max_stuck:
                 raise RuntimeError(f"reward {self.name!r}: {self._num_stuck} calls still running after timing "
@@ -212,7 +381,7 @@ class TimedReward:
                 threading.Thread(target=self._work, args=(self._jobs,), name="reward-fn", daemon=True).start()
             jobs = self._jobs
         done: concurrent.futures.Future = concurrent.futures.Future()
-        jobs.put((done, text, answer))
+        jobs.put((done, args))
         try:
             value = done.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -226,7 +395,8 @@ class TimedReward:
             raise TimeoutError(f"reward {self.name!r} took longer than {self.timeout_s} s") from None
         if isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        # numbers.Real: numpy's float32 too, which verl-style functions often return
+        if not isinstance(value, numbers.Real) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
             raise ValueError(f"reward {self.name!r} returned {value!r}; expected a number in [0, 1]")
         return float(value)
 
@@ -235,11 +405,11 @@ class TimedReward:
             job = jobs.get()
             if job is None:
                 break
-            done, text, answer = job
+            done, args = job
             if not done.set_running_or_notify_cancel():
                 continue
             try:
-                done.set_result(self.fn(text, answer))
+                done.set_result(self.fn(*args))
             except Exception as e:  # delivered to the caller, who counts it
                 done.set_exception(e)
             except BaseException as e:  # SystemExit and the like must not end the caller

@@ -17,7 +17,9 @@ is decoded (special tokens skipped) and scored by a reward function on text
 (``policies.rewards``). They need the model directory for the tokenizer, which
 the composition root passes as ``make_task(..., model_path=...)``:
 
-    text_dataset     prompts and answers from a JSONL/Parquet file (``policies.datasets``)
+    text_dataset     prompts (text or chat messages) and answers from a JSONL/Parquet
+                     file, a ``datasets`` directory or rows passed from Python
+                     (``policies.datasets``)
     text_arithmetic  "What is 37 + 48? Answer with the number only." -> "85"
                      (generated, with a disjoint held-out split; no downloads)
 
@@ -35,12 +37,13 @@ import math
 import pathlib
 import random
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from policies.config import PolicyConfig
 from policies.datasets import ArithmeticProblems, Row, load_rows
-from policies.rewards import resolve_reward
+from policies.rewards import Response, resolve_reward
 
 __all__ = ["Prompt", "Task", "TextArithmetic", "TextDataset", "build_symbol_tokenizer", "make_task",
            "positional_reward", "register_task"]
@@ -289,29 +292,34 @@ class _TextTask(Task):
             raise ValueError(f"task {self.name!r}: the tokenizer of {str(model_path)!r} has no eos token "
                              "and no end-of-turn token; a response could never stop")
 
-    def render(self, texts: list[str]) -> list[list[int]]:
-        """Prompt token ids for each text. With the chat template: a user turn
-        (after a system turn when ``system_prompt`` is set) and the assistant's
-        generation prompt. Raw: the text (after ``system_prompt`` and a blank
-        line, when set), with the tokenizer's own special tokens (e.g. BOS)."""
-        if not texts:
+    def render(self, prompts: list[str | list[dict[str, Any]]]) -> list[list[int]]:
+        """Prompt token ids for each prompt: a text, or chat messages. With the chat
+        template: a text is a user turn, messages are taken as they are; a
+        ``system_prompt`` turn comes first (unless the messages open with a system
+        turn of their own), then the assistant's generation prompt. Raw: the text
+        (after ``system_prompt`` and a blank line, when set), with the tokenizer's
+        own special tokens (e.g. BOS); chat messages need the template."""
+        if not prompts:
             return []
         if self.chat_template:
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            chats = [p if isinstance(p, list) and p[0].get("role") == "system"
+                     else system + (p if isinstance(p, list) else [{"role": "user", "content": p}])
+                     for p in prompts]
             try:
-                rendered = [self.tokenizer.apply_chat_template(system + [{"role": "user", "content": t}],
-                                                               tokenize=False, add_generation_prompt=True)
-                            for t in texts]
+                rendered = [self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                            for chat in chats]
             except Exception as e:  # a template may refuse e.g. a system turn (jinja raise_exception)
                 raise ValueError(f"task {self.name!r}: the tokenizer's chat template cannot render a prompt"
                                  f"{' with a system_prompt' if system else ''}: {type(e).__name__}: {e}") from None
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         prefix = self.system_prompt + "\n\n" if self.system_prompt else ""
-        return self.tokenizer([prefix + t for t in texts])["input_ids"]
+        return self.tokenizer([prefix + t for t in prompts])["input_ids"]
 
     def prompts(self, rows: list[Row]) -> list[Prompt]:
-        """``rows`` as prompts, the answer in ``meta["answer"]``."""
-        return [Prompt(prompt_ids=list(ids), meta={"answer": row.answer})
+        """``rows`` as prompts: the answer in ``meta["answer"]``, where the row was
+        read in ``meta["row"]`` (the reward finds the row's other fields by it)."""
+        return [Prompt(prompt_ids=list(ids), meta={"answer": row.answer, "row": row.where})
                 for row, ids in zip(rows, self.render([row.prompt for row in rows]))]
 
     def decode(self, response_ids: list[int]) -> str:
@@ -323,21 +331,33 @@ class _TextTask(Task):
                 break
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def row(self, meta: dict[str, str]) -> Row | None:
+        """The row a prompt came from, by its ``meta``; None when rows are not kept."""
+        return None
+
     def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
-        return float(self.score(self.decode(response_ids), meta["answer"]))
+        row = self.row(meta)
+        response = Response(text=self.decode(response_ids), answer=meta["answer"], ids=list(response_ids),
+                            prompt=row.prompt if row else "", fields=row.fields if row else {})
+        return float(self.score(response))
 
 
 class TextDataset(_TextTask):
-    """Prompts and ground-truth answers read from a file.
+    """Prompts and ground-truth answers read from a file or a dataset.
 
-    ``path`` / ``eval_path``: JSONL or Parquet files (a run resolves a relative
-    one against the config file's directory, then the current one) with a
-    ``prompt_field`` and an ``answer_field`` (see ``policies.datasets``);
-    ``eval_path`` (optional) holds the held-out rows ``eval_prompts`` serves,
-    first rows first. Training draws rows uniformly, with replacement, using
-    only the policy's rng. ``reward``: ``exact_match``, ``math`` or
-    ``package.module:function``. ``chat_template``: render with the tokenizer's
-    chat template (an error when it has none: set it false for raw text).
+    ``path`` / ``eval_path``: JSONL or Parquet files or ``datasets`` save_to_disk
+    directories (a run resolves a relative one against the config file's
+    directory, then the current one); or, from Python, ``data`` / ``eval_data``:
+    a ``datasets.Dataset`` or a list of dicts. Each row has a ``prompt_field``
+    (text or chat messages) and an ``answer_field``, dotted paths into nested
+    records allowed (see ``policies.datasets``); ``eval_path`` (optional) holds
+    the held-out rows ``eval_prompts`` serves, first rows first. Training draws
+    rows uniformly, with replacement, using only the policy's rng. ``reward``:
+    ``exact_match``, ``math``, ``package.module:function`` or ``file.py:function``
+    in any of the forms of ``policies.rewards`` (verl's and TRL's get the row's
+    other columns). ``chat_template``: render with the tokenizer's chat template
+    (an error when it has none: set it false for raw text; chat-message prompts
+    need it).
     ``max_prompt_tokens`` (0 = no limit): a row whose rendered prompt is longer
     is refused at load, counted in ``num_refused`` and logged with its
     ``file:line``; a file whose every row is refused is an error.
@@ -345,24 +365,41 @@ class TextDataset(_TextTask):
 
     name = "text_dataset"
 
-    def __init__(self, tokenizer=None, *, path: str, model_path: str | None = None, eval_path: str = "",
-                 prompt_field: str = "prompt", answer_field: str = "answer", chat_template: bool = True,
-                 system_prompt: str = "", reward: str = "math", max_prompt_tokens: int = 0,
-                 reward_timeout_s: float | None = None) -> None:
+    def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
+                 data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
+                 chat_template: bool = True, system_prompt: str = "", reward: str = "math",
+                 max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
-                     answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int))
+                     answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int),
+                     chat_template=(chat_template, bool))
         if max_prompt_tokens < 0:
             raise ValueError(f"task {self.name!r}: max_prompt_tokens must be >= 0 (0 = no limit), "
                              f"got {max_prompt_tokens}")
+        if bool(path) == (data is not None) or (eval_path and eval_data is not None):
+            raise ValueError(f"task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
+                             "or data (a datasets.Dataset or a list of dicts, from Python), and at most one of "
+                             "eval_path and eval_data")
         fields = {"prompt_field": prompt_field, "answer_field": answer_field}
-        train_rows = load_rows(path, **fields)  # bad data fails before the tokenizer load
-        eval_rows = load_rows(eval_path, **fields) if eval_path else []
+        # bad data fails before the tokenizer load
+        train_rows = load_rows(path, **fields) if path else load_rows(data, **fields, name="data")
+        eval_rows = (load_rows(eval_path, **fields) if eval_path else
+                     load_rows(eval_data, **fields, name="eval_data") if eval_data is not None else [])
+        chat = next((row for row in train_rows + eval_rows if isinstance(row.prompt, list)), None)
+        if chat is not None and not chat_template:
+            raise ValueError(f"task {self.name!r}: {chat.where}: the prompt is chat messages, which only a chat "
+                             "template can render: set task.kwargs.chat_template=true")
         super().__init__(tokenizer, model_path=model_path, chat_template=chat_template,
                          system_prompt=system_prompt, reward=reward, reward_timeout_s=reward_timeout_s)
-        self.path, self.eval_path, self.max_prompt_tokens = path, eval_path, max_prompt_tokens
+        self.path = path or "data"
+        self.eval_path = eval_path or ("eval_data" if eval_data is not None else "")
+        self.max_prompt_tokens = max_prompt_tokens
         self.num_refused: dict[str, int] = {}
-        self._train = self._admit("train", path, train_rows)
-        self._eval = self._admit("eval", eval_path, eval_rows) if eval_rows else []
+        self._rows = {row.where: row for row in train_rows + eval_rows}  # what a reward may read of its row
+        self._train = self._admit("train", self.path, train_rows)
+        self._eval = self._admit("eval", self.eval_path, eval_rows) if eval_rows else []
+
+    def row(self, meta: dict[str, str]) -> Row | None:
+        return self._rows.get(meta.get("row", ""))
 
     def _admit(self, split: str, path: str, rows: list[Row]) -> list[Prompt]:
         prompts = self.prompts(rows)

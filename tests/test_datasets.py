@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from policies.datasets import ArithmeticProblems, Row, load_rows
+from policies.datasets import ArithmeticProblems, load_rows
 from tests.extras import needs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,9 +20,10 @@ def test_jsonl_rows_load_in_order_with_numbers_as_text_and_blank_lines_ignored(t
     path = _write(tmp_path / "d.jsonl", '{"prompt": "What is 1 + 1?", "answer": "2", "id": 7}', "",
                   '{"prompt": "What is 2 * 3?", "answer": 6}', '{"prompt": "Half?", "answer": 0.5}')
     rows = load_rows(path)
-    assert rows == [Row(prompt="What is 1 + 1?", answer="2", where=f"{path}:1"),
-                    Row(prompt="What is 2 * 3?", answer="6", where=f"{path}:3"),
-                    Row(prompt="Half?", answer="0.5", where=f"{path}:4")]
+    assert [(r.prompt, r.answer, r.where) for r in rows] == [("What is 1 + 1?", "2", f"{path}:1"),
+                                                            ("What is 2 * 3?", "6", f"{path}:3"),
+                                                            ("Half?", "0.5", f"{path}:4")]
+    assert rows[0].fields == {"prompt": "What is 1 + 1?", "answer": "2", "id": 7}  # every column, for rewards
 
 
 def test_field_names_are_configurable(tmp_path):
@@ -50,8 +51,11 @@ def test_an_empty_file_is_an_error_naming_it(tmp_path, content):
     ('["q", "a"]', r"bad\.jsonl:2: expected a JSON object with fields 'prompt' and 'answer', got a list"),
     ('{"prompt": "q"}', r"bad\.jsonl:2: missing field 'answer' \(fields: prompt\)"),
     ('{"answer": "a"}', r"bad\.jsonl:2: missing field 'prompt'"),
-    ('{"prompt": 12, "answer": "a"}', r"bad\.jsonl:2: field 'prompt' must be a string, got a number"),
-    ('{"prompt": ["hi"], "answer": "a"}', r"bad\.jsonl:2: field 'prompt' must be a string, got a list"),
+    ('{"prompt": 12, "answer": "a"}', r"bad\.jsonl:2: field 'prompt' must be a string or a list of chat messages, "
+                                      "got a number"),
+    ('{"prompt": ["hi"], "answer": "a"}', r"bad\.jsonl:2: field 'prompt': message 0 must be an object with a "
+                                          "string 'role' and a string 'content', got 'hi'"),
+    ('{"prompt": [], "answer": "a"}', r"bad\.jsonl:2: field 'prompt' is an empty list of chat messages"),
     ('{"prompt": "q", "answer": null}', r"bad\.jsonl:2: field 'answer' must be a string or a number, got null"),
     ('{"prompt": "q", "answer": true}', r"bad\.jsonl:2: field 'answer' must be a string or a number, got a boolean"),
     ('{"prompt": "  ", "answer": "a"}', r"bad\.jsonl:2: field 'prompt' is empty"),
@@ -89,7 +93,8 @@ def test_parquet_rows_load_and_a_bad_row_is_named(tmp_path):
     assert load_rows(good)[1].where == f"{good}:row 2"
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"prompt": ["a", None], "answer": ["1", "2"]}), bad)
-    with pytest.raises(ValueError, match=r"bad\.parquet:row 2: field 'prompt' must be a string, got null"):
+    with pytest.raises(ValueError, match=r"bad\.parquet:row 2: field 'prompt' must be a string or a list of chat "
+                                         "messages, got null"):
         load_rows(bad)
     nocol = tmp_path / "nocol.parquet"
     pq.write_table(pa.table({"question": ["a"], "answer": ["1"]}), nocol)
@@ -99,6 +104,88 @@ def test_parquet_rows_load_and_a_bad_row_is_named(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
     with pytest.raises(ValueError, match="the file has no rows"):
         load_rows(empty)
+
+
+# --- chat messages, nested fields, datasets -----------------------------------------------------
+
+VERL_ROW = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": "5"},
+            "extra_info": {"split": "train", "index": 0}}
+
+
+def test_a_prompt_may_be_chat_messages_and_fields_dotted_paths_into_nested_records(tmp_path):
+    path = _write(tmp_path / "verl.jsonl", json.dumps(VERL_ROW))
+    [row] = load_rows(path, answer_field="reward_model.ground_truth")
+    assert row.prompt == VERL_ROW["prompt"] and row.answer == "5" and row.fields == VERL_ROW
+    flat = _write(tmp_path / "flat.jsonl", '{"prompt": "q", "a.b": "flat", "a": {"b": "nested"}}')
+    assert load_rows(flat, answer_field="a.b")[0].answer == "flat"  # a key holding the dots is taken first
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"prompt": "q", "reward_model": {"style": "rule"}},
+     r"d\.jsonl:2: missing field 'reward_model\.ground_truth' \(no 'ground_truth' in 'reward_model'; it has: style\)"),
+    ({"prompt": "q", "reward_model": "5"},
+     r"d\.jsonl:2: missing field 'reward_model\.ground_truth' \(no 'ground_truth' in 'reward_model'; it is a string\)"),
+    ({"prompt": "q"}, r"d\.jsonl:2: missing field 'reward_model\.ground_truth' \(fields: prompt\)"),
+])
+def test_a_nested_path_missing_in_a_row_names_the_file_the_row_and_the_path(tmp_path, record, message):
+    path = _write(tmp_path / "d.jsonl", json.dumps(VERL_ROW), json.dumps(record))
+    with pytest.raises(ValueError, match=message) as err:
+        load_rows(path, answer_field="reward_model.ground_truth")
+    assert "\n" not in str(err.value)
+
+
+def test_verl_parquet_rows_load_with_their_nested_columns(tmp_path):
+    pa = needs("pyarrow", "parquet")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([VERL_ROW, {**VERL_ROW, "reward_model": {"style": "rule",
+                                                                               "ground_truth": None}}]), path)
+    with pytest.raises(ValueError, match=r"train\.parquet:row 2: field 'reward_model\.ground_truth' must be a "
+                                         "string or a number, got null"):
+        load_rows(path, answer_field="reward_model.ground_truth")
+    pq.write_table(pa.Table.from_pylist([VERL_ROW]), path)
+    [row] = load_rows(path, answer_field="reward_model.ground_truth")
+    assert (row.prompt, row.answer, row.where) == (VERL_ROW["prompt"], "5", f"{path}:row 1")
+    assert row.fields["extra_info"] == {"split": "train", "index": 0}
+    with pytest.raises(ValueError, match=r"no column 'solution\.value' \(columns: data_source, prompt, ability"):
+        load_rows(path, answer_field="solution.value")
+
+
+def test_rows_come_from_a_list_of_dicts_a_dataset_or_its_save_to_disk_directory(tmp_path):
+    records = [{"prompt": [{"role": "user", "content": "2 + 3?"}], "solution": "5"},
+               {"prompt": [{"role": "user", "content": "1 + 1?"}], "solution": 2}]
+    rows = load_rows(records, answer_field="solution")
+    assert [(r.answer, r.where) for r in rows] == [("5", "data:row 1"), ("2", "data:row 2")]
+    with pytest.raises(ValueError, match=r"eval_data:row 2: missing field 'solution'"):
+        load_rows([records[0], {"prompt": "q"}], answer_field="solution", name="eval_data")
+    with pytest.raises(ValueError, match="dataset 'data': no rows"):
+        load_rows([])
+    datasets = needs("datasets", "datasets")
+    ds = datasets.Dataset.from_list([{**r, "solution": str(r["solution"])} for r in records])
+    assert [r.answer for r in load_rows(ds, answer_field="solution")] == ["5", "2"]
+    with pytest.raises(ValueError, match=r"dataset 'data': no column 'answer' \(columns: prompt, solution\)"):
+        load_rows(ds)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    rows = load_rows(tmp_path / "ds", answer_field="solution")
+    assert [(r.prompt, r.answer) for r in rows] == [(records[0]["prompt"], "5"), (records[1]["prompt"], "2")]
+    assert rows[0].where == f"{tmp_path / 'ds'}:row 1"
+    splits = datasets.DatasetDict({"train": ds, "test": ds})
+    splits.save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"holds the splits train, test: give one split's directory, "
+                                         r"e\.g\. '.*splits/train'"):
+        load_rows(tmp_path / "splits")
+    with pytest.raises(ValueError, match=r"is a mapping \(train, test\), not rows: give one split"):
+        load_rows(splits)
+
+
+def test_a_datasets_directory_without_the_package_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "ds").mkdir()
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ValueError, match=r"needs the datasets package \(install the optional extra: "
+                                         r"pip install -e \"\.\[datasets\]\"\)"):
+        load_rows(tmp_path / "ds")
 
 
 # --- the built-in arithmetic generator --------------------------------------------------------

@@ -4,7 +4,12 @@ from fractions import Fraction
 
 import pytest
 
-from policies.rewards import TimedReward, exact_match, extract_final_answer, math_answer, parse_number, resolve_reward
+from policies.rewards import (FORMS, Response, TimedReward, anchor_reward_spec, exact_match, extract_final_answer,
+                              math_answer, parse_number, resolve_reward, reward_form)
+
+
+def R(text: str, answer: str = "", **kw) -> Response:  # noqa: N802 - reads as the call it stands for
+    return Response(text=text, answer=answer, **kw)
 
 # --- user reward functions, imported by path ("tests.test_rewards:...") -----------------------
 
@@ -113,20 +118,127 @@ def test_math_answer_is_fast_on_long_adversarial_text():
 # --- user functions by import path ------------------------------------------------------------
 
 
-def test_builtin_names_resolve_to_the_builtin_functions():
-    assert resolve_reward("math", timeout_s=1) is math_answer
-    assert resolve_reward("exact_match", timeout_s=1) is exact_match
+def test_builtin_names_resolve_to_the_builtin_functions_unwrapped():
+    math = resolve_reward("math", timeout_s=1)
+    assert not isinstance(math, TimedReward) and math(R("so \\boxed{0.5}", "1/2")) == 1.0
+    assert resolve_reward("exact_match", timeout_s=1)(R("Paris.", "Paris")) == 1.0
+    assert reward_form("math") == "text"
 
 
 def test_a_user_function_is_imported_by_path_and_wrapped_with_a_timeout():
     fn = resolve_reward("tests.test_rewards:always_one", timeout_s=1.0)
     assert isinstance(fn, TimedReward) and fn.timeout_s == 1.0
-    assert fn("x", "y") == 1.0
-    assert resolve_reward("tests.test_rewards:Graders.length", timeout_s=1.0)("hello", "") == 0.5
+    assert fn(R("x", "y")) == 1.0
+    assert resolve_reward("tests.test_rewards:Graders.length", timeout_s=1.0)(R("hello")) == 0.5
+
+
+# --- the three forms: this repo's, verl's, TRL's ---------------------------------------------------
+
+ROW = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2 + 3?"}], "solution": "5",
+       "reward_model": {"ground_truth": "5"}, "extra_info": {"index": 7}}
+SEEN: list = []
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    SEEN.append((data_source, solution_str, ground_truth, extra_info))
+    return {"score": float(solution_str.strip() == ground_truth), "acc": True} if extra_info else 0.25
+
+
+def verl_without_extra_info(data_source, solution_str, ground_truth):
+    return 1.0
+
+
+def verl_without_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+
+def trl_reward(completions, **kwargs):
+    SEEN.append((completions, kwargs))
+    return [None if kwargs["solution"][0] == "n/a" else 1.0 for _ in completions]
+
+
+def trl_named_columns(completions, solution):  # no **kwargs: gets only what it names
+    return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
+
+
+def trl_two_scores(completions, **kwargs):
+    return [1.0, 1.0]
+
+
+def three_positional(completion, answer, prompt):
+    return 1.0
+
+
+def text_with_keywords(text, answer, **kwargs):
+    return 1.0
+
+
+@pytest.mark.parametrize(("name", "form"), [
+    ("always_one", "text"), ("text_with_keywords", "text"), ("compute_score", "verl"),
+    ("verl_without_extra_info", "verl"), ("trl_reward", "trl"), ("trl_named_columns", "trl"),
+])
+def test_the_form_of_a_reward_function_is_told_by_its_parameter_names(name, form):
+    assert reward_form(f"tests.test_rewards:{name}") == form
+
+
+def test_a_signature_that_fits_no_form_is_refused_naming_the_function_and_the_forms():
+    with pytest.raises(ValueError) as err:
+        reward_form("tests.test_rewards:three_positional")
+    message = str(err.value)
+    assert message.startswith("reward 'tests.test_rewards:three_positional': its signature "
+                              "(completion, answer, prompt) fits none of the accepted forms: ")
+    assert all(f"{k} {v}" in message for k, v in FORMS.items()) and "\n" not in message
+    with pytest.raises(ValueError, match="fits none of the accepted forms"):
+        resolve_reward("tests.test_rewards:three_positional", timeout_s=1.0)
+
+
+def test_a_verl_compute_score_gets_the_row_s_data_source_and_extra_info_and_may_return_a_dict():
+    SEEN.clear()
+    fn = resolve_reward("tests.test_rewards:compute_score", timeout_s=1.0)
+    assert fn(R(" 5", "5", fields=ROW)) == 1.0  # a dict: its "score"
+    assert SEEN == [("gsm8k", " 5", "5", {"index": 7})]
+    assert fn(R("5", "5", fields={})) == 0.25  # no such columns: None, as verl's own defaults
+    assert resolve_reward("tests.test_rewards:verl_without_extra_info", timeout_s=1.0)(R("5", "5", fields=ROW)) == 1.0
+    with pytest.raises(ValueError, match=r"returned a dict without a 'score' key \(keys: acc\)"):
+        resolve_reward("tests.test_rewards:verl_without_score", timeout_s=1.0)(R("5", "5", fields=ROW))
+
+
+def test_a_trl_reward_gets_lists_of_one_with_the_row_s_columns_and_none_scores_zero():
+    SEEN.clear()
+    fn = resolve_reward("tests.test_rewards:trl_reward", timeout_s=1.0)
+    assert fn(R("5", "5", prompt=ROW["prompt"], ids=[3, 9], fields=ROW)) == 1.0
+    [(completions, kwargs)] = SEEN
+    assert completions == [[{"role": "assistant", "content": "5"}]]  # conversational, as the prompt is
+    assert kwargs == {"prompts": [ROW["prompt"]], "completion_ids": [[3, 9]], "data_source": ["gsm8k"],
+                      "solution": ["5"], "reward_model": [{"ground_truth": "5"}], "extra_info": [{"index": 7}]}
+    SEEN.clear()
+    assert fn(R("5", "5", prompt="2 + 3?", fields={"prompt": "2 + 3?", "solution": "n/a"})) == 0.0
+    assert SEEN[0][0] == ["5"]  # a text prompt: text completions
+    named = resolve_reward("tests.test_rewards:trl_named_columns", timeout_s=1.0)
+    assert named(R("5", prompt=ROW["prompt"], fields=ROW)) == 1.0
+    with pytest.raises(ValueError, match=r"returned \[1\.0, 1\.0\]; expected a list of one score per completion"):
+        resolve_reward("tests.test_rewards:trl_two_scores", timeout_s=1.0)(R("5", fields=ROW))
+
+
+def test_a_reward_may_be_named_by_its_file_relative_to_the_config_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, "
+                                           "extra_info=None):\n    return float(solution_str == ground_truth)\n")
+    spec = anchor_reward_spec("my_reward.py:compute_score", str(tmp_path))
+    assert spec == f"{tmp_path / 'my_reward.py'}:compute_score"
+    assert anchor_reward_spec("pkg.mod:fn", str(tmp_path)) == "pkg.mod:fn"
+    assert resolve_reward(spec, timeout_s=1.0)(R("5", "5")) == 1.0 and reward_form(spec) == "verl"
+    with pytest.raises(ValueError, match=r"reward '.*nope\.py:f': no such file"):
+        resolve_reward(str(tmp_path / "nope.py:f"), timeout_s=1.0)
+    (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    with pytest.raises(ValueError, match=r"cannot import '.*broken\.py': ModuleNotFoundError"):
+        resolve_reward(str(tmp_path / "broken.py:f"), timeout_s=1.0)
+    with pytest.raises(ValueError, match=r"file '.*my_reward\.py' has no attribute 'other'"):
+        resolve_reward(f"{tmp_path / 'my_reward.py'}:other", timeout_s=1.0)
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("nonsense", r"reward 'nonsense': expected one of exact_match, math or an import path"),
+    ("nonsense", r"reward 'nonsense': expected one of exact_match, math, an import path 'package\.module:function' "
+                 r"or a file 'path/to/file\.py:function'"),
     ("pkg.mod:", "import path"),
     ("no_such_module_xyz:fn", r"reward 'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
     ("tests.test_rewards:missing", r"module 'tests.test_rewards' has no attribute 'missing'"),
@@ -148,16 +260,18 @@ def test_a_user_function_that_raises_or_returns_out_of_range_raises_to_its_calle
     with pytest.raises(ValueError, match="returned nan"):
         TimedReward(lambda t, a: float("nan"), name="nan", timeout_s=1.0)("a", "b")
     assert TimedReward(lambda t, a: True, name="bool", timeout_s=1.0)("a", "b") == 1.0
+    np = pytest.importorskip("numpy")
+    assert TimedReward(lambda: np.float32(0.5), name="np", timeout_s=1.0)() == 0.5  # verl functions return these
 
 
 def test_a_hanging_user_function_times_out_without_holding_its_caller(release):
     fn = resolve_reward("tests.test_rewards:hangs_on_request", timeout_s=0.2)
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"reward 'tests.test_rewards:hangs_on_request' took longer than 0.2 s"):
-        fn("hang", "")
+        fn(R("hang"))
     assert 0.2 <= time.perf_counter() - t0 < 1.0
     t0 = time.perf_counter()
-    assert fn("fine", "") == 0.5  # a fresh thread: not queued behind the hung call
+    assert fn(R("fine")) == 0.5  # a fresh thread: not queued behind the hung call
     assert time.perf_counter() - t0 < 0.15
     assert fn.num_timeouts == 1
 

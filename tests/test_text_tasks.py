@@ -85,7 +85,7 @@ def test_a_dataset_task_built_from_the_model_directory_renders_prompts_with_the_
                                                    for line in pathlib.Path(TRAIN).read_text().splitlines()}
     rendered = task.tokenizer.decode(task._train[0].prompt_ids)
     assert rendered == f"<|im_start|>user\n{first['prompt']}<|im_end|>\n<|im_start|>assistant\n"
-    assert task._train[0].meta == {"answer": first["answer"]}
+    assert task._train[0].meta == {"answer": first["answer"], "row": f"{TRAIN}:1"}  # the reward finds its row by it
     assert task.sample_prompts(random.Random(3), 5) == task.sample_prompts(random.Random(3), 5)
 
 
@@ -134,6 +134,58 @@ def test_exact_match_and_user_rewards_are_chosen_by_name(tok):
     assert user.reward({"answer": "x"}, ids(tok, "anything")) == 1.0
     with pytest.raises(ValueError, match="reward 'tests.test_text_tasks:nope'.*no attribute 'nope'"):
         TextDataset(tok, path=TRAIN, reward="tests.test_text_tasks:nope")
+
+
+# --- chat-message prompts, rows from Python, verl and TRL rewards ------------------------------
+
+CHAT_ROWS = [{"data_source": "toy", "prompt": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "2 + 3?"}],
+              "reward_model": {"ground_truth": "5"}, "extra_info": {"index": 0}},
+             {"data_source": "toy", "prompt": [{"role": "user", "content": "1 + 1?"}],
+              "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 1}}]
+SCORED: list = []
+
+
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    SCORED.append((data_source, solution_str, ground_truth, extra_info))
+    return {"score": float(solution_str == ground_truth)}
+
+
+def trl_score(completions, prompts, **kwargs):
+    SCORED.append((completions, prompts, kwargs["extra_info"]))
+    return [float(c[0]["content"] == "5") for c in completions]
+
+
+def test_chat_message_prompts_render_as_they_are_with_a_system_prompt_only_when_they_have_none(tok):
+    task = TextDataset(tok, data=CHAT_ROWS, answer_field="reward_model.ground_truth", system_prompt="Think.")
+    assert [tok.decode(p.prompt_ids) for p in task._train] == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 + 3?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>system\nThink.<|im_end|>\n<|im_start|>user\n1 + 1?<|im_end|>\n<|im_start|>assistant\n"]
+    assert [p.meta for p in task._train] == [{"answer": "5", "row": "data:row 1"}, {"answer": "2", "row": "data:row 2"}]
+    with pytest.raises(ValueError, match=r"data:row 1: the prompt is chat messages, which only a chat template can "
+                                         r"render: set task.kwargs.chat_template=true"):
+        TextDataset(tok, data=CHAT_ROWS, answer_field="reward_model.ground_truth", chat_template=False)
+
+
+def test_verl_and_trl_rewards_see_the_row_their_prompt_came_from(tok):
+    SCORED.clear()
+    verl = TextDataset(tok, data=CHAT_ROWS, eval_data=CHAT_ROWS[1:], answer_field="reward_model.ground_truth",
+                       reward="tests.test_text_tasks:verl_score")
+    first, held = verl._train[0], verl.eval_prompts(1)[0]
+    assert verl.reward(first.meta, ids(tok, "5") + [tok.eos_token_id]) == 1.0
+    assert verl.reward(held.meta, ids(tok, "5")) == 0.0
+    assert SCORED == [("toy", "5", "5", {"index": 0}), ("toy", "5", "2", {"index": 1})]
+    SCORED.clear()
+    trl = TextDataset(tok, data=CHAT_ROWS, answer_field="reward_model.ground_truth",
+                      reward="tests.test_text_tasks:trl_score")
+    assert trl.reward(trl._train[1].meta, ids(tok, "5")) == 1.0
+    assert SCORED == [([[{"role": "assistant", "content": "5"}]], [CHAT_ROWS[1]["prompt"]], [{"index": 1}])]
+
+
+def test_a_dataset_task_needs_exactly_one_source_of_rows(tok):
+    for kwargs in ({}, {"path": TRAIN, "data": CHAT_ROWS}, {"data": CHAT_ROWS, "eval_path": EVAL, "eval_data": []}):
+        with pytest.raises(ValueError, match="needs one source of rows: path .* or data"):
+            TextDataset(tok, answer_field="reward_model.ground_truth", **kwargs)
 
 
 # --- held-out prompts -------------------------------------------------------------------------
