@@ -85,6 +85,10 @@ class RunConfig(_Section):
     watchdog_s: Annotated[float, Meta(ge=0)] = 1800.0
     """A trainer step that does not finish within this many seconds stops the run
     with ``NoProgressError``, saying what each part was waiting on (0 = never)."""
+    stop_grace_s: Annotated[float, Meta(gt=0)] = 30.0
+    """The command line, on SIGTERM / SIGINT: how long to wait for the step in
+    progress to finish (then a checkpoint, exit 128 + the signal) before it stops
+    without them."""
     checkpoint_every: NonNegInt = 0
     """Write a run checkpoint every this many trainer steps (0 = never; the command
     line also writes one when stopped by SIGTERM or SIGINT). A run checkpoint
@@ -449,7 +453,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # and where its actors are placed. Everything else is what the checkpoint was made
 # of (model, task, batch shape, schedule, queue, sync): changing it would resume
 # a different run.
-RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.checkpoint_every",
+RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
                   "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s",
                   "rollout.max_respawns")

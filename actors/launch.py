@@ -22,7 +22,8 @@ Inside an existing Ray cluster: ``runtime.type=ray runtime.address=auto``
 Checkpoints (``actors/checkpoint.py`` has the format): every ``run.checkpoint_every``
 steps and, from the command line, on SIGTERM / SIGINT (the step in progress
 finishes, a checkpoint is written, the process exits with 128 + the signal's
-number and one line naming it; a second signal stops at once, without one). A
+number and one line naming it; a second signal, or no step boundary within
+``run.stop_grace_s``, stops at once, without one: :class:`_StopOnSignals`). A
 checkpoint is taken between steps: weight push finished, no batch leased.
 Samples still being generated then are not saved: a run resumed from it counts
 them dropped, ``in_flight_at_checkpoint`` (``PolicyBase.state_dict``). Resuming
@@ -40,11 +41,13 @@ import asyncio
 import functools
 import itertools
 import json
+import logging
 import os
 import pathlib
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -92,6 +95,7 @@ class Run:
         self._train_call: _TrainCall | None = None  # the train call in progress (interrupt stops it)
         self._closed = False
         self._discarded = False  # setup failed: no summary, the run directory removed
+        self.stop_reason: str | None = None  # the line a run stopped early with, kept in summary.json
         self.runtime: Any = None
         self.policy: Any = None
         self.queue: Any = None
@@ -573,7 +577,8 @@ class Run:
             call = self._train_call
             if call is not None and call.task is not None:  # its caller went away: it ends after its step
                 call.interrupt()
-                if not (await asyncio.wait([call.task], timeout=_CLOSE_TRAIN_WAIT_S))[0]:
+                wait_s = 0 if self.stop_reason else _CLOSE_TRAIN_WAIT_S  # stopped early: no step to wait for
+                if not (await asyncio.wait([call.task], timeout=wait_s))[0]:
                     call.task.cancel()
                 await asyncio.gather(call.task, return_exceptions=True)
             if self.policy is not None:
@@ -589,7 +594,8 @@ class Run:
             if self._metrics_file is not None:
                 self._metrics_file.close()
             if not self._discarded:
-                (self.dir / "summary.json").write_text(json.dumps(self.summary(), indent=1))
+                stopped = {"stopped": self.stop_reason} if self.stop_reason else {}
+                (self.dir / "summary.json").write_text(json.dumps({**self.summary(), **stopped}, indent=1))
 
     def __enter__(self) -> Run:
         return self
@@ -727,25 +733,75 @@ def _resume_hint(run: Run) -> str:
             else f"no checkpoint yet (run.checkpoint_every={every})")
 
 
+class _StopNow(KeyboardInterrupt):
+    """Stop at once, without a checkpoint: a second signal, the first one during
+    setup, or no step boundary within ``run.stop_grace_s`` of the first. A
+    KeyboardInterrupt, which the event loop lets out of a signal handler it runs."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} {why}, without a checkpoint")
+        self.signum = signum
+
+
 class _StopOnSignals:
-    """SIGTERM / SIGINT ask the run to stop after its step (with a checkpoint);
-    a second one stops it at once (KeyboardInterrupt). Handlers restored on exit."""
+    """SIGTERM / SIGINT on the command line. The first is acknowledged on stderr at
+    once and asks the run to stop after the step in progress, with a checkpoint
+    (:class:`RunStopped`), or, during setup, once it is set up, before any step; a
+    second one, or no such boundary within ``grace_s``, stops it at once
+    (:class:`_StopNow`). While the run closes a signal ends the process. Handlers
+    restored on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.run: Run | None = None  # set once the run is set up
+        self.closing = False
+        self.first: int | None = None  # the first signal's number
+        self._expired = False
+        self._timer: threading.Timer | None = None
         self._old: dict[int, Any] = {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.run._stop_signal is not None:
-            raise KeyboardInterrupt
-        self.run.request_stop(signum)
+    @staticmethod
+    def _say(line: str) -> None:
+        os.write(2, (line + "\n").encode())  # not print(): the handler may interrupt a write to stderr
 
-    def __enter__(self) -> None:
+    def _expire(self) -> None:  # on the timer's thread: the handler runs on the main thread, as for a signal
+        import _thread  # noqa: PLC0415 - the one use
+
+        self._expired = True
+        _thread.interrupt_main(self.first)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.closing:
+            self._say(f"stopped by {name} while closing")
+            os._exit(128 + signum)
+        if self.first is not None:
+            raise _StopNow(self.first, f"(no step boundary within {self.grace_s:g} s, run.stop_grace_s)"
+                           if self._expired else f"and then {name} again")
+        self.first = signum
+        when = ("once the run is set up, before its first step" if self.run is None
+                else f"after step {self.run.policy.step + 1} with a checkpoint")
+        self._say(f"{name}: stopping {when} (within {self.grace_s:g} s, run.stop_grace_s; {name} again stops at once)")
+        if self.run is not None:
+            self.run.request_stop(signum)
+        self._timer = threading.Timer(self.grace_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def close(self) -> None:
+        """The run closes now: no more waiting for a step; a signal ends the process."""
+        self.closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def __enter__(self) -> _StopOnSignals:
         self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
         for s, handler in self._old.items():
             signal.signal(s, handler)
 
@@ -753,8 +809,10 @@ class _StopOnSignals:
 def main(argv: list[str] | None = None) -> int:
     """The command line: 0 after a run, 2 when the config or the setup is wrong (no
     run directory is left behind), 1 when the run stops with an error, 128 + the
-    signal's number when SIGTERM / SIGINT stopped it (after a checkpoint)."""
+    signal's number when SIGTERM / SIGINT stopped it (with a checkpoint when the
+    step in progress finished in time). Each stop is one line on stderr."""
     from policies.base import ActorLostError, NoProgressError
+    from policies.reward_guard import RewardsFailing
     from sync.errors import SyncFailed
 
     parser = _parser()
@@ -778,24 +836,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    try:
-        run = Run(cfg, resume=ckpt)
-    except Exception as err:  # noqa: BLE001 - the command line's boundary: one line, not a traceback
-        _error(err, args.traceback)
-        return 2
-    with run, _StopOnSignals(run):
+    with _StopOnSignals(cfg.run.stop_grace_s) as signals:
         try:
-            run.train(args.steps)
-        except RunStopped as err:
+            run = Run(cfg, resume=ckpt)
+        except _StopNow as err:
             print(str(err), file=sys.stderr)
             return 128 + err.signum
-        except (NoProgressError, ActorLostError, SyncFailed) as err:  # one line, as the others
-            _error(err, args.traceback, _resume_hint(run))
-            return 1
-        except KeyboardInterrupt:
-            last = f"; the last checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
-            print(f"stopped by a second signal without a checkpoint{last}", file=sys.stderr)
-            return 128 + signal.SIGINT
+        except Exception as err:  # noqa: BLE001 - the command line's boundary: one line, not a traceback
+            _error(err, args.traceback)
+            return 2
+        signals.run = run
+        try:
+            with run:
+                try:
+                    if signals.first is not None:  # during setup: no step is started
+                        raise _StopNow(signals.first, "during setup")
+                    run.train(args.steps)
+                except RunStopped as err:
+                    print(str(err), file=sys.stderr)
+                    run.stop_reason = str(err)
+                    return 128 + err.signum
+                except _StopNow as err:
+                    logging.getLogger("asyncio").disabled = True  # the tasks it abandons: no "never retrieved"
+                    last = f"; the last checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
+                    print(f"{err}{last}", file=sys.stderr)
+                    run.stop_reason = str(err)
+                    return 128 + err.signum
+                except (NoProgressError, ActorLostError, SyncFailed, RewardsFailing) as err:  # one line, as the others
+                    _error(err, args.traceback, _resume_hint(run))
+                    run.stop_reason = " ".join(str(err).split())
+                    return 1
+                finally:
+                    signals.close()
+        finally:
+            signals.close()
     print(json.dumps({"summary": run.summary()}))
     return 0
 

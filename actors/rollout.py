@@ -33,7 +33,9 @@ against the queue's own count of samples put.
 from __future__ import annotations
 
 import asyncio
+import sysconfig
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +50,16 @@ __all__ = ["RolloutActor"]
 
 _DROP_REASON = {"error": "reward_error", "abort": "aborted"}
 _REWARD_TIMEOUT = "reward: TimeoutError"  # the start of a timed-out sample's ``error``
+
+
+def where(err: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame of ``err``'s traceback outside the
+    standard library and installed packages: where the user's reward raised."""
+    outside = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+    return f" ({outside[-1].filename}:{outside[-1].lineno})" if outside else ""
+
+
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 def _drop_reason(sample: Sample) -> str:
@@ -129,6 +141,10 @@ class RolloutActor(Actor):
             report.dropped = dict(reasons)
             self.dropped.update(reasons)
         report.counts = self._counts()
+        failed = [s.error.removeprefix("reward: ") for s in samples if s.finish_reason == "error" and s.error]
+        report.num_scored = sum(1 for s in samples if s.finish_reason != "abort")
+        report.num_reward_errors = len(failed)
+        report.reward_error = failed[0] if failed else None
         return report
 
     def _counts(self) -> RolloutCounts:
@@ -178,7 +194,7 @@ class RolloutActor(Actor):
         except Exception as err:  # isolated on purpose: one bad reward, one dropped sample
             self.num_reward_errors += 1
             self.num_reward_timeouts += isinstance(err, TimeoutError)  # asyncio's and TimedReward's
-            sample.finish_reason, sample.error = "error", f"reward: {type(err).__name__}: {err}"
+            sample.finish_reason, sample.error = "error", f"reward: {type(err).__name__}: {err}{where(err)}"
 
     # -- engine surface for the weight-sync sequence ------------------------
 

@@ -48,6 +48,9 @@ class GroupReport(msgspec.Struct, kw_only=True):
     # the actor's totals once this group was counted; None: a report the policy wrote
     # itself, for a group whose actor died before reporting it
     counts: RolloutCounts | None = None
+    num_scored: int = 0  # samples whose reward was asked for (finished generating)
+    num_reward_errors: int = 0  # ... of which the reward function raised or timed out
+    reward_error: str | None = None  # the first of those: "Type: message (file:line)"; None: none failed
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):

@@ -70,6 +70,7 @@ from typing import Any
 from contracts.rollout import GroupReport, GroupRequest, RolloutCounts
 from contracts.training import BatchRequest, StepReport
 from policies.faults import ACTOR_DIED, MAX_FAILED_PUSHES, ActorLostError, RolloutFaults, is_dead, one_line
+from policies.reward_guard import RewardGuard
 
 __all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "PolicyBase", "AccountingError", "ActorLostError", "NoProgressError",
            "is_dead"]
@@ -132,6 +133,10 @@ class PolicyBase(RolloutFaults, abc.ABC):
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
         self._init_faults(respawn_rollout)
+        reward = cfg.task.kwargs.get("reward")
+        self.reward_guard = RewardGuard(
+            name=repr(reward) if reward else f"of task {cfg.task.type!r}", max_share=cfg.policy.max_reward_error_share,
+            window=cfg.policy.reward_error_window, min_samples=2 * cfg.rollout.n)
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
 
@@ -157,6 +162,7 @@ class PolicyBase(RolloutFaults, abc.ABC):
             if seen is None or report.counts.generated > seen.generated:  # one report may overtake another
                 self.rollout_counts[actor] = report.counts
             self._reported_queued[actor] += report.num_queued
+        self.reward_guard.observe(report)  # counted above first: a run it stops still adds up
         return report.num_queued
 
     def rollout_totals(self) -> RolloutCounts:
@@ -391,7 +397,8 @@ class PolicyBase(RolloutFaults, abc.ABC):
             f"version {self.step - p.max_staleness} (trainer version {self.step}, policy.max_staleness={p.max_staleness})",
             queue,
             f"rollout actors: {self.in_flight} samples being generated{self._rollout_detail()}, dropped by them "
-            f"{dict(self.rollout_dropped) or 0}",
+            f"{dict(self.rollout_dropped) or 0}"
+            + (f" (the last reward error: {self.reward_guard.last_error})" if self.reward_guard.last_error else ""),
             *self._waiting_detail(),
         ])
 

@@ -51,6 +51,13 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
     reward_timeout_s: PosFloat = 30.0
     """A reward call slower than this counts as an error for its sample."""
+    max_reward_error_share: Annotated[float, Meta(ge=0, le=1)] = 0.5
+    """Stop the run (one line with the reward's error, exit 1) when the reward
+    function fails (raises, times out) on more than this share of the last
+    ``reward_error_window`` scored samples, counted from the second group on; a
+    failure costs only its sample's group below it. 1.0: never stop."""
+    reward_error_window: PosInt = 256
+    """Scored samples :attr:`max_reward_error_share` looks back over."""
     overlap_push: bool | None = None
     """Fully-async: the trainer takes its next step while a weight push is
     applied (it waits only for the encode). ``null`` (auto): true when the

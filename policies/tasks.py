@@ -376,7 +376,7 @@ class TextDataset(_TextTask):
             raise ValueError(f"task {self.name!r}: max_prompt_tokens must be >= 0 (0 = no limit), "
                              f"got {max_prompt_tokens}")
         if bool(path) == (data is not None) or (eval_path and eval_data is not None):
-            raise ValueError(f"task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
+            raise ValueError(f"task.kwargs: task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
                              "or data (a datasets.Dataset or a list of dicts, from Python), and at most one of "
                              "eval_path and eval_data")
         fields = {"prompt_field": prompt_field, "answer_field": answer_field}
