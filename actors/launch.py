@@ -73,9 +73,12 @@ class Run:
     """A live run: actors placed, queue open, policy ready. Methods are
     synchronous (they drive the process's one loop) so notebooks can call them."""
 
-    def __init__(self, cfg: Config, *, resume: pathlib.Path | None = None) -> None:
+    def __init__(self, cfg: Config, *, resume: pathlib.Path | None = None,
+                 task_data: dict[str, Any] | None = None) -> None:
         """``resume``: a whole checkpoint (``checkpoint.find``) whose config ``cfg``
-        is (``load_resume_config``); ``launch(resume=...)`` finds both."""
+        is (``load_resume_config``); ``launch(resume=...)`` finds both. ``task_data``:
+        task options no config file can hold (``launch(data=...)``)."""
+        self._task_data = dict(task_data or {})
         from actors.models import resolve_model_path
 
         self.cfg = cfg
@@ -222,7 +225,7 @@ class Run:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
         relative one is tried against the config file's directory, then the current
         one, as ``model.path`` is (actors in other processes may run elsewhere)."""
-        kwargs = dict(self.cfg.task.kwargs)
+        kwargs = {**self.cfg.task.kwargs, **self._task_data}
         for key in ("path", "eval_path"):
             value = kwargs.get(key)
             if isinstance(value, str) and value and not pathlib.Path(value).expanduser().is_absolute():
@@ -633,18 +636,22 @@ _DEFAULT_CONFIG = "fully_async.yaml"
 
 
 def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
-           resume: str | pathlib.Path | None = None) -> Run:
+           resume: str | pathlib.Path | None = None, data: Any = None, eval_data: Any = None) -> Run:
     """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`.
 
     ``resume``: a run directory (its newest whole checkpoint) or one checkpoint
     directory; the run continues with the checkpoint's own config (``config``
-    left out), overrides only of keys a resume may change (``RESUMABLE_KEYS``)."""
+    left out), overrides only of keys a resume may change (``RESUMABLE_KEYS``).
+    ``data`` / ``eval_data``: the ``text_dataset`` task's rows from Python, a
+    ``datasets.Dataset`` or a list of dicts, instead of ``task.kwargs.path`` /
+    ``eval_path`` (they travel to every rollout actor; pass them again to resume)."""
+    task_data = {k: v for k, v in (("data", data), ("eval_data", eval_data)) if v is not None}
     if resume is None:
-        return Run(load_config(config, list(overrides)))
+        return Run(load_config(config, list(overrides)), task_data=task_data)
     if config not in (None, _DEFAULT_CONFIG):
         raise ValueError("launch(resume=...) continues with the checkpoint's own config: pass overrides only")
     ckpt, cfg = resume_config(resume, list(overrides))
-    return Run(cfg, resume=ckpt)
+    return Run(cfg, resume=ckpt, task_data=task_data)
 
 
 def resume_config(resume: str | pathlib.Path, overrides: list[str]) -> tuple[pathlib.Path, Config]:

@@ -5,7 +5,6 @@ trained on), and what cannot work is refused on load, in one line."""
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import shutil
@@ -14,7 +13,6 @@ import pytest
 
 from actors.config import ConfigError, load_config
 from actors.launch import launch
-from policies import tasks
 from tests.extras import needs_mark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,9 +57,9 @@ def _verl_rows(digits: list[str]) -> list[dict]:
              "extra_info": {"split": "train", "index": i}} for i, d in enumerate(digits)]
 
 
-def _train(*overrides: str, tmp_path: pathlib.Path) -> list[dict]:
+def _train(*overrides: str, tmp_path: pathlib.Path, **data: object) -> list[dict]:
     """Three steps; every sample scored (none dropped for its reward); the records."""
-    run = launch(ROOT / "fully_async.yaml", *SHORT, *overrides, f"run.output_dir={tmp_path / 'runs'}")
+    run = launch(ROOT / "fully_async.yaml", *SHORT, *overrides, f"run.output_dir={tmp_path / 'runs'}", **data)
     with run:
         records = run.train(steps=3)
         run.check()
@@ -87,16 +85,14 @@ def test_a_verl_parquet_file_and_a_verl_compute_score_train_unchanged(chat_model
 
 
 @needs_mark("datasets", "datasets")
-def test_a_trl_reward_over_a_datasets_dataset_passed_from_python_trains(chat_model, tmp_path, monkeypatch):
+def test_a_trl_reward_over_a_datasets_dataset_passed_from_python_trains(chat_model, tmp_path):
     import datasets
 
     ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"R{d}:"}], "solution": d[::-1]}
                                      for d in DIGITS])
-    # until launch() takes Python objects, a registered task carries them (the local runtime: one process)
-    monkeypatch.setitem(tasks._TASKS, "byo_trl", functools.partial(tasks.TextDataset, data=ds))
     TRL_CALLS.clear()
-    records = _train(f"model.path={chat_model}", "task.type=byo_trl", "task.kwargs.answer_field=solution",
-                     "task.kwargs.reward=tests.test_byo_data:trl_conversational", tmp_path=tmp_path)
+    records = _train(f"model.path={chat_model}", "task.type=text_dataset", "task.kwargs.answer_field=solution",
+                     "task.kwargs.reward=tests.test_byo_data:trl_conversational", tmp_path=tmp_path, data=ds)
     assert set(TRL_CALLS) == {1} and len(TRL_CALLS) >= records[-1]["trained"]  # per sample, lists of one
     assert sum(m["reward"] for m in records) > 0
 
