@@ -187,7 +187,7 @@ def _parse_scalar(text: str) -> Any:
 _MSG = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
-def _friendly(err: msgspec.ValidationError) -> str:
+def _friendly(err: msgspec.ValidationError, tree: dict[str, Any] | None = None) -> str:
     m = _MSG.match(str(err))
     what, path = m.group("what"), (m.group("path") or "").lstrip(".")
     path = re.sub(r"\[(\d+)\]", r".\1", path)
@@ -211,7 +211,26 @@ def _friendly(err: msgspec.ValidationError) -> str:
         return f"{path}.{own.group(1)}: {own.group(2)}" if path else f"{own.group(1)}: {own.group(2)}"
     what = re.sub(r"`([^`]*)`", r"\1", what)
     what = what[0].lower() + what[1:] if what else what
+    given = _given(tree, path)
+    if given is not _ABSENT:
+        what += f" ({given!r})" if ", got " in what else f", got {given!r}"
     return f"{path or '<root>'}: {what}"
+
+
+_ABSENT = object()
+
+
+def _given(tree: Any, path: str) -> Any:
+    """The scalar the config gave at ``path`` (dotted), or ``_ABSENT``."""
+    node = tree
+    for part in path.split(".") if path and tree is not None else ():
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _ABSENT
+    return _ABSENT if node is tree or isinstance(node, (dict, list)) else node
 
 
 def _choices(tp: Any) -> list[str]:
@@ -400,7 +419,7 @@ def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
     try:
         cfg = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as err:
-        raise ConfigError(_friendly(err)) from None
+        raise ConfigError(_friendly(err, tree)) from None
     _check_consistency(cfg)
     return cfg
 

@@ -7,7 +7,7 @@ From a notebook::
     run = launch("fully_async.yaml", "trainer.lr=2e-6")
     run.train(steps=10)      # step by step; call again to continue
     await run.train_async(10)       # the same from code on an event loop
-    run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, 95.3 samples/s)
+    run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, 95.3 samples/s, runs/...)
     run.metrics(); run.plot()       # the records as a table (pandas); reward, staleness, throughput
     run.close()
     run = launch(resume=run.dir)   # later: from its newest checkpoint
@@ -442,7 +442,7 @@ class Run:
         }
 
     def __repr__(self) -> str:
-        return notebook.describe(self.cfg.run.name, self.history, self.cfg.run.total_steps, self._closed)
+        return notebook.describe(self.cfg.run.name, self.history, self.cfg.run.total_steps, self._closed, self.dir)
 
     def metrics(self) -> Any:
         """The steps' records so far, one row a step with ``step`` a column and nested

@@ -49,8 +49,9 @@ def progress_bar(total: int, initial: int) -> Any:
     return _tqdm_class()(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
-def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, closed: bool) -> str:
-    """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, 95.3 samples/s)``: the latest step's figures."""
+def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, closed: bool, run_dir: Any) -> str:
+    """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, 95.3 samples/s, runs/<dir>)``:
+    the latest step's figures and where the run writes."""
     parts = [name]
     if not history:
         parts.append(f"step 0/{total_steps}")
@@ -58,6 +59,7 @@ def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, clo
         m = history[-1]
         parts += [f"step {m['step']}/{total_steps}", f"reward {m['reward']:.3f}",
                   f"staleness {m['staleness_mean']:.2f}", f"{m['samples_per_s']:.1f} samples/s"]
+    parts.append(str(run_dir))
     if closed:
         parts.append("closed")
     return f"Run({', '.join(parts)})"

@@ -88,10 +88,12 @@ def _jsonl_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row
                 if not line.strip():
                     continue
                 where = f"{name}:{lineno}"
+                line = line.rstrip("\r\n")
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno}); "
+                except json.JSONDecodeError as e:  # e.colno would count from a newline inside the row
+                    at = "the end of the line" if e.pos >= len(line) else f"column {e.pos + 1}"
+                    raise ValueError(f"{where}: not JSON ({e.msg} at {at}); "
                                      "expected one JSON object per line") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{where}: expected a JSON object with fields {fields[0]!r} and "

@@ -161,7 +161,7 @@ def test_cli_missing_or_malformed_config_is_one_line(tmp_path):
     bad.write_text("run: {total_steps: x}\n")
     res = _cli(str(bad))
     assert res.returncode == 2
-    assert res.stderr.strip() == "error: run.total_steps: expected int, got str"
+    assert res.stderr.strip() == "error: run.total_steps: expected int, got str ('x')"
 
 
 def test_cli_missing_model_path_is_one_line():
@@ -191,3 +191,10 @@ def test_fully_async_overlaps_a_push_with_training_only_off_the_engines_device(t
 def test_a_forced_transport_that_cannot_reach_the_engines_is_refused_at_load(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+def test_a_value_out_of_bounds_is_echoed_in_its_one_line():
+    with pytest.raises(ConfigError, match=r"^trainer\.lr: expected float > 0\.0, got -1$"):
+        load_config(ROOT / "fully_async.yaml", ["trainer.lr=-1"])
+    with pytest.raises(ConfigError, match=r"^rollout\.n: expected int, got str \('abc'\)$"):
+        load_config(ROOT / "fully_async.yaml", ["rollout.n=abc"])

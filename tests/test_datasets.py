@@ -47,7 +47,7 @@ def test_an_empty_file_is_an_error_naming_it(tmp_path, content):
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ('{"prompt": "q", "answer": ', r"bad\.jsonl:2: not JSON \(.* at column \d+\)"),
+    ('{"prompt": "q", "answer": ', r"bad\.jsonl:2: not JSON \(Expecting value at the end of the line\)"),
     ('["q", "a"]', r"bad\.jsonl:2: expected a JSON object with fields 'prompt' and 'answer', got a list"),
     ('{"prompt": "q"}', r"bad\.jsonl:2: missing field 'answer' \(fields: prompt\)"),
     ('{"answer": "a"}', r"bad\.jsonl:2: missing field 'prompt'"),

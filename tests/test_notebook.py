@@ -137,6 +137,7 @@ def test_repr_metrics_and_plot(run, monkeypatch):
     text = repr(run)
     assert text.startswith("Run(fully_async, step ") and f"step {m['step']}/" in text
     assert f"reward {m['reward']:.3f}" in text and "staleness" in text and "samples/s" in text
+    assert text.endswith(f", {run.dir})")  # where its files are
 
     monkeypatch.setitem(sys.modules, "pandas", None)  # not installed: a list of dicts, one a step
     table = run.metrics()
