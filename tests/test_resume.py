@@ -8,6 +8,7 @@ through the command line in a subprocess, so the test can SIGKILL the driver."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -16,12 +17,14 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
+import actors.wiring
 from actors import checkpoint
 from actors.config import ConfigError
-from actors.launch import launch
+from actors.launch import launch, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["trainer.batch_prompts=2", "rollout.n=4", "rollout.max_response_tokens=8", "run.progress=false"]
@@ -36,16 +39,57 @@ SAMPLES_PER_STEP = 2 * 4
 REWARD_TOLERANCE = 0.1
 
 
-def _cli(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None,
-         new_session: bool = False) -> subprocess.Popen:
+def _cli(tmp_path: pathlib.Path, *args: str, new_session: bool = False,
+         stall_push: tuple[int, pathlib.Path] | None = None) -> subprocess.Popen:
     """``python -m actors.launch *args`` in a subprocess, its output in files under ``tmp_path``
-    (``new_session``: in a process group of its own, which a test may signal as a whole)."""
+    (``new_session``: in a process group of its own, which a test may signal as a whole;
+    ``stall_push``: (step, marker), the command line of :func:`main_with_a_stalled_push`)."""
     log = tmp_path / f"driver-{time.monotonic_ns()}"
+    entry = ["-m", "actors.launch"]
+    if stall_push is not None:
+        entry = ["-c", "import sys; from tests.test_resume import main_with_a_stalled_push; "
+                       "sys.exit(main_with_a_stalled_push(sys.argv[1:]))", *map(str, stall_push)]
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "actors.launch", *args], cwd=ROOT, stdout=out, stderr=err,
-                                env={**os.environ, **(env or {})}, start_new_session=new_session)
+        proc = subprocess.Popen([sys.executable, *entry, *args], cwd=ROOT, stdout=out, stderr=err,
+                                start_new_session=new_session)
     proc.log = log
     return proc
+
+
+def main_with_a_stalled_push(argv: list[str]) -> int:
+    """The command line (``argv``: ``<step> <marker path>``, then its arguments) in
+    a driver whose push of trainer step ``<step>`` stalls with the engines paused
+    and the update published: the first ``update_weights`` creates the marker file
+    and never returns, so a test can kill the driver there. The push is wrapped
+    where the run is wired (``actors.wiring.weight_sync_fn``), in the driver's
+    process, which is why this runs there (``_cli(stall_push=...)``)."""
+    step_text, marker, *args = argv
+    stall_step, make_weight_sync = int(step_text), actors.wiring.weight_sync_fn
+
+    class StalledEngine:
+        def __init__(self, handle: Any) -> None:
+            self._handle = handle
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._handle, name)
+
+        async def update_weights(self, update: Any) -> int:
+            pathlib.Path(marker).touch()
+            await asyncio.Event().wait()  # forever: the test kills this process here
+            raise AssertionError("unreachable")
+
+    def stalled_weight_sync_fn(*sync_args: Any, **sync_kwargs: Any) -> Any:
+        weight_sync = make_weight_sync(*sync_args, **sync_kwargs)
+
+        async def stalled(rollouts: list[Any], trainer: Any, **kwargs: Any) -> Any:
+            if await trainer.get_version() == stall_step:
+                rollouts = [StalledEngine(h) for h in rollouts]
+            return await weight_sync(rollouts, trainer, **kwargs)
+
+        return stalled
+
+    actors.wiring.weight_sync_fn = stalled_weight_sync_fn
+    return main(args)
 
 
 def _stderr(proc: subprocess.Popen) -> str:
@@ -199,8 +243,7 @@ def test_a_driver_killed_inside_a_weight_push_resumes_and_leaves_no_actor_proces
     they end too, and the run resumes from the checkpoint of step 5."""
     out, marker = tmp_path / "runs", tmp_path / "inside-push"
     proc = _cli(tmp_path, "fully_async.yaml", *SMALL, "run.total_steps=10", "run.checkpoint_every=5",
-                "runtime.type=process", f"run.output_dir={out}",
-                env={"ASYNCRL_TEST_ONLY_STALL_PUSH": f"8:{marker}"})
+                "runtime.type=process", f"run.output_dir={out}", stall_push=(8, marker))
     _wait_for("the push of step 8", marker.exists, proc)
     run_dir = _run_dir(out)
     children = _sigkill_driver(proc)
@@ -227,14 +270,16 @@ def test_a_driver_killed_inside_a_weight_push_resumes_and_leaves_no_actor_proces
 def stopped_run(request, tmp_path_factory) -> tuple[pathlib.Path, int, str, set[int]]:
     """A run stopped by SIGTERM to its whole process group (as a batch scheduler
     preempts a job; a terminal's Ctrl-C sends SIGINT the same way) after its
-    checkpoint of step 5: (run dir, exit code, stderr, its actor processes). Under
+    whole checkpoint of step 10 (so at least two are kept, whenever the signal lands
+    against a checkpoint being written): (run dir, exit code, stderr, its actor processes). Under
     the process runtime (``slow``: its start takes ~15 s here) the actors get the
     signal too and must leave it to the driver."""
     out = tmp_path_factory.mktemp("stopped")
     proc = _cli(out, "fully_async.yaml", *SMALL, "run.total_steps=100000", "run.checkpoint_every=5",
                 f"runtime.type={request.param}", f"run.output_dir={out}", new_session=True)
-    _wait_for("checkpoint of step 5", lambda: (d := _run_dir(out)) is not None and
-              (d / "checkpoints" / "step-000005").is_dir(), proc)
+    _wait_for("checkpoint of step 10", lambda: (d := _run_dir(out)) is not None and
+              (d / "checkpoints" / "step-000010").is_dir() and checkpoint.verify(d / "checkpoints" / "step-000010")
+              is None, proc)
     children = _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: the driver and its actors
     rc = _finish(proc)
