@@ -15,7 +15,8 @@ Text tasks (for real models) speak text at the edges instead: a prompt is
 rendered with the model's tokenizer (its chat template, or raw), and a response
 is decoded (special tokens skipped) and scored by a reward function on text
 (``policies.rewards``). They need the model directory for the tokenizer, which
-the composition root passes as ``make_task(..., model_path=...)``:
+the composition root passes as ``make_task(..., model_path=...)``
+(:mod:`policies.text_tasks`):
 
     text_dataset     prompts (text or chat messages) and answers from a JSONL/Parquet
                      file, a ``datasets`` directory or rows passed from Python
@@ -29,29 +30,18 @@ call, for a greedy evaluation.
 
 from __future__ import annotations
 
-import abc
 import inspect
-import json
-import logging
 import math
-import pathlib
 import random
 from collections.abc import Callable
-from typing import Any
 
-import msgspec
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from policies.config import PolicyConfig
-from policies.datasets import ArithmeticProblems, Row, load_rows
-from policies.rewards import Response, resolve_reward
+from policies.task_base import Prompt, Task
+from policies.text_tasks import TextArithmetic, TextDataset
 
 __all__ = ["Prompt", "Task", "TextArithmetic", "TextDataset", "build_symbol_tokenizer", "make_task",
            "positional_reward", "register_task"]
-
-log = logging.getLogger(__name__)
-
-#: Seed of the default held-out prompts (a string: no integer ``run.seed`` equals it).
-EVAL_SEED = "asyncrl/eval"
 
 #: One token per symbol. ``build_symbol_tokenizer`` turns this into a real
 #: HF fast tokenizer; the order fixes the token ids of the built-in model.
@@ -63,8 +53,7 @@ def build_symbol_tokenizer():
     """A Hugging Face fast tokenizer with one token per symbol, special tokens
     first (ids 0..3): the vocabulary of the built-in tiny model (``tools.warmstart``
     saves it next to the weights). Built in memory; nothing is read or downloaded."""
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    import transformers  # about 1 s to import: only a run that builds this tokenizer pays it
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -80,36 +69,6 @@ def build_symbol_tokenizer():
     )
     tok.padding_side = "left"  # decoder-only generation pads on the left
     return tok
-
-
-class Prompt(msgspec.Struct, kw_only=True):
-    """One prompt: the ids the model conditions on, and what the reward needs
-    (``meta``, e.g. ``{"answer": "4 1 3"}``) which is never shown to the model."""
-
-    prompt_ids: list[int]
-    meta: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class Task(abc.ABC):
-    """A source of prompts plus a verifier that scores responses in [0, 1]."""
-
-    tokenizer: object
-    stop_token_ids: tuple[int, ...]
-
-    @abc.abstractmethod
-    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """Draw ``n`` independent prompts using only ``rng`` (reproducible)."""
-
-    @abc.abstractmethod
-    def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
-        """Score one response (token ids, maybe ending in a stop token) in [0, 1]."""
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        """At most ``n`` fixed held-out prompts, the same on every call and in
-        every process. By default ``sample_prompts`` from a fixed seed of its own
-        (so not disjoint from training draws); tasks with a real held-out split
-        return that instead."""
-        return self.sample_prompts(random.Random(EVAL_SEED), n)
 
 
 def positional_reward(answer: list[int], response: list[int], stop_ids: tuple[int, ...], *, no_stop_factor: float = 0.5) -> float:
@@ -214,256 +173,6 @@ class LongTailCopy(_SymbolTask):
             digits = self._digits(rng, self.sample_length(rng))
             out.append(self._prompt("C", digits, digits))
         return out
-
-
-#: End-of-turn tokens of common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3,
-#: GPT-2 style): a text task stops on those its tokenizer has as added tokens.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
-
-
-def load_tokenizer(model_path: str | None, task: str):
-    """The tokenizer in the model directory ``model_path``, from local files only.
-    Raises ``ValueError`` naming the path when there is none or it cannot be read."""
-    if not model_path:
-        raise ValueError(f"task {task!r} needs the model directory for its tokenizer: "
-                         f"build it with make_task({task!r}, model_path=...)")
-    if not pathlib.Path(model_path).is_dir():
-        raise ValueError(f"task {task!r}: model path {str(model_path)!r} is not a directory")
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad directory
-        raise ValueError(f"task {task!r}: cannot load a tokenizer from {str(model_path)!r}: "
-                         f"{type(e).__name__}: {e}") from None
-
-
-def text_stop_token_ids(tokenizer, model_path: str | None = None) -> tuple[int, ...]:
-    """The ids a text response stops at: the tokenizer's eos, the eos ids of the
-    model's ``generation_config.json`` (some chat models list several), and the
-    end-of-turn tokens of :data:`END_OF_TURN_TOKENS` the tokenizer has."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    gen_path = pathlib.Path(model_path) / "generation_config.json" if model_path else None
-    if gen_path is not None and gen_path.is_file():
-        try:
-            eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{gen_path}: not a JSON object ({e})") from None
-        ids.extend(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    added = tokenizer.get_added_vocab()
-    ids.extend(added[t] for t in END_OF_TURN_TOKENS if t in added)
-    return tuple(dict.fromkeys(ids))
-
-
-def _check_types(task: str, **values) -> None:
-    """``ValueError`` naming the option whose value has the wrong type (options
-    come from YAML, where ``reward: 1`` or ``chat_template: "no"`` are easy to write)."""
-    for key, (value, kind) in values.items():
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
-            continue
-        what = ("true or false" if bool in kinds else "a string" if str in kinds
-                else "an integer" if kinds == (int,) else "a number")
-        raise ValueError(f"task {task!r}: option {key} must be {what}, got {value!r}")
-
-
-class _TextTask(Task):
-    """Shared plumbing for tasks whose prompts and answers are text: render
-    with the tokenizer, decode the response, score it with a reward on text."""
-
-    name = "text"
-
-    def __init__(self, tokenizer=None, *, model_path: str | None, chat_template: bool, system_prompt: str,
-                 reward: str, reward_timeout_s: float | None) -> None:
-        _check_types(self.name, chat_template=(chat_template, bool), system_prompt=(system_prompt, str),
-                     reward=(reward, str))
-        if reward_timeout_s is None:
-            reward_timeout_s = PolicyConfig().reward_timeout_s
-        self.score = resolve_reward(reward, timeout_s=reward_timeout_s)  # before the (slow) tokenizer load
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path, self.name)
-        if chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"task {self.name!r}: the tokenizer of {str(model_path)!r} has no chat template; "
-                             f"set task.kwargs.chat_template=false to feed prompts as raw text")
-        self.chat_template, self.system_prompt = chat_template, system_prompt
-        self.stop_token_ids = text_stop_token_ids(self.tokenizer, model_path)
-        if not self.stop_token_ids:
-            raise ValueError(f"task {self.name!r}: the tokenizer of {str(model_path)!r} has no eos token "
-                             "and no end-of-turn token; a response could never stop")
-
-    def render(self, prompts: list[str | list[dict[str, Any]]]) -> list[list[int]]:
-        """Prompt token ids for each prompt: a text, or chat messages. With the chat
-        template: a text is a user turn, messages are taken as they are; a
-        ``system_prompt`` turn comes first (unless the messages open with a system
-        turn of their own), then the assistant's generation prompt. Raw: the text
-        (after ``system_prompt`` and a blank line, when set), with the tokenizer's
-        own special tokens (e.g. BOS); chat messages need the template."""
-        if not prompts:
-            return []
-        if self.chat_template:
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            chats = [p if isinstance(p, list) and p[0].get("role") == "system"
-                     else system + (p if isinstance(p, list) else [{"role": "user", "content": p}])
-                     for p in prompts]
-            try:
-                rendered = [self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-                            for chat in chats]
-            except Exception as e:  # a template may refuse e.g. a system turn (jinja raise_exception)
-                raise ValueError(f"task {self.name!r}: the tokenizer's chat template cannot render a prompt"
-                                 f"{' with a system_prompt' if system else ''}: {type(e).__name__}: {e}") from None
-            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        prefix = self.system_prompt + "\n\n" if self.system_prompt else ""
-        return self.tokenizer([prefix + t for t in prompts])["input_ids"]
-
-    def prompts(self, rows: list[Row]) -> list[Prompt]:
-        """``rows`` as prompts: the answer in ``meta["answer"]``, where the row was
-        read in ``meta["row"]`` (the reward finds the row's other fields by it)."""
-        return [Prompt(prompt_ids=list(ids), meta={"answer": row.answer, "row": row.where})
-                for row, ids in zip(rows, self.render([row.prompt for row in rows]))]
-
-    def decode(self, response_ids: list[int]) -> str:
-        """The response as text: cut at its first stop token, special tokens skipped."""
-        ids = list(response_ids)
-        for i, tok in enumerate(ids):
-            if tok in self.stop_token_ids:
-                ids = ids[:i]
-                break
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def row(self, meta: dict[str, str]) -> Row | None:
-        """The row a prompt came from, by its ``meta``; None when rows are not kept."""
-        return None
-
-    def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
-        row = self.row(meta)
-        response = Response(text=self.decode(response_ids), answer=meta["answer"], ids=list(response_ids),
-                            prompt=row.prompt if row else "", fields=row.fields if row else {})
-        return float(self.score(response))
-
-
-class TextDataset(_TextTask):
-    """Prompts and ground-truth answers read from a file or a dataset.
-
-    ``path`` / ``eval_path``: JSONL or Parquet files or ``datasets`` save_to_disk
-    directories (a run resolves a relative one against the config file's
-    directory, then the current one); or, from Python, ``data`` / ``eval_data``:
-    a ``datasets.Dataset`` or a list of dicts. Each row has a ``prompt_field``
-    (text or chat messages) and an ``answer_field``, dotted paths into nested
-    records allowed (see ``policies.datasets``); ``eval_path`` (optional) holds
-    the held-out rows ``eval_prompts`` serves, first rows first. Training draws
-    rows uniformly, with replacement, using only the policy's rng. ``reward``:
-    ``exact_match``, ``math``, ``package.module:function`` or ``file.py:function``
-    in any of the forms of ``policies.rewards`` (verl's and TRL's get the row's
-    other columns). ``chat_template``: render with the tokenizer's chat template
-    (an error when it has none: set it false for raw text; chat-message prompts
-    need it).
-    ``max_prompt_tokens`` (0 = no limit): a row whose rendered prompt is longer
-    is refused at load, counted in ``num_refused`` and logged with its
-    ``file:line``; a file whose every row is refused is an error.
-    """
-
-    name = "text_dataset"
-
-    def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
-                 data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
-                 chat_template: bool = True, system_prompt: str = "", reward: str = "math",
-                 max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
-        _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
-                     answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int),
-                     chat_template=(chat_template, bool))
-        if max_prompt_tokens < 0:
-            raise ValueError(f"task {self.name!r}: max_prompt_tokens must be >= 0 (0 = no limit), "
-                             f"got {max_prompt_tokens}")
-        if bool(path) == (data is not None) or (eval_path and eval_data is not None):
-            raise ValueError(f"task.kwargs: task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
-                             "or data (a datasets.Dataset or a list of dicts, from Python), and at most one of "
-                             "eval_path and eval_data")
-        fields = {"prompt_field": prompt_field, "answer_field": answer_field}
-        # bad data fails before the tokenizer load
-        train_rows = load_rows(path, **fields) if path else load_rows(data, **fields, name="data")
-        eval_rows = (load_rows(eval_path, **fields) if eval_path else
-                     load_rows(eval_data, **fields, name="eval_data") if eval_data is not None else [])
-        chat = next((row for row in train_rows + eval_rows if isinstance(row.prompt, list)), None)
-        if chat is not None and not chat_template:
-            raise ValueError(f"task {self.name!r}: {chat.where}: the prompt is chat messages, which only a chat "
-                             "template can render: set task.kwargs.chat_template=true")
-        super().__init__(tokenizer, model_path=model_path, chat_template=chat_template,
-                         system_prompt=system_prompt, reward=reward, reward_timeout_s=reward_timeout_s)
-        self.path = path or "data"
-        self.eval_path = eval_path or ("eval_data" if eval_data is not None else "")
-        self.max_prompt_tokens = max_prompt_tokens
-        self.num_refused: dict[str, int] = {}
-        self._rows = {row.where: row for row in train_rows + eval_rows}  # what a reward may read of its row
-        self._train = self._admit("train", self.path, train_rows)
-        self._eval = self._admit("eval", self.eval_path, eval_rows) if eval_rows else []
-
-    def row(self, meta: dict[str, str]) -> Row | None:
-        return self._rows.get(meta.get("row", ""))
-
-    def _admit(self, split: str, path: str, rows: list[Row]) -> list[Prompt]:
-        prompts = self.prompts(rows)
-        if not self.max_prompt_tokens:
-            return prompts
-        kept = [p for p in prompts if len(p.prompt_ids) <= self.max_prompt_tokens]
-        refused = [row.where for row, p in zip(rows, prompts) if len(p.prompt_ids) > self.max_prompt_tokens]
-        self.num_refused[split] = len(refused)
-        if not kept:
-            raise ValueError(f"dataset {path!r}: every row's prompt is longer than max_prompt_tokens="
-                             f"{self.max_prompt_tokens} (e.g. {refused[0]})")
-        if refused:
-            log.warning("dataset %r: refused %d of %d rows whose prompt is longer than max_prompt_tokens=%d: %s%s",
-                        path, len(refused), len(rows), self.max_prompt_tokens, ", ".join(refused[:5]),
-                        ", ..." if len(refused) > 5 else "")
-        return kept
-
-    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        return [self._train[rng.randrange(len(self._train))] for _ in range(n)]
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        """The first ``n`` rows of ``eval_path`` (all of them when it has fewer).
-        Raises ``ValueError`` when no ``eval_path`` was given."""
-        if not self.eval_path:
-            raise ValueError(f"task {self.name!r} has no held-out rows: set task.kwargs.eval_path "
-                             "(or policy.eval_every=0)")
-        return self._eval[:n]
-
-
-class TextArithmetic(_TextTask):
-    """Integer arithmetic in words, generated on the fly (no downloads), scored
-    by ``reward`` (``math`` by default: the final number of the response).
-    The problem options are those of ``policies.datasets.ArithmeticProblems``
-    (``digits``, ``num_operands``, ``ops``, ``tail_alpha`` for a heavy tail of
-    answer lengths, ``max_digits``, ``eval_fraction``, ``instruction``);
-    ``eval_prompts`` serves its held-out split, which training never draws."""
-
-    name = "text_arithmetic"
-
-    def __init__(self, tokenizer=None, *, model_path: str | None = None, digits: int = 2, num_operands: int = 2,
-                 ops: str = "+-", tail_alpha: float = 0.0, max_digits: int = 12, eval_fraction: float = 0.1,
-                 instruction: str = "Answer with the number only.", chat_template: bool = True,
-                 system_prompt: str = "", reward: str = "math", reward_timeout_s: float | None = None) -> None:
-        _check_types(self.name, digits=(digits, int), num_operands=(num_operands, int), ops=(ops, str),
-                     tail_alpha=(tail_alpha, (int, float)), max_digits=(max_digits, int),
-                     eval_fraction=(eval_fraction, (int, float)), instruction=(instruction, str))
-        self.problems = ArithmeticProblems(digits=digits, num_operands=num_operands, ops=ops,
-                                           tail_alpha=float(tail_alpha), max_digits=max_digits,
-                                           eval_fraction=float(eval_fraction), instruction=instruction)
-        super().__init__(tokenizer, model_path=model_path, chat_template=chat_template,
-                         system_prompt=system_prompt, reward=reward, reward_timeout_s=reward_timeout_s)
-        self._eval: list[Prompt] = []
-        self.render([self.problems.question("1 + 1")])  # a template that cannot render fails here, not mid-run
-
-    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        return self.prompts([self.problems.sample(rng) for _ in range(n)])
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        """The first ``n`` problems of the held-out split (fewer when the problem
-        space has fewer), rendered once and kept."""
-        if len(self._eval) < n:
-            self._eval = self.prompts(self.problems.held_out(n))
-        return self._eval[:n]
-
 
 _TASKS: dict[str, Callable[..., Task]] = {
     "reverse_digits": ReverseDigits,

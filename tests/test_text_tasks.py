@@ -222,7 +222,7 @@ def test_symbol_tasks_get_fixed_eval_prompts_and_ignore_the_model_path(model_dir
 def test_max_prompt_tokens_refuses_long_rows_counted_and_logged(tok, tmp_path, caplog):
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"prompt": "short", "answer": "1"}\n{"prompt": "' + "long " * 40 + '", "answer": "2"}\n')
-    with caplog.at_level(logging.WARNING, logger="policies.tasks"):
+    with caplog.at_level(logging.WARNING, logger="policies.text_tasks"):
         task = TextDataset(tok, path=str(path), chat_template=False, max_prompt_tokens=20)
     assert task.num_refused == {"train": 1} and [p.meta["answer"] for p in task._train] == ["1"]
     assert f"{path}:2" in caplog.text and "refused 1 of 2 rows" in caplog.text

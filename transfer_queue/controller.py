@@ -17,6 +17,8 @@ Delivery is exactly-once across all consumers of a partition: a sample goes to
 one consumer at a time and leaves the queue when that consumer acks it.
 Every state change sets ``_changed`` (and replaces it), which wakes each waiter
 to re-check its own condition; close() does the same, so no waiter sleeps forever.
+The running totals that statistics report and snapshots save (put, delivered,
+dropped by reason, per consumer) are kept in ``transfer_queue.counters``.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from collections.abc import Awaitable, Callable
 
 from transfer_queue.codec import FULL_MASK, fields_mask
 from transfer_queue.config import TransferQueueConfig
+from transfer_queue.counters import QueueCounters
 from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull, StorageUnitLost
 from transfer_queue.records import Lease, Record, remember
 from transfer_queue.samplers import SAMPLERS, is_stale
-from transfer_queue.wire import BatchMeta, ConsumerStats, PartitionStats, QueueStats, SampleTags, Snapshot
+from transfer_queue.wire import BatchMeta, PartitionStats, QueueStats, SampleTags, Snapshot
 
 __all__ = ["Controller"]
 
@@ -62,9 +65,7 @@ class Controller:
         self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
         self._settled_uids: dict[str, str] = {}  # uid -> "delivered" | "dropped (reason)"
         self._dead_groups: dict[str, dict[str, None]] = {}  # partition -> group ids
-        self._consumers: dict[str, ConsumerStats] = {}
-        self._num_put = self._num_delivered = self._num_redelivered = 0
-        self._dropped: Counter[str] = Counter()
+        self._counts = QueueCounters()  # put, delivered, redelivered, dropped; per consumer
         # A put's new samples all go to one storage unit (round robin over puts), so a
         # write is one message: global index = slot * num_storage_units + unit.
         # ``allocate`` hands whole blocks of slots to Ray clients.
@@ -121,9 +122,9 @@ class Controller:
         for i, t in enumerate(tags):
             rec = self._by_uid.get(t.uid)
             if rec is None:
-                self._num_put += 1
+                self._counts.num_put += 1
                 if t.group_id in dead:
-                    self._dropped["stale_group"] += 1
+                    self._counts.dropped["stale_group"] += 1
                     placed.append(-1)
                     continue
                 if indices is None:
@@ -230,7 +231,7 @@ class Controller:
             del self._by_uid[rec.uid], self._by_index[rec.index]
             remember(self._settled_uids, rec.uid, "dropped")
             self._pending[rec.partition].pop(rec.seq, None)
-        self._dropped.update(reasons)
+        self._counts.dropped.update(reasons)
         self._notify()
         await self._release([r.index for r in recs])
 
@@ -315,7 +316,7 @@ class Controller:
         lease = Lease(batch_id, consumer, partition, picked, self._clock() + self._cfg.lease_s)
         self._leases[batch_id] = lease
         self._arm(lease)
-        self._consumer(consumer).in_flight += len(picked)
+        self._counts.consumer(consumer).in_flight += len(picked)
         return BatchMeta(batch_id=batch_id, indices=[r.index for r in picked], fields_mask=mask, dropped=dict(dropped))
 
     # ----------------------------------------------------------------- settling
@@ -326,8 +327,8 @@ class Controller:
             del self._by_uid[rec.uid], self._by_index[rec.index]
             remember(self._settled_uids, rec.uid, "delivered")
         n = len(lease.records)
-        self._num_delivered += n
-        stats = self._consumer(lease.consumer)
+        self._counts.num_delivered += n
+        stats = self._counts.consumer(lease.consumer)
         stats.in_flight -= n
         stats.delivered += n
         self._notify()
@@ -337,7 +338,7 @@ class Controller:
     async def nack(self, batch_id: str) -> int:
         """The consumer hands the batch back: its samples are ready again at once."""
         lease = self._take_lease(batch_id, "nacked")
-        self._consumer(lease.consumer).nacked += len(lease.records)
+        self._counts.consumer(lease.consumer).nacked += len(lease.records)
         n = self._return(lease)
         if self._lost_units:
             await self._drop_lost()
@@ -376,7 +377,7 @@ class Controller:
         n = 0
         for lease in due:
             self._take_lease(lease.batch_id, "expired")
-            self._consumer(lease.consumer).expired += len(lease.records)
+            self._counts.consumer(lease.consumer).expired += len(lease.records)
             n += self._return(lease)
         return n
 
@@ -400,8 +401,8 @@ class Controller:
         self._version_floor[lease.partition] = floor
         self._pending[lease.partition] = dict(sorted(pending.items()))  # back in arrival order
         n = len(lease.records)
-        self._num_redelivered += n
-        self._consumer(lease.consumer).in_flight -= n
+        self._counts.num_redelivered += n
+        self._counts.consumer(lease.consumer).in_flight -= n
         self._notify()
         return n
 
@@ -426,25 +427,14 @@ class Controller:
         self._notify()
 
     def statistics(self) -> QueueStats:
+        """The counters (``transfer_queue.counters``) and what each partition holds now."""
         partitions = {
             name: PartitionStats(pending=len(p), ready=sum(r.mask == FULL_MASK for r in p.values()))
             for name, p in self._pending.items()
         }
         for lease in self._leases.values():
             partitions.setdefault(lease.partition, PartitionStats()).in_flight += len(lease.records)
-        return QueueStats(
-            put=self._num_put,
-            delivered=self._num_delivered,
-            dropped=sum(self._dropped.values()),
-            pending=sum(p.pending for p in partitions.values()),
-            in_flight=sum(p.in_flight for p in partitions.values()),
-            redelivered=self._num_redelivered,
-            capacity=self._cfg.capacity,
-            closed=self._closed,
-            dropped_by_reason=dict(self._dropped),
-            partitions=partitions,
-            consumers={k: ConsumerStats(**{f: getattr(v, f) for f in v.__struct_fields__}) for k, v in self._consumers.items()},
-        )
+        return self._counts.statistics(partitions, capacity=self._cfg.capacity, closed=self._closed)
 
     def snapshot(self) -> tuple[Snapshot, dict[str, list[tuple[int, int]]]]:
         """Counters, and per partition the (index, mask) of every unsettled sample."""
@@ -452,32 +442,14 @@ class Controller:
         for rec in sorted(self._by_uid.values(), key=lambda r: r.seq):
             if rec.mask:
                 samples.setdefault(rec.partition, []).append((rec.index, rec.mask))
-        snap = Snapshot(
-            put=self._num_put,
-            delivered=self._num_delivered,
-            redelivered=self._num_redelivered,
-            dropped_by_reason=dict(self._dropped),
-            dead_groups={p: list(g) for p, g in self._dead_groups.items()},
-            consumers=self.statistics().consumers,
-        )
-        return snap, samples
+        return self._counts.snapshot({p: list(g) for p, g in self._dead_groups.items()}), samples
 
     async def restore(self, snap: Snapshot) -> None:
         """Take the counters of a saved queue (after its samples were put back)."""
-        self._num_put, self._num_delivered, self._num_redelivered = snap.put, snap.delivered, snap.redelivered
-        self._dropped = Counter(snap.dropped_by_reason)
+        self._counts.restore(snap)
         self._dead_groups = {p: dict.fromkeys(g) for p, g in snap.dead_groups.items()}
-        for name, stats in snap.consumers.items():
-            stats.in_flight = 0
-            self._consumers[name] = stats
 
     # ----------------------------------------------------------------- helpers
-    def _consumer(self, name: str) -> ConsumerStats:
-        stats = self._consumers.get(name)
-        if stats is None:
-            stats = self._consumers[name] = ConsumerStats()
-        return stats
-
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
