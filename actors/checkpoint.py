@@ -32,6 +32,9 @@ import shutil
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
 __all__ = ["FORMAT_VERSION", "checkpoints_dir", "commit", "driver_rng_state", "find", "list_checkpoints", "new_tmp_dir",
            "read_state", "remove_tmp_dirs", "restore_metrics", "set_aside_later", "set_driver_rng_state", "verify"]
 
@@ -215,9 +218,6 @@ def set_aside_later(run_dir: pathlib.Path, step: int) -> None:
 
 def driver_rng_state() -> dict[str, Any]:
     """This process's python, numpy and torch (CPU) RNG states, as JSON values."""
-    import numpy as np
-    import torch
-
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(internal), gauss],
@@ -226,9 +226,6 @@ def driver_rng_state() -> dict[str, Any]:
 
 
 def set_driver_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

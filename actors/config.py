@@ -2,7 +2,8 @@
 
 Each section lives with the component that takes it, and holds the one set of
 defaults of that component; this module composes them (it is part of the
-composition root: nothing but ``actors/launch.py``, tools, benchmarks and tests imports it):
+composition root: nothing but the composition root (``actors/launch.py`` and the
+modules it is split into), tools, benchmarks and tests imports it):
 
     run, runtime, model   here
     task, policy          policies/config.py        (TaskConfig, PolicyConfig)
@@ -15,7 +16,8 @@ Every field is documented where it is declared and bounded where a bound
 exists. Unknown keys, wrong types and out-of-range values are
 :class:`ConfigError` naming the dotted path (``trainer.lr: expected float,
 got str``); so are engine and backend types this build does not have. After
-:func:`load_config` no raw dict survives.
+:func:`load_config` no raw dict survives. The YAML file and the dotted overrides
+are read into a raw tree by ``actors/config_yaml.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ import yaml
 from msgspec import Meta
 
 from actors.backends.config import TrainerConfig, backend_unavailable
+from actors.config_yaml import ConfigError, apply_overrides, read_yaml
 from actors.engines.config import EngineConfig, engine_unavailable
 from actors.loggers import loggers_unavailable
 from actors.rollout_config import RolloutConfig
+from policies.admission import window_budget
 from policies.config import PolicyConfig, TaskConfig
+from policies.rewards import anchor_reward_spec, reward_form
+from policies.tasks import CONTEXT_OPTIONS, task_factory
 from sync.config import SyncConfig
 from transfer_queue.config import TransferQueueConfig
 
@@ -61,10 +67,6 @@ __all__ = [
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key."""
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -157,33 +159,6 @@ class Config(_Section):
         return self.trainer.batch_prompts * self.rollout.n
 
 
-# --- YAML ------------------------------------------------------------------
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``2e-6`` as a float (YAML 1.2), not a string."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader) if text.strip() else ""
-    except yaml.YAMLError:
-        return text
-
-
 _MSG = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
@@ -263,27 +238,6 @@ def _known_keys(path: str) -> str:
     return ""
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: '{part}' is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        _set_dotted(tree, key, _parse_scalar(raw))
-    return tree
-
-
 # runtime.address: 'auto', or host:port (a name, IPv4 or [IPv6]), ray:// in front for Ray Client
 _RAY_ADDRESS = re.compile(r"auto|(ray://)?([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})")
 
@@ -303,8 +257,6 @@ def _check_consistency(cfg: Config) -> None:
         )
     _check_task(cfg.task, cfg.base_dir)
     _check_progress(cfg)
-    from policies.admission import window_budget
-
     p = cfg.policy
     budget = window_budget(cfg.batch_size, p.require_batches, p.trigger_parameter_sync_step,
                            p.staleness_threshold)
@@ -364,9 +316,6 @@ def _check_task(task: TaskConfig, base_dir: str) -> None:
     """The task exists and takes ``task.kwargs`` (by its signature: nothing is built);
     a user reward function (``task.kwargs.reward``) is imported and its form read
     from its signature, a relative ``file.py`` anchored as data files are."""
-    from policies.rewards import anchor_reward_spec, reward_form
-    from policies.tasks import CONTEXT_OPTIONS, task_factory
-
     try:
         factory = task_factory(task.type)
     except ValueError as err:
@@ -424,36 +373,6 @@ def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
     return cfg
 
 
-def _read_yaml(p: pathlib.Path) -> dict[str, Any]:
-    """The mapping of sections in config file ``p``; :class:`ConfigError` (one line)
-    for a file that cannot be read, is binary, is not UTF-8, is empty or is not YAML."""
-    try:
-        data = p.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{p}: cannot read the config file ({err.strerror or err})") from None
-    if b"\0" in data:
-        raise ConfigError(f"{p}: a binary file (NUL byte at offset {data.index(0)}), not a YAML config")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{p}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}): a binary "
-                          "file, or text in another encoding; a config is UTF-8 YAML") from None
-    try:
-        tree = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
-    except (ValueError, RecursionError) as err:  # a scalar YAML accepts but cannot build (a bad date), nesting
-        raise ConfigError(f"{p}: malformed YAML: {type(err).__name__}: {err}") from None
-    if tree is None:
-        raise ConfigError(f"{p}: the config file is empty (expected a mapping of sections: run, policy, ...)")
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{p}: expected a mapping of sections at the top level")
-    return tree
-
-
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config file (or only defaults when ``path`` is None), apply overrides."""
     tree: Any = {}
@@ -462,7 +381,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
         p = pathlib.Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        tree = _read_yaml(p)
+        tree = read_yaml(p)
         base_dir = str(p.resolve().parent)
     tree = apply_overrides(tree, list(overrides))
     return build_config(tree, base_dir)
@@ -482,7 +401,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     """The resolved config a checkpoint saved (``config.yaml``), with overrides of
     :data:`RESUMABLE_KEYS` only; any other key is a :class:`ConfigError` naming it."""
     p = pathlib.Path(saved)
-    tree = _read_yaml(p)
+    tree = read_yaml(p)
     base_dir = tree.pop("base_dir", None)
     if not isinstance(base_dir, str):
         raise ConfigError(f"{p}: not a resolved run config (no base_dir)")

@@ -21,7 +21,7 @@ without tokenizer files (a run on a built-in symbol task builds its tokenizer)
 gets the task's tokenizer saved.
 
 Part of the composition root (it reads the run's config): nothing but
-``actors/launch.py``, tools and tests imports it.
+the composition root (``actors/notebook_api.py``, ``actors/launch.py``), tools and tests imports it.
 """
 
 from __future__ import annotations

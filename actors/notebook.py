@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm import TqdmWarning
+
 __all__ = ["PANELS", "TrainResult", "describe", "extend_total_steps", "metrics_table", "plot", "progress_bar"]
 
 # What ``plot`` draws by default, one panel each: (record key, label) pairs.
@@ -31,11 +33,9 @@ def _tqdm_class() -> Any:
     """``tqdm.auto``'s bar: the notebook widget under Jupyter when ipywidgets is
     installed, the text bar otherwise. ``tqdm.auto`` warns ("IProgress not found")
     when it falls back in a notebook; the fallback is what we want, so not that."""
-    from tqdm import TqdmWarning
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TqdmWarning)
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # here: inside the filter that silences its warning
     return tqdm
 
 
@@ -113,7 +113,7 @@ def metrics_table(history: Sequence[dict[str, Any]]) -> Any:
     when pandas is installed, else a list of those flat dicts."""
     rows = [_flat(m) for m in history]
     try:
-        import pandas as pd
+        import pandas as pd  # optional (the notebook and plot extras)
     except ImportError:
         return rows
     return pd.DataFrame(rows)
@@ -128,7 +128,7 @@ def plot(history: Sequence[dict[str, Any]], initial_eval: dict[str, Any] | None,
     panel, as pandas' ``plot`` does (``axes[0].figure`` is the Figure): a Figure
     returned to a notebook would be drawn twice."""
     try:
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional (the plot extra)
     except ImportError as err:
         raise ImportError("run.plot() needs matplotlib: pip install 'asyncrl[plot]' (the plot extra)") from err
     if not panels:

@@ -20,7 +20,9 @@ TransferQueue's sockets and weights over the weight link (``sync.link``). Use it
 one process would make the actors' Python share one GIL: a trainer's step
 and an engine's scheduler then run side by side instead of taking turns.
 As with any spawn-based multiprocessing, a script that starts a run must
-guard its entry point with ``if __name__ == "__main__":``.
+guard its entry point with ``if __name__ == "__main__":``. The actor's end of
+the pipe is ``actors/actor_host.py``; ``ray`` checks the address of a cluster it
+joins first (``actors/ray_address.py``).
 """
 
 from __future__ import annotations
@@ -37,16 +39,16 @@ import multiprocessing.util  # its exit hook joins child processes: registered b
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
-import time
-import traceback
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import loop as global_loop
+from actors.actor_host import STOP, serve_calls
+from actors.ray_address import join_ray_cluster
+from transfer_queue.rpc import PendingReplies
 
 __all__ = ["quiet_transformers", "Actor", "ActorDiedError", "Handle", "Runtime", "LocalRuntime", "ProcessRuntime",
            "RayRuntime", "make_runtime"]
@@ -57,7 +59,7 @@ T = TypeVar("T")
 def quiet_transformers() -> None:
     """No per-load progress bars from transformers in actor logs (the run has its own)."""
     try:
-        import transformers
+        import transformers  # ~2 s to import: only actors that load a model pay it
 
         transformers.utils.logging.disable_progress_bar()
     except ImportError:
@@ -188,37 +190,6 @@ class ActorDiedError(RuntimeError):
     """The actor's process ended (crashed, killed, or shut down) while a call was pending or made."""
 
 
-_STOP = "__stop__"
-
-
-def _error_payload(exc: BaseException) -> bytes:
-    """``exc`` pickled, or a RuntimeError with its text when it would not
-    survive the trip (unpicklable, or a constructor pickle cannot call)."""
-    try:
-        data = pickle.dumps(exc, protocol=5)
-        pickle.loads(data)
-        return data
-    except Exception:  # noqa: BLE001
-        err = RuntimeError(f"{type(exc).__name__}: {exc}")
-        err.__notes__ = list(getattr(exc, "__notes__", []))
-        return pickle.dumps(err, protocol=5)
-
-
-async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
-    try:
-        if isinstance(actor, BaseException):  # the constructor failed: every call gets its error
-            raise actor
-        value = await getattr(actor, method)(*args, **kwargs)
-        try:
-            ok, payload = True, pickle.dumps(value, protocol=5)
-        except Exception as exc:
-            raise TypeError(f"the result of {method}() cannot be sent back: {exc!r}") from exc
-    except Exception as exc:
-        exc.add_note(f"(raised in actor {name!r}, process {os.getpid()}:\n{traceback.format_exc().rstrip()})")
-        ok, payload = False, _error_payload(exc)
-    conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
-
-
 # An actor's process runs its loop beside worker threads (the engine's step thread,
 # a trainer's blocking calls) that hold the GIL for most of each step. At CPython's
 # default 5 ms switch interval every hop of a call (inbox reader -> loop -> engine
@@ -245,45 +216,11 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     pass
 
 
-async def _serve_async(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
-    """The child's main coroutine: build the actor, answer calls (each a task,
-    so they overlap like Ray's async actor calls) until told to stop or orphaned."""
-    ev = asyncio.get_running_loop()
-    inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-    def read() -> None:  # a blocking reader thread feeds the loop
-        while True:
-            try:
-                msg: bytes | None = conn.recv_bytes()
-            except (EOFError, OSError):  # the driver is gone: end this process
-                msg = None
-            ev.call_soon_threadsafe(inbox.put_nowait, msg)
-            if msg is None:
-                return
-
-    threading.Thread(target=read, name="asyncrl-actor-inbox", daemon=True).start()
-    try:
-        actor: Any = cls(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - reported to the first call (setup)
-        actor = exc
-    tasks: set[asyncio.Task] = set()
-    while (msg := await inbox.get()) is not None:
-        call_id, method, call_args, call_kwargs = pickle.loads(msg)
-        if method == _STOP:
-            break
-        task = ev.create_task(_answer(conn, actor, name, call_id, method, call_args, call_kwargs))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    for task in list(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
     _actor_process_settings()
     _leave_signals_to_the_driver()
     try:
-        global_loop.run(_serve_async(conn, cls, name, args, kwargs))
+        global_loop.run(serve_calls(conn, cls, name, args, kwargs))
     finally:
         global_loop.shutdown()
 
@@ -308,7 +245,7 @@ class _ProcessHandle(Handle):
     def __init__(self, name: str, cls: type, proc: Any, conn: Any) -> None:
         self.name, self.cls, self.proc, self._conn = name, cls, proc, conn
         self._loop = asyncio.get_running_loop()
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending = PendingReplies()
         self._ids = itertools.count()
         self._dead: str | None = None
         # Waiting on the process from two threads at once can lose its reaping (a
@@ -327,7 +264,7 @@ class _ProcessHandle(Handle):
                 value = pickle.loads(payload)
             except Exception as exc:  # noqa: BLE001 - e.g. a class this process cannot import
                 ok, value = False, TypeError(f"actor {self.name!r}: its reply cannot be read here: {exc!r}")
-            self._post(self._settle, call_id, ok, value)
+            self._post(self._pending.settle, call_id, ok, value)
         with self._proc_lock:  # the pipe closes as the process exits: let it be reaped for its exit code
             self.proc.join(1)
             code = self.proc.exitcode
@@ -339,22 +276,10 @@ class _ProcessHandle(Handle):
         except RuntimeError:  # the driver's loop is closed (interpreter exit): nobody is waiting
             pass
 
-    def _settle(self, call_id: int, ok: bool, value: Any) -> None:
-        fut = self._pending.pop(call_id, None)
-        if fut is None or fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
     def _fail_all(self, why: str) -> None:
         if self._dead is None:
             self._dead = why
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(ActorDiedError(f"actor {self.name!r}: {why}"))
+        self._pending.fail_all(lambda: ActorDiedError(f"actor {self.name!r}: {why}"))  # one error each
 
     def _send(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
         try:
@@ -368,13 +293,13 @@ class _ProcessHandle(Handle):
             raise ActorDiedError(f"actor {self.name!r}: {self._dead}")
         call_id = next(self._ids)
         fut = self._loop.create_future()
-        self._pending[call_id] = fut
+        self._pending.add(call_id, fut)
         try:
             self._send(call_id, method, args, kwargs)
         except OSError as exc:  # the pipe broke: the process ended before its reader thread said so
             return await self._died_sending(call_id, fut, exc)
         except BaseException:
-            self._pending.pop(call_id, None)
+            self._pending.discard(call_id)
             raise
         return await fut
 
@@ -385,7 +310,7 @@ class _ProcessHandle(Handle):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), _DIED_REPORT_S)
         except asyncio.TimeoutError:
-            self._pending.pop(call_id, None)
+            self._pending.discard(call_id)
             raise ActorDiedError(f"actor {self.name!r}: its pipe is broken ({exc})") from exc
 
     async def stop(self, timeout_s: float = 10.0) -> None:
@@ -396,7 +321,7 @@ class _ProcessHandle(Handle):
             except Exception:  # noqa: BLE001 - a dead or stuck actor is ended below anyway
                 pass
             try:
-                self._send(-1, _STOP, (), {})
+                self._send(-1, STOP, (), {})
             except (OSError, ValueError):
                 pass
         await asyncio.get_running_loop().run_in_executor(None, self._end_process, timeout_s)
@@ -480,11 +405,11 @@ class RayRuntime(Runtime):
         self._actors: list[Any] = []
 
     def _ensure_ray(self) -> Any:
-        import ray
+        import ray  # ~0.75 s to import: only Ray runs pay it
 
         if not ray.is_initialized():
             if self.address is not None:
-                _join_ray_cluster(ray, self.address, self.connect_timeout_s)
+                join_ray_cluster(ray, self.address, self.connect_timeout_s)
             else:
                 ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
                 self._started_cluster = True
@@ -507,7 +432,7 @@ class RayRuntime(Runtime):
         return _RayHandle(name, actor, cls)
 
     async def stop(self, handle: Handle) -> None:
-        import ray
+        import ray  # ~0.75 s to import: only Ray runs pay it
 
         actor = handle.actor  # type: ignore[attr-defined]
         if not any(a is actor for a in self._actors):
@@ -520,7 +445,7 @@ class RayRuntime(Runtime):
         ray.kill(actor)
 
     async def shutdown(self) -> None:
-        import ray
+        import ray  # ~0.75 s to import: only Ray runs pay it
 
         actors, self._actors = self._actors, []
         if not ray.is_initialized():
@@ -534,149 +459,6 @@ class RayRuntime(Runtime):
         if self._started_cluster:
             ray.shutdown()
             self._started_cluster = False
-
-
-# Joining a cluster (``runtime.address``). ``ray.init`` retries an address that
-# refuses connections for minutes and waits on one that accepts but never answers
-# for longer, each ending in a traceback; it cannot be cancelled once started (its
-# GCS client retries in C++). So the address is checked first, from this thread,
-# under ``runtime.connect_timeout_s``, leaving nothing behind when it fails (one
-# socket, closed): ``auto`` resolved as Ray resolves it, a TCP connection, and the
-# answer a gRPC server (Ray's GCS) gives to the HTTP/2 preface. An explicit address
-# that answers is then asked for its cluster id, which says at once whether it is
-# a GCS and whether this process holds the cluster's token.
-
-_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
-_H2_SETTINGS = 0x04
-_CHECK_PORT = ("check that the head node is up and that this is its GCS address (`ray start --head` prints it; "
-               "port 6379 unless --port)")
-_CHECK_TOKEN = ("the cluster uses Ray's token authentication: set RAY_AUTH_MODE=token and give this process the "
-                "cluster's token (`ray get-auth-token` on the head prints it) in ~/.ray/auth_token, "
-                "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
-
-
-def _join_ray_cluster(ray: Any, address: str, timeout_s: float) -> None:
-    """``ray.init(address=address)`` after checking, within ``timeout_s``, that a Ray
-    cluster answers there; a ``ConnectionError`` of one line naming the address and
-    what to check when none does (nothing is started, nothing left running)."""
-    target = _resolve_ray_address(address)
-    from_env = address == "auto" and bool(os.environ.get("RAY_ADDRESS"))
-    label = ("runtime.address" if address != "auto" or target is None else
-             f"runtime.address=auto (RAY_ADDRESS={target})" if from_env else
-             f"runtime.address=auto (found {target})")
-    if target is not None:
-        _probe_ray_address(target, timeout_s, label)
-        # ray.init turns token auth on by itself (a token file, RAY_AUTH_MODE unset) only for an
-        # 'auto' it resolves without RAY_ADDRESS: this check would not see that, ray.init reports it
-        if (address != "auto" or from_env) and "://" not in target:
-            _check_gcs(target, label)
-    try:
-        ray.init(address=address, log_to_driver=False)
-    except Exception as err:  # noqa: BLE001 - whatever Ray raises, the user gets one line naming the address
-        try:
-            ray.shutdown()  # a half-made connection (ray.init failed midway)
-        except Exception:  # noqa: BLE001
-            pass
-        raise ConnectionError(_join_failed(label, target or address, err)) from None
-
-
-def _resolve_ray_address(address: str) -> str | None:
-    """The ``host:port`` (or ``ray://host:port``) that ``ray.init(address=address)``
-    would join; ``None`` when it cannot be told here (another Ray version: ray.init
-    decides). ``auto`` with no cluster to join is a ``ConnectionError``: Ray would
-    raise one too; with ``RAY_ADDRESS=local`` Ray would start a cluster instead."""
-    if address != "auto":
-        return address
-    try:
-        from ray._private.services import get_ray_address_from_environment
-    except ImportError:
-        return None
-    env = os.environ.get("RAY_ADDRESS") or None
-    if env == "local":
-        raise ConnectionError("runtime.address=auto: RAY_ADDRESS=local asks Ray to start a new cluster, not to join "
-                              "one; set RAY_ADDRESS to the head's host:port or unset it (or leave runtime.address "
-                              "unset to start a cluster for this run)")
-    try:
-        return get_ray_address_from_environment("auto", None)
-    except ConnectionError:
-        raise ConnectionError("runtime.address=auto: no running Ray cluster found on this machine (RAY_ADDRESS is "
-                              "unset and no Ray node runs here); start one with `ray start --head`, set "
-                              "runtime.address to the head's host:port, or leave runtime.address unset to start "
-                              "a cluster for this run") from None
-
-
-def _probe_ray_address(address: str, timeout_s: float, label: str = "runtime.address") -> None:
-    """``ConnectionError`` naming ``address`` unless something there accepts a TCP
-    connection and answers the HTTP/2 preface as a gRPC server does (Ray's GCS, or
-    the Ray Client server for ``ray://``), all within ``timeout_s``. With Ray's TLS
-    on (``RAY_USE_TLS``) only the connection is checked."""
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
-    if not sep or not port.isdigit():
-        return  # not host:port: ray.init says what is wrong with it
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-    except TimeoutError:
-        raise ConnectionError(f"{label}: no Ray cluster answers at {address} (no connection within {timeout_s:g} s, "
-                              f"runtime.connect_timeout_s); check the host name and that no firewall drops the port; "
-                              f"{_CHECK_PORT}") from None
-    except OSError as err:
-        raise ConnectionError(f"{label}: no Ray cluster answers at {address} "
-                              f"({err.strerror or type(err).__name__}); {_CHECK_PORT}") from None
-    with sock:
-        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-            return
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(_H2_PREFACE)
-            head = b""
-            while len(head) < 9 and (chunk := sock.recv(9 - len(head))):
-                head += chunk
-        except TimeoutError:
-            raise ConnectionError(f"{label}: {address} accepted a connection but did not answer within {timeout_s:g} s "
-                                  f"(runtime.connect_timeout_s); {_CHECK_PORT}, and not another service's "
-                                  f"or an overloaded head's") from None
-        except OSError as err:
-            head = f"({err.strerror or type(err).__name__})".encode()
-    if len(head) < 9 or head[3] != _H2_SETTINGS:
-        what = "closed the connection" if not head else f"answered {head[:9]!r}"
-        raise ConnectionError(f"{label}: something listens at {address} but it is not a Ray cluster (it {what}, "
-                              f"not as Ray's gRPC); {_CHECK_PORT}")
-
-
-def _check_gcs(address: str, label: str) -> None:
-    """Ask the GCS at ``address`` (which answered the probe) for its cluster id, as
-    ``ray.init`` does first: a refused token or a gRPC server that is not a GCS is
-    one line now (``ray.init`` would retry it for ~20 s and then name neither)."""
-    try:
-        from ray._raylet import GcsClient
-        from ray.exceptions import AuthenticationError, RpcError
-    except ImportError:
-        return
-    try:
-        GcsClient(address=address)
-    except AuthenticationError:
-        raise ConnectionError(f"{label}: the Ray cluster at {address} refused this process's token (none or "
-                              f"another); {_CHECK_TOKEN}") from None
-    except RpcError as err:
-        if "not found" in str(err).lower() or "unimplemented" in str(err).lower():
-            raise ConnectionError(f"{label}: {address} answers gRPC but is not a Ray GCS (a Ray Client port? join "
-                                  f"that as ray://{address}); {_CHECK_PORT}") from None
-    except Exception:  # noqa: BLE001 - ray.init tries again and reports it
-        pass
-
-
-def _join_failed(label: str, address: str, err: BaseException) -> str:
-    """One line for a ``ray.init`` that failed after the checks."""
-    chain, e = [], err
-    while e is not None and len(chain) < 10:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    text = " ".join(" ".join(f"{type(e).__name__}: {e}" for e in chain).split())
-    if any(type(e).__name__ == "AuthenticationError" for e in chain) or "InvalidAuthToken" in text:
-        return f"{label}: the Ray cluster at {address} refused this process's token (none or another); {_CHECK_TOKEN}"
-    first = " ".join(str(err).split()) or type(err).__name__
-    return f"{label}: joining the Ray cluster at {address} failed ({type(err).__name__}: {first[:300]}); {_CHECK_PORT}"
 
 
 def make_runtime(type: str, *, address: str | None = None, num_cpus: int | None = None,

@@ -7,28 +7,16 @@ run directory) is in ``tests/test_launch_errors.py``."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
 import pytest
 
-from actors.runtime import _check_gcs, _probe_ray_address, make_runtime
+from actors.ray_address import _check_gcs, _probe_ray_address
+from actors.runtime import make_runtime
+from tests.helpers import free_port, silent_listener
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def silent_listener() -> socket.socket:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    return s
 
 
 def os_threads() -> int:
@@ -46,27 +34,13 @@ def child_pids() -> set[int]:
     return pids
 
 
-@pytest.fixture
-def no_ray_cluster_here(monkeypatch):
-    """Ray's ``auto`` discovery finds nothing (other processes here may run Ray)."""
-    import ray._private.services as services
-
-    def none_found() -> frozenset:
-        return frozenset()
-
-    none_found.cache_clear = lambda: None
-    monkeypatch.setattr(services, "find_gcs_addresses", none_found)
-    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-
-
 @pytest.mark.parametrize("case", ["refused", "silent", "auto_none"])
 def test_a_failed_join_is_one_line_within_the_timeout_and_leaves_nothing_running(case, request):
     import ray
 
     assert not ray.is_initialized()
     listener = silent_listener()
-    address = {"refused": f"127.0.0.1:{closed_port()}", "silent": f"127.0.0.1:{listener.getsockname()[1]}",
+    address = {"refused": f"127.0.0.1:{free_port()}", "silent": f"127.0.0.1:{listener.getsockname()[1]}",
                "auto_none": "auto"}[case]
     if case == "auto_none":
         request.getfixturevalue("no_ray_cluster_here")

@@ -65,6 +65,7 @@ __all__ = [
     "AuthenticationFailed",
     "FrameTooLarge",
     "PeerLost",
+    "PendingReplies",
     "RpcClient",
     "RpcServer",
     "oob",
@@ -148,6 +149,40 @@ async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> Any:
     body = await reader.readexactly(size)
     buffers = [await reader.readexactly(n) for n in sizes]
     return pickle.loads(body, buffers=buffers)
+
+
+class PendingReplies:
+    """The futures of the calls in flight on one connection, by call id: a reply
+    settles its own call's (one its caller stopped waiting for is left be); a lost
+    connection fails them all. Calls are answered in any order. Used by this
+    module's client and by ``actors/runtime.py``'s process handles."""
+
+    def __init__(self) -> None:
+        self._futures: dict[int, asyncio.Future] = {}
+
+    def add(self, call_id: int, fut: asyncio.Future) -> None:
+        self._futures[call_id] = fut
+
+    def discard(self, call_id: int) -> None:
+        """Forget ``call_id`` (its caller stopped waiting, or the call was never sent)."""
+        self._futures.pop(call_id, None)
+
+    def settle(self, call_id: int, ok: bool, value: Any) -> None:
+        """The reply to ``call_id``: its result when ``ok``, else the exception it raised."""
+        fut = self._futures.pop(call_id, None)
+        if fut is None or fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        """The connection is gone: every call still waiting raises ``error()``."""
+        futures, self._futures = self._futures, {}
+        for fut in futures.values():
+            if not fut.done():
+                fut.set_exception(error())
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -277,7 +312,7 @@ class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
                  max_frame_bytes: int) -> None:
         self.writer, self.name, self.max_frame_bytes = writer, name, max_frame_bytes
-        self.pending: dict[int, asyncio.Future] = {}
+        self.pending = PendingReplies()
         self.closed: BaseException | None = None
         self.reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader))
 
@@ -287,21 +322,12 @@ class _Connection:
                 rid, ok, value = await _read_frame(reader, self.max_frame_bytes)
                 if rid == _NO_REPLY and not ok:  # the server refused this connection (e.g. a frame too large)
                     raise value
-                fut = self.pending.pop(rid, None)
-                if fut is None or fut.done():
-                    continue
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
+                self.pending.settle(rid, ok, value)
         except BaseException as e:  # EOF, a reset, or the loop going away: fail every call in flight
             self.closed = PeerLost(f"lost the connection to {self.name} ({type(e).__name__}: {e})")
             # a frame over a bound (ours, or the server's notice) fails the calls in flight as itself
             error = FrameTooLarge(f"{self.name}: {e}") if isinstance(e, FrameTooLarge) else self.closed
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(error)
-            self.pending.clear()
+            self.pending.fail_all(lambda: error)  # one error, the same for every call
             self.writer.close()
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -385,12 +411,12 @@ class RpcClient:
         conn = await self._connection()
         rid = self._ids()
         fut = asyncio.get_running_loop().create_future()
-        conn.pending[rid] = fut
+        conn.pending.add(rid, fut)
         try:
             await self._write(conn, (rid, method, args))
             return await fut
         finally:
-            conn.pending.pop(rid, None)
+            conn.pending.discard(rid)
 
     async def send(self, method: str, *args: Any) -> None:
         """``method(*args)`` on the actor without waiting for (or getting) its answer."""

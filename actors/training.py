@@ -1,0 +1,209 @@
+"""The training loop of a :class:`~actors.run.Run`: ``train`` (blocking: notebooks
+and the command line), ``train_async`` (code on an event loop), and the ways a
+train call ends early. An interrupt (a KeyboardInterrupt, a notebook's stop button,
+a cancelled ``train_async``) ends it at the next step boundary, and the run can
+train again at once; a stop request (the command line's SIGTERM / SIGINT) writes a
+checkpoint after the step in progress and raises :class:`RunStopped`; a step that
+does not finish within ``run.watchdog_s`` raises ``NoProgressError``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import signal
+import time
+from typing import Any
+
+import loop
+from actors import notebook
+from actors.config import Config, checkpoint_every
+from policies.base import NoProgressError
+
+__all__ = ["RunStopped", "TrainCall", "Training"]
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on a signal (SIGTERM, SIGINT) after writing a checkpoint."""
+
+    def __init__(self, signum: int, step: int, path: pathlib.Path, run_dir: pathlib.Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path} "
+                         f"(continue with: python -m actors.launch --resume {run_dir})")
+        self.signum, self.step, self.checkpoint = signum, step, path
+
+
+class TrainCall:
+    """One train call's stop request: set from any thread (a KeyboardInterrupt in
+    the caller's, a cancelled ``train_async``), read at the call's step boundaries.
+    Per call, so a request that arrives late never stops the next call."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.task: asyncio.Task[Any] | None = None  # on the run's loop, once it runs
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+
+_WAKE_S = 0.1  # how often train_async's caller wakes while it waits
+
+
+class Training:
+    """The part of :class:`~actors.run.Run` that trains it. Uses the run's ``cfg``,
+    ``policy``, ``dir``, ``_metrics_file``, its ``_checkpoint`` (``actors/resume.py``)
+    and the state below, which the run's constructor sets."""
+
+    cfg: Config
+    policy: Any
+    dir: pathlib.Path
+    history: list[dict[str, Any]]
+    initial_eval: dict[str, Any] | None
+    resumed_from: pathlib.Path | None
+    last_checkpoint: pathlib.Path | None
+    _metrics_file: Any
+    _resume_step: int
+    _stop_signal: int | None
+    _train_call: TrainCall | None
+    _closed: bool
+
+    def train(self, steps: int | None = None) -> notebook.TrainResult:
+        """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``;
+        more than the rest raises ``run.total_steps`` to match, with a one-line notice);
+        returns their records, a list whose repr is one line (:class:`~actors.notebook.TrainResult`).
+        Blocks; in code already on an event loop use :meth:`train_async`. A
+        KeyboardInterrupt (Ctrl-C, a notebook's stop button) stops training at the next
+        step boundary (:meth:`interrupt`), then is raised: the run can train again at once."""
+        steps = self._steps(steps)
+        if loop.in_loop():
+            raise RuntimeError("run.train() would block the loop the run lives on: `await run.train_async(steps)`")
+        if self._train_call is None:  # a second call at once is refused: it must not move the budget
+            notebook.extend_total_steps(self.cfg.run, self.policy.step, steps)
+        call, t0 = TrainCall(), time.perf_counter()
+        try:
+            records = loop.run(self._train_alone(steps, call), on_interrupt=call.interrupt)
+        except KeyboardInterrupt:
+            if not call.interrupted:  # raised by a SIGINT handler of the caller's own, mid-step
+                raise
+            raise KeyboardInterrupt(f"training stopped after step {self.policy.step}; the run can train again") from None
+        return notebook.TrainResult(records, total_steps=self.cfg.run.total_steps, wall_s=time.perf_counter() - t0)
+
+    async def train_async(self, steps: int | None = None) -> notebook.TrainResult:
+        """:meth:`train` for code on an event loop (a notebook cell with ``await``):
+        the steps run on the run's loop (the caller's own, or a background thread's).
+        Cancelling it (a notebook's stop button cancels the cell) stops training at
+        the next step boundary as an interrupt does, then CancelledError propagates."""
+        steps = self._steps(steps)
+        if self._train_call is None:  # a second call at once is refused: it must not move the budget
+            notebook.extend_total_steps(self.cfg.run, self.policy.step, steps)
+        call, t0 = TrainCall(), time.perf_counter()
+        work = self._train_alone(steps, call)
+        if loop.in_loop():
+            running: asyncio.Future[list[dict[str, Any]]] = asyncio.ensure_future(work)
+        else:
+            running = asyncio.wrap_future(loop.submit(work))
+        try:  # a cancel reaches this wait only, never a step (asyncio.wait leaves ``running`` be)
+            while not running.done():
+                # wake now and then: Jupyter's stop button cancels this task from a signal
+                # handler that does not wake the loop (ipykernel 7 on tornado)
+                await asyncio.wait([running], timeout=_WAKE_S)
+        except asyncio.CancelledError:
+            call.interrupt()
+            while not running.done():
+                try:
+                    await asyncio.wait([running])
+                except asyncio.CancelledError:  # cancelled again: the step in progress still ends first
+                    pass
+            if not running.cancelled() and running.exception() is not None:
+                raise running.exception() from None
+            raise asyncio.CancelledError(f"training stopped after step {self.policy.step}; the run can train "
+                                         "again") from None
+        return notebook.TrainResult(running.result(), total_steps=self.cfg.run.total_steps,
+                                    wall_s=time.perf_counter() - t0)
+
+    def interrupt(self) -> None:
+        """Stop the train call in progress at the next step boundary: the step being
+        taken finishes (its push too: no engine is left paused), its record is
+        written, and the call ends. Safe from any thread and from a signal handler;
+        a no-op between calls."""
+        call = self._train_call
+        if call is not None:
+            call.interrupt()
+
+    def _steps(self, steps: int | None) -> int:
+        if self._closed:
+            raise RuntimeError("this run is closed")
+        remaining = self.cfg.run.total_steps - self.policy.step
+        return max(0, remaining) if steps is None else steps
+
+    async def _train_alone(self, steps: int, call: TrainCall) -> list[dict[str, Any]]:
+        """:meth:`_train` as ``call``, one call at a time (two would step one trainer at once)."""
+        if self._train_call is not None:
+            raise RuntimeError("this run is training already (one train call at a time; run.interrupt() stops it)")
+        self._train_call, call.task = call, asyncio.current_task()
+        try:
+            return await self._train(steps, call)
+        finally:
+            self._train_call = None
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop after the step in progress: write a checkpoint, then ``train``
+        raises :class:`RunStopped` naming it (the command line's SIGTERM / SIGINT)."""
+        self._stop_signal = signum
+
+    async def _train(self, steps: int, call: TrainCall) -> list[dict[str, Any]]:
+        bar = None
+        if self.cfg.run.progress:
+            bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
+        out: list[dict[str, Any]] = []
+        unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
+        if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
+            self.initial_eval = {"step": 0, **await self.policy.evaluate()}
+            self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
+        every = checkpoint_every(self.cfg)
+        try:
+            for _ in range(steps):
+                if call.interrupted:  # a step boundary: nothing of this call runs on after it
+                    break
+                (m,) = await self._watched(self.policy.train(1))
+                if self.resumed_from is not None and m["step"] == self._resume_step + 1:
+                    m["resumed_from"] = str(self.resumed_from.relative_to(self.dir))
+                if unwritten is not None:
+                    await self.policy.settle(unwritten["step"])  # its push (if still running) fills it in
+                    self._metrics_file.write(json.dumps(unwritten) + "\n")
+                unwritten = m
+                self.history.append(m)
+                out.append(m)
+                if self._stop_signal is not None or (every and m["step"] % every == 0):
+                    await self.policy.settle()  # the checkpoint holds the pushed weights' version
+                    self._metrics_file.write(json.dumps(unwritten) + "\n")
+                    unwritten = None
+                    await self._checkpoint()
+                    if self._stop_signal is not None:
+                        assert self.last_checkpoint is not None
+                        raise RunStopped(self._stop_signal, m["step"], self.last_checkpoint, self.dir)
+                if bar is not None:
+                    bar.set_postfix(reward=f"{m['reward']:.3f}", stale=f"{m['staleness_mean']:.2f}",
+                                    sps=f"{m['samples_per_s']:.1f}", refresh=False)
+                    bar.update(1)
+            await self.policy.settle()  # the last push ends before this loop stops
+        finally:
+            if unwritten is not None:
+                self._metrics_file.write(json.dumps(unwritten) + "\n")
+            if bar is not None:
+                bar.close()
+        return out
+
+    async def _watched(self, step: Any) -> Any:
+        """Await one trainer step; past ``run.watchdog_s`` stop it and raise
+        ``NoProgressError`` with what each part of the run was waiting on."""
+        limit = self.cfg.run.watchdog_s
+        if not limit:
+            return await step
+        task = asyncio.ensure_future(step)
+        done, _ = await asyncio.wait([task], timeout=limit)
+        if done:
+            return task.result()
+        waiting = await self.policy.waiting_on()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise NoProgressError(f"no trainer step finished in {limit:g} s (run.watchdog_s): {waiting}")

@@ -1,0 +1,157 @@
+"""How a :class:`~actors.run.Run` is composed from its config: the runtime, the
+TransferQueue, the trainer worker(s) and the rollout actors (each holding a queue
+client), the weight link chosen by where they were placed, and the policy, which
+drives them through their handles (control only). The policy math the actors run
+(loss, advantages, task and reward, the resume-budget rule) is injected here as
+module-level callables, which pickle by reference into any runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import pathlib
+from typing import Any
+
+import msgspec
+import torch
+
+from actors.config import Config
+from actors.rollout import RolloutActor
+from actors.runtime import make_runtime
+from actors.trainer import TrainerActor, TrainerGroup
+import policies.losses
+import policies.tasks
+from contracts.rollout import SamplingParams
+from policies import make_policy
+from policies.advantages import grpo_advantages
+from policies.partial import absorb, next_request
+from sync.link import TrainerLink, weight_sync_fn
+from transfer_queue import TransferQueue
+from transfer_queue.served import QueueHost, ServedDeployment, new_secret
+
+__all__ = ["Wiring"]
+
+
+class Wiring:
+    """The part of :class:`~actors.run.Run` that composes it: ``_setup``, awaited once
+    by its constructor, reads the run's ``cfg``, ``model_path`` and ``_task_data`` and
+    sets its ``runtime``, ``queue``, ``weight_transport`` and ``policy``."""
+
+    cfg: Config
+    model_path: str
+    _task_data: dict[str, Any]
+    runtime: Any
+    queue: Any
+    weight_transport: str
+    policy: Any
+
+    async def _setup(self) -> None:
+        """Compose the run: runtime, queue, actors (each holding a queue client),
+        the weight link chosen by placement, the policy (control only)."""
+        cfg = self.cfg
+        make_task_fn = functools.partial(policies.tasks.make_task, cfg.task.type, model_path=self.model_path,
+                                         reward_timeout_s=cfg.policy.reward_timeout_s, **self._task_kwargs())
+        task = make_task_fn()
+        if cfg.policy.eval_every:  # a task without held-out prompts fails here, not at the first evaluation
+            task.eval_prompts(cfg.policy.eval_prompts)
+        # A cluster we start gets at least one logical CPU per actor, so a
+        # laptop with fewer cores than actors still places them all (oversubscribed).
+        num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
+        self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus,
+                                    connect_timeout_s=cfg.runtime.connect_timeout_s)
+        if cfg.runtime.type == "local":
+            torch.set_num_threads(1)
+        self.queue = await self._make_queue()
+        trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
+        n = cfg.trainer.num_workers
+        group_init = TrainerLink.rendezvous() if n > 1 else None  # the workers' own group meets here
+        workers = await asyncio.gather(*(self.runtime.spawn(  # together: their setup joins one group
+            TrainerActor, name="trainer" if n == 1 else f"trainer-{rank}", num_cpus=1, num_gpus=trainer_gpus,
+            trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
+            model_path=self.model_path, seed=cfg.run.seed, loss=policies.losses.make_loss_from_config(cfg.trainer),
+            advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
+            torch_threads=1, rank=rank, world_size=n, group_init=group_init) for rank in range(n)))
+        trainer = workers[0] if n == 1 else TrainerGroup(list(workers))
+        r = cfg.rollout
+        engine_gpus, engine_device = self._placement(r.engine.device)
+        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  stop_token_ids=tuple(task.stop_token_ids))
+        async def spawn_rollout(i: int) -> Any:
+            return await self.runtime.spawn(
+                RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
+                engine=msgspec.structs.replace(r.engine, device=engine_device), model_path=self.model_path,
+                seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
+                max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
+                next_request=next_request, absorb=absorb, queue=self.queue,
+                reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
+
+        rollouts = [await spawn_rollout(i) for i in range(r.num_actors)]
+        self.weight_transport = await self._open_weight_link(trainer, rollouts)
+        replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
+
+        async def respawn_rollout(dead: Any) -> Any:
+            """A new rollout actor for ``dead`` (its process ended: what the driver
+            still holds for it is let go), its weight link open; the policy joins
+            it to the broadcast group and pushes it the weights."""
+            await self.runtime.stop(dead)
+            new = await spawn_rollout(next(replacement_index))
+            await new.open_weight_link(self.weight_transport)
+            return new
+
+        weight_sync = weight_sync_fn(self.weight_transport, cfg.sync.colocated)
+        self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
+                                  weight_sync=weight_sync,
+                                  respawn_rollout=respawn_rollout if r.max_respawns else None)
+
+    def _task_kwargs(self) -> dict[str, Any]:
+        """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
+        relative one is tried against the config file's directory, then the current
+        one, as ``model.path`` is (actors in other processes may run elsewhere)."""
+        kwargs = {**self.cfg.task.kwargs, **self._task_data}
+        for key in ("path", "eval_path"):
+            value = kwargs.get(key)
+            if isinstance(value, str) and value and not pathlib.Path(value).expanduser().is_absolute():
+                near_config = pathlib.Path(self.cfg.base_dir) / value
+                kwargs[key] = str((near_config if near_config.exists() else pathlib.Path.cwd() / value).resolve())
+        return kwargs
+
+    async def _make_queue(self) -> Any:
+        """The TransferQueue and the driver's client of it. Under ``process`` and
+        ``ray`` the ``local`` deployment lives in a queue-host actor, not here:
+        the driver only sends control calls (statistics, close)."""
+        q = self.cfg.transfer_queue
+        if self.cfg.runtime.type == "local" or q.deployment == "ray":
+            if q.deployment == "ray":
+                self.runtime.connect()  # the queue's actors join the cluster the runtime uses
+            return await TransferQueue.create(q)
+        secret = new_secret()
+        host = await self.runtime.spawn(QueueHost, q, secret, name="transfer-queue", num_cpus=0)
+        return TransferQueue(q, ServedDeployment(await host.address(), secret, q.rpc_limits))
+
+    async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
+        """Pick the weight transport from where the actors run (``sync.transport``
+        can force one) and open it at both ends; returns its name."""
+        from sync.link import choose_transport
+
+        where = await asyncio.gather(trainer.placement(), *(h.placement() for h in rollouts))
+        kind = choose_transport(where[0], list(where[1:]), self.cfg.sync.transport)
+        init = await trainer.open_weight_link(kind)
+        await asyncio.gather(*(h.open_weight_link(kind) for h in rollouts))
+        if kind == "dist":
+            backend = self.cfg.sync.backend
+            if backend == "auto":
+                backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
+            n = self.cfg.trainer.num_workers  # ranks 0..n-1: the trainer workers, each sends its shards
+            world = n + len(rollouts)
+            await asyncio.gather(trainer.join_weight_group(init, world, backend),
+                                 *(h.join_weight_group(init, n + i, world, backend, n) for i, h in enumerate(rollouts)))
+        return kind
+
+    def _placement(self, device: str) -> tuple[float, str]:
+        """Ray GPUs to reserve for an actor on ``device``, and the device name
+        inside it (Ray shows an actor only its own GPUs, as cuda:0)."""
+        if self.cfg.runtime.type != "ray" or not device.startswith("cuda"):
+            return 0, device
+        return (0.5 if self.cfg.sync.colocated else 1), "cuda"
