@@ -41,10 +41,15 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 
+from actors.engines import EngineConfig, RolloutEngine, make_engine
 from actors.runtime import Actor, quiet_transformers
+from contracts.placement import Placement, placement as placement_of
 from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, RolloutCounts, SamplingParams
 from contracts.sample import Sample, pack_tokens
+from sync.link import EngineLink, digest_named
+from transfer_queue.client import TransferQueue
 
 __all__ = ["RolloutActor"]
 
@@ -77,19 +82,19 @@ class RolloutActor(Actor):
     ``absorb(sample, output, budget)`` are the resume-budget rule; ``queue``:
     the TransferQueue client finished groups go to."""
 
-    def __init__(self, *, engine: Any, model_path: str, seed: int, make_task: Callable[[], Any],
+    def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
-                 next_request: Callable[..., Any], absorb: Callable[..., bool], queue: Any,
+                 next_request: Callable[..., Any], absorb: Callable[..., bool], queue: TransferQueue,
                  reward_timeout_s: float = 30.0, torch_threads: int | None = None) -> None:
         self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
         self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens
         self.partial_rollout, self.reward_timeout_s = partial_rollout, reward_timeout_s
         self._next_request, self._absorb, self.queue = next_request, absorb, queue
         self.torch_threads = torch_threads
-        self.engine: Any = None
-        self.task: Any = None
+        self.engine: RolloutEngine | None = None
+        self.task: Any = None  # the policy's task (policies.tasks): its reward(meta, response_ids)
         self._running: asyncio.Event | None = None
-        self._link: Any = None  # sync.link.EngineLink once the transport is known
+        self._link: EngineLink | None = None  # once the transport is known
         self._link_group: tuple[str, int] | None = None  # (backend, sources) of the broadcast group joined
         self.num_reward_errors = 0  # timeouts included
         self._scoring = asyncio.Lock()  # rewards run one at a time (one worker thread), each timed on its own
@@ -100,10 +105,6 @@ class RolloutActor(Actor):
         self.dropped: Counter[str] = Counter()
 
     async def setup(self) -> None:
-        import torch  # imported here so the first call is not slow (Ray actors)
-
-        from actors.engines import make_engine
-
         quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
@@ -243,14 +244,10 @@ class RolloutActor(Actor):
             return False
         return await self.engine.stage_weights(handle)
 
-    async def placement(self) -> Any:
-        from contracts.placement import placement
-
-        return placement(str(self.engine_cfg.device))
+    async def placement(self) -> Placement:
+        return placement_of(str(self.engine_cfg.device))
 
     async def open_weight_link(self, kind: str) -> None:
-        from sync.link import EngineLink
-
         self._link, self._link_group = EngineLink(kind), None
 
     async def join_weight_group(self, init_method: str, rank: int, world_size: int, backend: str,
@@ -271,8 +268,6 @@ class RolloutActor(Actor):
 
     async def weights_digest(self) -> dict[str, str]:
         """sha256 of every weight the engine holds, by HF name (for bit-exactness checks)."""
-        from sync.link import digest_named
-
         return await self.blocking(digest_named, self.engine.named_weights())
 
     async def reset_prefix_cache(self) -> None:
@@ -283,8 +278,8 @@ class RolloutActor(Actor):
 
     async def statistics(self) -> dict[str, Any]:
         """The engine's counters and step timings (when it keeps them), and this actor's."""
-        stats = getattr(self.engine, "statistics", None)
-        return {**(stats() if stats else {}), "num_reward_errors": self.num_reward_errors,
+        engine = {} if self.engine is None else self.engine.statistics()
+        return {**engine, "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()

@@ -18,14 +18,28 @@ Endpoints (all async; the work runs on the actor's worker thread):
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import torch
+import torch.distributed as dist
+
+from actors.backends import Loss, TrainerBackend, TrainerConfig, make_backend
 from actors.backends.flops import FlopsModel, peak_flops
 from actors.runtime import Actor, quiet_transformers
+from contracts.handles import TrainerWorkerHandle
+from contracts.placement import Placement, placement as placement_of
 from contracts.sample import Sample, batch_stats
 from contracts.training import BatchRequest, StepReport
+from contracts.weights import ShardSpec, WeightUpdate, merge_updates
+from sync import SyncConfig, WeightSender
+from sync.link import TrainerLink, digest_named
+from transfer_queue.client import TransferQueue
 
 __all__ = ["TrainerActor", "TrainerGroup", "assemble_shards", "merge_reports"]
 
@@ -38,8 +52,8 @@ class TrainerActor(Actor):
     advantage estimator (policy math, injected); ``queue``: the TransferQueue
     client batches come from."""
 
-    def __init__(self, *, trainer: Any, sync: Any, model_path: str, seed: int, loss: Any,
-                 advantages: Callable[..., Any], queue: Any, engine_dtype: str,
+    def __init__(self, *, trainer: TrainerConfig, sync: SyncConfig, model_path: str, seed: int, loss: Loss,
+                 advantages: Callable[..., torch.Tensor], queue: TransferQueue, engine_dtype: str,
                  torch_threads: int | None = None, rank: int = 0, world_size: int = 1,
                  group_init: str | None = None) -> None:
         self.trainer_cfg, self.sync_cfg, self.model_path, self.seed = trainer, sync, model_path, seed
@@ -47,29 +61,18 @@ class TrainerActor(Actor):
         self.torch_threads = torch_threads
         # data parallel (trainer.num_workers > 1): this worker's rank in the trainers' group
         self.rank, self.world_size, self.group_init = rank, world_size, group_init
-        self.backend: Any = None
-        self.sender: Any = None
-        self._link: Any = None  # sync.link.TrainerLink once the transport is known
+        self.backend: TrainerBackend | None = None
+        self.sender: WeightSender | None = None
+        self._link: TrainerLink | None = None  # once the transport is known
 
     async def setup(self) -> None:
         await self.blocking(self._setup)
 
     def _setup(self) -> None:
-        import torch
-
-        from actors.backends import make_backend
-        from sync import WeightSender
-
         quiet_transformers()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if self.world_size > 1:  # the trainers' own group: the backend shards over it (FSDP2)
-            import datetime
-
-            import torch.distributed as dist
-
-            import msgspec
-
             device = str(self.trainer_cfg.device)
             if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU a worker (Ray shows each its own)
                 device = f"cuda:{self.rank % torch.cuda.device_count()}"
@@ -115,8 +118,6 @@ class TrainerActor(Actor):
                           metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}})
 
     def _train_step(self, samples: list[Sample]) -> dict[str, float]:
-        import torch
-
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         index: dict[str, int] = {}
         groups = torch.tensor([index.setdefault(s.group_id, len(index)) for s in samples])
@@ -133,16 +134,12 @@ class TrainerActor(Actor):
 
     # -- the weight link ------------------------------------------------------
 
-    async def placement(self) -> Any:
-        from contracts.placement import placement
-
-        return placement(str(self.backend.device))
+    async def placement(self) -> Placement:
+        return placement_of(str(self.backend.device))
 
     async def open_weight_link(self, kind: str) -> str | None:
         """Publish updates over transport ``kind``; for ``dist``, returns the
         rendezvous address on this node that every member joins."""
-        from sync.link import TrainerLink
-
         self._link = TrainerLink(kind, self.backend.device)
         return TrainerLink.rendezvous() if kind == "dist" else None
 
@@ -151,11 +148,11 @@ class TrainerActor(Actor):
         sends its shards in rank order; with every rollout actor at once)."""
         await self.blocking(self._link.join, init_method, world_size, backend, self.rank, self.world_size)
 
-    async def weight_update(self) -> Any:
+    async def weight_update(self) -> WeightUpdate | None:
         """The update that brings the engines to this trainer's current version, published."""
         return await self.blocking(self._weight_update)
 
-    def _weight_update(self) -> Any:
+    def _weight_update(self) -> WeightUpdate | None:
         weights, specs = self.backend.named_weights(), self.backend.shard_specs()
         if specs is not None:  # this worker's shards: the engines merge every worker's update
             weights = [(name, t, specs[name]) for name, t in weights.items()]
@@ -177,17 +174,15 @@ class TrainerActor(Actor):
         """Measured cost of the last sync (``sync.mode=auto`` picks full or delta from it)."""
         self.sender.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
 
-    async def revert_update(self) -> Any:
+    async def revert_update(self) -> WeightUpdate | None:
         """The update that takes engines back to the previous version after a failed push."""
         return self._link.publish(await self.blocking(self.sender.revert_update))
 
     async def weights_digest(self, dtype: str) -> dict[str, str]:
         """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
-        from sync.link import digest_named
-
         return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 
-    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, ShardSpec] | None]:
         """This worker's weights in ``dtype`` (its shards, on the host) and their shard specs (for checks)."""
         weights = await self.blocking(self.backend.named_weights, dtype)
         return {k: v.detach().cpu() for k, v in weights.items()}, self.backend.shard_specs()
@@ -204,10 +199,6 @@ class TrainerActor(Actor):
         await self.blocking(self._save_state, path)
 
     def _save_state(self, path: str) -> None:
-        import pathlib
-
-        import torch
-
         self.backend.save(path)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -221,10 +212,6 @@ class TrainerActor(Actor):
         await self.blocking(self._load_state, path)
 
     def _load_state(self, path: str) -> None:
-        import pathlib
-
-        import torch
-
         self.backend.load(path)
         rng_file = pathlib.Path(path) / f"rng-rank{self.rank}.pt"
         if rng_file.is_file():
@@ -245,30 +232,26 @@ class TrainerGroup:
     its own shards, merged (``contracts.weights.merge_updates``); over ``dist``
     the workers broadcast in rank order and each engine merges what it got."""
 
-    def __init__(self, workers: list[Any]) -> None:
+    def __init__(self, workers: list[TrainerWorkerHandle]) -> None:
         self.workers = workers
 
     async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        import asyncio
-
         return list(await asyncio.gather(*(getattr(w, method)(*args, **kwargs) for w in self.workers)))
 
     async def train_step(self, request: BatchRequest) -> StepReport:
-        import msgspec
-
         share = msgspec.structs.replace(request, batch_size=request.batch_size // len(self.workers))
         return merge_reports(await self._all("train_step", share))
 
-    async def weight_update(self) -> Any:
+    async def weight_update(self) -> WeightUpdate | None:
         return _merged(await self._all("weight_update"))
 
-    async def revert_update(self) -> Any:
+    async def revert_update(self) -> WeightUpdate | None:
         return _merged(await self._all("revert_update"))
 
     async def get_version(self) -> int:
         return await self.workers[0].get_version()
 
-    async def placement(self) -> Any:
+    async def placement(self) -> Placement:
         return await self.workers[0].placement()
 
     async def open_weight_link(self, kind: str) -> str | None:
@@ -303,15 +286,11 @@ class TrainerGroup:
 
     async def weights_digest(self, dtype: str) -> dict[str, str]:
         """sha256 of every full weight (the workers' shards assembled), by HF name."""
-        from sync.link import digest_named
-
         parts = await self._all("local_weights", dtype)
         return digest_named(assemble_shards(parts))
 
 
-def _merged(handles: list[Any]) -> Any:
-    from contracts.weights import merge_updates
-
+def _merged(handles: list[WeightUpdate | None]) -> WeightUpdate | None:
     return None if handles[0] is None else merge_updates(handles)
 
 
@@ -340,10 +319,8 @@ def merge_reports(reports: list[StepReport]) -> StepReport:
                       dropped=dropped, metrics=metrics)
 
 
-def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> dict[str, Any]:
+def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, Any]:
     """Full tensors from every worker's ``(named local tensors, shard specs)``."""
-    import torch
-
     first, specs = parts[0]
     if specs is None:
         return first

@@ -6,6 +6,7 @@
     contracts.training  BatchRequest / StepReport (policy <-> trainer actor)
     contracts.weights   Manifest, TensorEntry, ShardSpec, WeightUpdate (weight sync)
     contracts.placement Placement, node_address (where an actor runs: picks the transport)
+    contracts.handles   RolloutHandle / TrainerHandle: the actors' endpoints, as handles call them
 
 This package imports nothing of the project: ``transfer_queue``, ``sync``,
 ``loop``, ``actors`` and ``policies`` all sit above it.

@@ -14,7 +14,6 @@ import asyncio
 import copy
 import importlib.util
 import os
-import socket
 import textwrap
 from pathlib import Path
 
@@ -26,12 +25,13 @@ import loop
 from actors.config import ConfigError, load_config
 from actors.engines import EngineConfig, make_engine
 from actors.engines.base import SamplingParams
-from actors.engines.sglang_engine import SglangEngine, SglangServerError, _Http
+from actors.engines.sglang_engine import SglangEngine, SglangServerError
+from actors.engines.sglang_http import SglangHttp
 from sync import BaseVersionMismatch, ChecksumError, WeightSender
 from contracts.weights import bucket_tensor
-from tests.engine_contract import (  # noqa: F401
-    PROMPTS, EngineContract, hf_greedy, hf_logprobs, req, running, tiny_models)
+from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, hf_logprobs, req, running
 from tests.fake_sglang_server import FakeSglangServer
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
@@ -59,12 +59,6 @@ class _OnFakeServer(SglangEngine):
 @pytest.fixture
 def engine_factory():
     return lambda model_dir, **options: _OnFakeServer(model_dir, **options)
-
-
-@pytest.fixture
-def make_update():
-    # the real path: a sync manifest (full), checked against the adapter's host copy, loaded from disk
-    return lambda version, state: WeightSender(mode="full", dtype=torch.float32).encode(state, version)
 
 
 class TestSglangEngineContract(EngineContract):
@@ -117,7 +111,7 @@ def test_pause_does_not_wait_for_a_request_the_server_holds(engine_factory, tiny
 
     async def body():
         async with running(engine_factory, path, timeout_s=30) as engine:
-            await _Http(engine.url, 10).call("POST", "/pause_generation", {"mode": "abort"})  # behind its back
+            await SglangHttp(engine.url, 10).call("POST", "/pause_generation", {"mode": "abort"})  # behind its back
             task = asyncio.create_task(engine.generate(req("held", PROMPTS[1], 8)))
             while engine.fake.num_held == 0:
                 await asyncio.sleep(0.01)
@@ -129,15 +123,9 @@ def test_pause_does_not_wait_for_a_request_the_server_holds(engine_factory, tiny
     assert loop.run(body()).token_ids == hf_greedy(hf, PROMPTS[1], 8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_connection_refused_is_a_clear_error_naming_the_url(tiny_models):
     path, _ = tiny_models["qwen2"]
-    url = f"http://127.0.0.1:{_free_port()}"  # bound, then closed: nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # bound, then closed: nothing listens there
 
     async def body():
         engine = SglangEngine(path, url=url, timeout_s=5)
@@ -253,7 +241,7 @@ def test_the_fake_server_refuses_fields_sglang_does_not_have(tiny_models):
     async def body():
         fake = FakeSglangServer(path)
         await fake.start()
-        http = _Http(fake.url, 10)
+        http = SglangHttp(fake.url, 10)
         good = {"rid": "r", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": -1, "stream": True}
         try:

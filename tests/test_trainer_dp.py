@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import socket
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from contracts.sample import Sample
 from contracts.weights import merge_updates
 from policies.losses import make_loss
 from sync import WeightSender, apply_update
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, batch: tuple) -> Non
         # a tensor too small to give every rank a row: rank 1's shard is empty
         tiny = torch.nn.Linear(4, 1)
         fully_shard(tiny)
-        from actors.backends.torch_backend import _shard_spec
+        from actors.backends.torch_fsdp import shard_spec as _shard_spec
 
         out["tiny_spec"] = _shard_spec(tiny.weight, rank, world)
         out["tiny_local"] = tuple(tiny.weight.to_local().shape)
@@ -169,18 +169,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, batch: tuple) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Both ranks' results, plus the batch and the single-worker reference."""
     out_dir = tmp_path_factory.mktemp("dp")
     batch = _batch()
-    mp.spawn(_worker, args=(2, _free_port(), str(out_dir), batch), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out_dir), batch), nprocs=2, join=True)
     ranks = []
     for r in range(2):
         with open(out_dir / f"rank{r}.pkl", "rb") as f:

@@ -6,15 +6,19 @@ The backend's own data-parallel arithmetic is in tests/test_trainer_dp.py."""
 
 from __future__ import annotations
 
+import inspect
 import pathlib
+import typing
 
 import pytest
 
 from actors.config import ConfigError, load_config
 from actors.launch import launch
-from actors.trainer import merge_reports
+from actors.rollout import RolloutActor
+from actors.trainer import TrainerActor, TrainerGroup, merge_reports
+from contracts.handles import RolloutHandle, TrainerHandle, TrainerWorkerHandle
 from contracts.training import StepReport
-from tests.test_disaggregated import train_checking_engine_weights
+from tests.helpers import train_checking_engine_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,6 +31,34 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_config_refuses_what_several_workers_cannot_do(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(ROOT / "fully_async.yaml", overrides)
+
+
+def _endpoints(protocol: type) -> list[str]:
+    """The async methods a handle Protocol declares, its bases' included."""
+    return sorted({name for base in protocol.__mro__ if typing.Protocol in base.__bases__ or base is protocol
+                   for name, fn in vars(base).items() if inspect.iscoroutinefunction(fn)})
+
+
+def _signature(fn: typing.Any) -> tuple:
+    """Parameters (name, kind, default) and resolved annotations of ``fn``, ``self`` left out."""
+    params = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()][1:]
+    return params, typing.get_type_hints(fn)
+
+
+@pytest.mark.parametrize(("cls", "protocol"), [
+    (TrainerActor, TrainerWorkerHandle), (TrainerGroup, TrainerHandle), (RolloutActor, RolloutHandle)])
+def test_actors_and_the_trainer_group_have_every_endpoint_of_their_handle(cls: type, protocol: type) -> None:
+    endpoints = _endpoints(protocol)
+    assert len(endpoints) >= 16, endpoints
+    for name in endpoints:
+        fn = getattr(cls, name, None)
+        assert inspect.iscoroutinefunction(fn), f"{cls.__name__}.{name} is not an async endpoint"
+        assert _signature(fn) == _signature(getattr(protocol, name)), f"{cls.__name__}.{name}"
+
+
+def test_the_trainer_group_stands_in_for_one_trainer_actor() -> None:
+    for name in _endpoints(TrainerHandle):
+        assert _signature(getattr(TrainerGroup, name)) == _signature(getattr(TrainerActor, name)), name
 
 
 def test_step_reports_merge() -> None:

@@ -12,15 +12,13 @@ naming ``trainer.backend``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from actors.backends.base import Loss, TrainerBackend
 from actors.backends.config import BACKEND_TYPES, TrainerConfig, backend_unavailable
 
 __all__ = ["BACKEND_TYPES", "Loss", "TrainerBackend", "TrainerConfig", "make_backend"]
 
 
-def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -> TrainerBackend:
+def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) -> TrainerBackend:
     """Build (not set up: ``backend.setup()``) the trainer backend ``cfg`` names.
 
     ``loss``: the :class:`~actors.backends.base.Loss` to train with, built by
@@ -35,6 +33,8 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Any) -
     if reason is not None:
         raise ValueError(f"trainer.backend: {reason}")
     if cfg.backend == "megatron":
+        # imported here, as the torch backend below: each costs seconds (transformers, torch's
+        # FSDP; megatron-core), and the config loader imports this package for its checks
         from actors.backends.megatron_backend import MegatronBackend
 
         return MegatronBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype,

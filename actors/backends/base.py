@@ -17,6 +17,7 @@ no backend imports ``policies``.
 from __future__ import annotations
 
 import abc
+import json
 import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -27,7 +28,12 @@ from contracts.weights import ShardSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Loss", "TrainerBackend"]
+__all__ = ["CHECKPOINT_FILES", "Loss", "TrainerBackend", "check_checkpoint", "read_trainer_version",
+           "write_trainer_state"]
+
+#: The files of a trainer checkpoint, the same for every backend (either resumes the other's):
+#: Hugging Face weights, the optimizer state in torch's AdamW format, the version and loss.
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
 
 
 class Loss(Protocol):
@@ -94,3 +100,20 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def load(self, path: str | pathlib.Path) -> None:
         """Restore what :meth:`save` wrote; raises ``ValueError`` naming what is missing or does not match."""
+
+
+def check_checkpoint(path: pathlib.Path) -> None:
+    """Raise ``ValueError`` naming the first of :data:`CHECKPOINT_FILES` that ``path`` lacks."""
+    for name in CHECKPOINT_FILES:
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no {name}")
+
+
+def write_trainer_state(path: pathlib.Path, version: int, loss: Loss) -> None:
+    """``trainer_state.json``: the weights' version and the loss they were trained with."""
+    (path / "trainer_state.json").write_text(json.dumps({"version": version, "loss": loss.name}))
+
+
+def read_trainer_version(path: pathlib.Path) -> int:
+    """The version :func:`write_trainer_state` wrote into ``path``."""
+    return int(json.loads((path / "trainer_state.json").read_text())["version"])

@@ -16,6 +16,8 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+import torch
+
 __all__ = ["FlopsModel", "peak_flops"]
 
 #: Dense peak FLOP/s per device (no sparsity) by name and matmul precision.
@@ -36,8 +38,7 @@ class FlopsModel:
     def from_model_dir(cls, path: str | pathlib.Path) -> FlopsModel:
         """From a Hugging Face model directory's ``config.json`` (the model is
         built on the meta device to count its parameters: no memory, no weights)."""
-        import torch
-        import transformers
+        import transformers  # ~2 s to import: the driver imports this module and never needs it
 
         raw = json.loads((pathlib.Path(path) / "config.json").read_text())
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -62,8 +63,6 @@ def peak_flops(device: str, dtype: str) -> float | None:
     """The device's dense peak FLOP/s for ``dtype`` matmuls (fp32 counts as TF32
     when torch lets matmuls use it), or None where it is not known (CPUs, other
     GPUs: set ``trainer.peak_tflops``)."""
-    import torch
-
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(torch.device(device))

@@ -8,7 +8,8 @@ Llama / Qwen2 checkpoint, Megatron's distributed optimizer, an injected loss.
             ─► forward [B, L, V] ─► response log-probs [B, T] ─► loss (policies.losses, the
                torch backend's token-mean weighting) ─► backward into fp32 main grads
             ─► finish_grad_sync (DP sum) ─► clip + Adam on fp32 main params ─► version += 1
-    push:   named_weights(): Megatron params ─► HF names (this rank's slices, shard_specs())
+    push:   named_weights(): Megatron params ─► HF names (this rank's slices, shard_specs();
+            actors.backends.megatron_state, with save / load)
 
 Megatron-core's models need CUDA (its rotary embedding, default masks and
 optimizer allocate on ``torch.cuda.current_device()``), so this backend runs on
@@ -26,38 +27,37 @@ global token count, so the update is that of the token mean over all samples.
 Checkpoints are the torch backend's files: an HF directory (``config.json`` +
 ``model.safetensors``), ``optimizer.pt`` in the torch backend's AdamW format
 (Adam moments and fp32 main params mapped to HF names) and
-``trainer_state.json``, so either backend resumes the other's.
+``trainer_state.json``, so either backend resumes the other's
+(:mod:`actors.backends.megatron_state`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import pathlib
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
+import transformers
 
 from actors.backends import megatron_convert as mc
 from actors.backends.base import Loss, TrainerBackend
-from actors.backends.batching import batch_error, micro_batch_budget, micro_batches, pad_values
+from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.config import TrainerConfig
+from actors.backends.loss_pass import accumulate_passes, padded_batch, response_logprobs
+from actors.backends.megatron_state import ADAM_EPS, DTYPES, MegatronState
 from actors.backends.mixed_precision import MainParamsOptimizer
-from actors.models import resolve_model_path
+from actors.models import load_causal_lm, resolve_model_path
 from contracts.sample import Sample
 from contracts.weights import ShardSpec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEFAULTS = TrainerConfig()  # the one set of defaults: the config's
-_ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the torch backend uses
 
 
-class MegatronBackend(TrainerBackend):
+class MegatronBackend(MegatronState, TrainerBackend):
     """Trains a Megatron-core GPT model converted from a local HF checkpoint.
 
     Keyword defaults are the ``trainer`` section's, as for the torch backend.
@@ -87,8 +87,8 @@ class MegatronBackend(TrainerBackend):
         tensor_parallel_size: int = _DEFAULTS.tensor_parallel_size,
         distributed_optimizer: bool = True,
     ):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if dtype == "bfloat16" and master_dtype != "float32":
             raise ValueError(f"master_dtype: the megatron backend keeps fp32 main params under bfloat16 "
                              f"(Megatron's mixed precision); got {master_dtype!r}")
@@ -102,7 +102,7 @@ class MegatronBackend(TrainerBackend):
             raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
         self.model_path, self.loss, self.seed = model_path, loss, seed
         self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = DTYPES[dtype]
         self.mixed = self.dtype != torch.float32  # fp32 main params in the optimizer
         self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
         self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, self.device)
@@ -123,8 +123,6 @@ class MegatronBackend(TrainerBackend):
     def setup(self) -> None:
         """Initialise torch.distributed / Megatron's parallel state when needed, build
         the model from the HF checkpoint, wrap it and build the optimizer."""
-        import transformers
-
         model_dir = resolve_model_path(self.model_path)
         self.model_dir = model_dir
         self.hf_config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -156,7 +154,7 @@ class MegatronBackend(TrainerBackend):
         torch.cuda.set_device(self.device)
 
     def _init_parallel(self) -> None:
-        from megatron.core import parallel_state as mpu
+        from megatron.core import parallel_state as mpu  # optional dependency (extra megatron)
 
         if not dist.is_initialized():  # one process: a group of its own, no rendezvous
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
@@ -177,12 +175,13 @@ class MegatronBackend(TrainerBackend):
 
     def _seed_model_parallel_rng(self) -> None:
         # Megatron forks its CUDA RNG tracker around attention even with dropout 0.
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # optional dependency (extra megatron)
 
         torch.manual_seed(self.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
     def _build_model(self) -> Any:
+        # optional dependency (extra megatron)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -228,8 +227,7 @@ class MegatronBackend(TrainerBackend):
             for name in files:
                 out.update(safetensors.torch.load_file(str(model_dir / name)))
             return out
-        from actors.models import load_causal_lm  # pytorch_model.bin: let transformers read it
-
+        # pytorch_model.bin: let transformers read it
         return {k: v for k, v in load_causal_lm(model_dir).state_dict().items()}
 
     @torch.no_grad()
@@ -247,12 +245,13 @@ class MegatronBackend(TrainerBackend):
                 raise ValueError("the megatron backend's plain Adam (distributed_optimizer=False) runs in one process only")
 
             def adamw(params):
-                return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=_ADAM_EPS,
+                return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=ADAM_EPS,
                                          weight_decay=self.weight_decay)
 
             self.optimizer = (MainParamsOptimizer(self.model.parameters(), adamw) if self.mixed
                               else adamw(self.model.parameters()))
             return
+        # optional dependency (extra megatron)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -260,7 +259,7 @@ class MegatronBackend(TrainerBackend):
                                                    overlap_grad_reduce=False, overlap_param_gather=False)
         self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model)
         opt_config = OptimizerConfig(optimizer="adam", lr=self.lr, min_lr=self.lr, weight_decay=self.weight_decay,
-                                     adam_beta1=self.betas[0], adam_beta2=self.betas[1], adam_eps=_ADAM_EPS,
+                                     adam_beta1=self.betas[0], adam_beta2=self.betas[1], adam_eps=ADAM_EPS,
                                      clip_grad=self.grad_clip, bf16=self.dtype == torch.bfloat16,
                                      params_dtype=self.dtype, use_distributed_optimizer=True)
         # config_overrides={}: one parameter group, weight decay on every parameter as the
@@ -287,23 +286,7 @@ class MegatronBackend(TrainerBackend):
         if self.device.type == "cuda":  # the current device is per thread; Megatron allocates on it
             torch.cuda.set_device(self.device)
 
-    # -- batching (the torch backend's layout: right-padded, response positions) ----
-
-    def _batch(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ``input_ids`` ``[B, L]``; for the response: gather index ``[B, T]``
-        into the logits (position ``P - 1 + j`` predicts response token ``j``) and ``mask``."""
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        num_resp = max(max(len(s.response_ids) for s in samples), 1)
-        ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
-        pos = np.zeros((len(samples), num_resp), dtype=np.int64)
-        for i, s in enumerate(samples):
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            ids[i, :p] = s.prompt_ids
-            ids[i, p : p + n] = s.response_ids
-            pos[i, :n] = np.arange(p - 1, p - 1 + n)
-        resp = np.asarray([len(s.response_ids) for s in samples])
-        mask = (np.arange(num_resp)[None, :] < resp[:, None]).astype(np.float32)
-        return tuple(torch.from_numpy(a).to(self.device) for a in (ids, pos, mask))  # type: ignore[return-value]
+    # -- the loss pass (actors.backends.loss_pass) ----------------------------------
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         """``[B, L, V]`` logits of the real vocabulary. Causal attention only: with right
@@ -317,14 +300,8 @@ class MegatronBackend(TrainerBackend):
 
     def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs ``[B, T]`` of each response token (temperature 1), entropy ``[B, T]`` and mask."""
-        ids, pos, mask = self._batch(samples)
-        logits = self._logits(ids)
-        idx = pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        logp_all = torch.log_softmax(torch.gather(logits, 1, idx).float(), dim=-1)  # [B, T, V]
-        targets = torch.gather(ids, 1, (pos + 1).clamp(max=ids.shape[1] - 1))
-        logprobs = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logprobs * mask, entropy, mask
+        ids, _, pos, mask = padded_batch(samples, self.pad_id, self.device)
+        return response_logprobs(self._logits(ids), ids, pos, mask)
 
     def _agree(self, error: str | None) -> None:
         """Raise on every rank when any rank's input was refused (before any collective
@@ -404,38 +381,14 @@ class MegatronBackend(TrainerBackend):
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums = dict.fromkeys(self._metric_keys, 0.0)
-        for idx in micro_batches(samples, self.micro_batch_tokens) if samples else []:
-            part = [samples[i] for i in idx]
-            prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
-            weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1.0)
-            for k, v in self._accumulate(part, [advantages[i] for i in idx], prox, weight).items():
-                sums[k] = sums.get(k, 0.0) + v * weight
+        passes = micro_batches(samples, self.micro_batch_tokens) if samples else []
+        sums = accumulate_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
+                                 passes, total_tokens, dict.fromkeys(self._metric_keys, 0.0))
         sums = dict(zip(sums, self._dp_sum(list(sums.values()))))
         grad_norm = self._step()
         self._version += 1
         self._adam_steps += 1
         return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens), "version": float(self._version)}
-
-    def _accumulate(self, samples: list[Sample], advantages: list[float],
-                    proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, float]:
-        """Forward + backward of one micro-batch, its loss (a token mean over the
-        micro-batch) scaled by its share of the batch's tokens (the torch backend's rule)."""
-        extra = {}
-        if self.loss.needs_proximal and proximal_logprobs is None:
-            with torch.no_grad():
-                extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
-        logprobs, entropy, mask = self._response_logprobs(samples)
-        if self.loss.needs_proximal and proximal_logprobs is not None:
-            extra["proximal_logprobs"] = pad_values(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
-        rollout = pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
-        adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
-        loss, metrics = self.loss(logprobs, rollout, adv, mask, **extra)
-        (loss * weight).backward()
-        num_tokens = float(mask.sum())
-        return {"loss": float(loss.detach()),
-                "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
-                **{k: float(v) for k, v in metrics.items()}}
 
     def _step(self) -> float:
         """Reduce the grads, clip on the global norm, step; returns the norm before clipping."""
@@ -450,230 +403,3 @@ class MegatronBackend(TrainerBackend):
         if not ok:
             raise RuntimeError(f"megatron's optimizer skipped the step (grad norm {grad_norm}: inf or nan grads)")
         return float(grad_norm)
-
-    # -- weights under HF names --------------------------------------------------------
-
-    def _local_hf(self) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
-        """This rank's part of every HF tensor (live views or split copies) and its spec.
-        Data-parallel rank 0 of each TP group publishes the TP slices; a replicated tensor
-        (norm) only TP rank 0 of it; every other rank an empty slice."""
-        live = {n: p.detach() for n, p in self.model.named_parameters()}
-        slices = mc.megatron_to_hf_local(live, self.shape, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        full_shapes = mc.hf_full_shapes(self.shape)
-        out = {}
-        for name, part in slices.items():
-            full = full_shapes[name]
-            t, dim, offset = part.tensor, part.dim, part.offset
-            if self.dp_rank != 0 or (mc.hf_is_replicated(name) and self.tp_rank != 0):
-                t, offset = t.narrow(dim, 0, 0), 0
-            out[name] = (t, ShardSpec(full_shape=full, dim=dim, offset=offset, length=t.shape[dim]))
-        return out
-
-    def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
-        """Every weight under its HF ``state_dict`` name (``lm_head.weight`` too when tied,
-        the embedding's tensor). Fused tensors come apart: q/k/v are copies, gate/up and
-        the rest views of the live params (do not modify them); ``dtype`` converts.
-        More than one rank: this rank's slices, which :meth:`shard_specs` describes."""
-        self._require_setup()
-        if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype) or getattr(torch, dtype)
-        out: dict[str, torch.Tensor] = {}
-        converted: dict[int, torch.Tensor] = {}  # a tied name stays the same tensor
-        for name, (t, _) in self._local_hf().items():
-            if dtype is not None and t.dtype != dtype:
-                t = converted.setdefault(id(t), t.to(dtype))
-            out[name] = t
-        return out
-
-    def shard_specs(self) -> dict[str, ShardSpec] | None:
-        """More than one rank: which slice of each full HF tensor :meth:`named_weights`
-        holds here (possibly empty); ``None`` in one process."""
-        return dict(self._specs) if self.world_size > 1 else None
-
-    # -- checkpoints -------------------------------------------------------------------
-
-    def _param_names_hf(self) -> list[str]:
-        """The HF model's ``named_parameters()`` order (tied lm_head once, under the embedding)."""
-        return [n for n in mc.hf_full_shapes(self.shape) if not (self.shape.tied and n == "lm_head.weight")]
-
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full Megatron tensor from every TP rank's ``local`` (every TP rank calls it)."""
-        if self.tp_size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
-        return mc.tp_unshard(name, parts, self.shape)
-
-    def save(self, directory: str | pathlib.Path) -> None:
-        """Write an HF-loadable checkpoint (``config.json`` + ``model.safetensors``), the
-        optimizer state (``optimizer.pt``, the torch backend's format) and
-        ``trainer_state.json`` into ``directory``. Every rank calls it; rank 0 writes."""
-        self._require_setup()
-        path = pathlib.Path(directory)
-        full = {n: self._full(n, p.detach()).cpu() for n, p in self.model.named_parameters()}
-        weights = mc.megatron_to_hf(full, self.shape, include_tied=False)
-        states = self._optimizer_states_hf()
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            config = copy.deepcopy(self.hf_config)
-            config.dtype = self.dtype  # the weights' dtype, as the torch backend's save_pretrained writes it
-            config.save_pretrained(path)
-            if (self.model_dir / "generation_config.json").is_file():
-                shutil.copyfile(self.model_dir / "generation_config.json", path / "generation_config.json")
-            safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
-                                        metadata={"format": "pt"})
-            # the hyperparameters as this torch's AdamW writes them (every key its load expects)
-            groups = torch.optim.AdamW([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=_ADAM_EPS,
-                                       weight_decay=self.weight_decay).state_dict()["param_groups"]
-            torch.save(mc.optimizer_state_to_torch(states, self._param_names_hf(), groups, mixed=self.mixed),
-                       path / "optimizer.pt")
-            (path / "trainer_state.json").write_text(json.dumps({"version": self._version, "loss": self.loss.name}))
-        if self.world_size > 1:
-            dist.barrier()  # nobody reads the checkpoint before rank 0 has written it
-
-    def load(self, directory: str | pathlib.Path) -> None:
-        """Restore what :meth:`save` (or the torch backend's ``save``) wrote."""
-        self._require_setup()
-        path = pathlib.Path(directory)
-        for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
-            if not (path / name).is_file():
-                raise ValueError(f"checkpoint {str(path)!r} has no {name}")
-        hf = safetensors.torch.load_file(str(path / "model.safetensors"))
-        expected = set(self._param_names_hf())
-        if set(hf) != expected:
-            raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {sorted(expected - set(hf))}, "
-                             f"unexpected {sorted(set(hf) - expected)}")
-        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        try:
-            states = mc.optimizer_state_from_torch(saved, self._param_names_hf(), mixed=self.mixed)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"checkpoint {str(path)!r}: {e}") from None
-        has_moments = any("exp_avg" in st for st in states.values())
-        if has_moments:
-            self._ensure_optimizer_state()  # before the weights: a dummy step may move them
-        self._copy_in(mc.hf_to_megatron({k: v.to(self.dtype) for k, v in hf.items()}, self.shape))
-        self._load_optimizer_states(states, hf, has_moments)
-        self._version = int(json.loads((path / "trainer_state.json").read_text())["version"])
-
-    # Optimizer state, keyed by HF name as the torch backend's optimizer.pt holds it:
-    # {name: {"exp_avg", "exp_avg_sq", "step", and "param" (fp32 main param) when mixed}}.
-
-    def _optimizer_states_hf(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every rank calls it; full tensors (host) on every rank."""
-        keys = (["param"] if self.mixed else []) + (["exp_avg", "exp_avg_sq"] if self._adam_steps else [])
-        per_key: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}  # key -> megatron name -> full
-        for name, p in self.model.named_parameters():
-            for key, flat in self._param_state_flat(p, keys).items():
-                per_key[key][name] = self._full(name, flat.view(p.shape)).cpu()
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensors in per_key.items():
-            for hf_name, t in mc.megatron_to_hf(tensors, self.shape, include_tied=False).items():
-                out.setdefault(hf_name, {})[key] = t.contiguous()
-        if self._adam_steps:
-            for st in out.values():
-                st["step"] = torch.tensor(float(self._adam_steps))
-        return out
-
-    def _param_state_flat(self, p: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
-        """``keys`` of ``{"param": fp32 main param, "exp_avg", "exp_avg_sq"}`` of model
-        param ``p``, flat and whole (on every data-parallel rank: every one calls it)."""
-        if self.ddp is None:
-            if isinstance(self.optimizer, MainParamsOptimizer):
-                main = self.optimizer.main[[id(q) for q in self.optimizer.params].index(id(p))]
-                st = self.optimizer.optimizer.state[main]
-            else:
-                main, st = p, self.optimizer.state[p]
-            return {k: (main.detach() if k == "param" else st[k]).float().reshape(-1) for k in keys}
-        found = self._dist_opt_shard(p)
-        out: dict[str, torch.Tensor] = {}
-        for key in keys:
-            full = torch.zeros(p.numel(), dtype=torch.float32, device=self.device)
-            if found is not None:
-                tensors, start, end = found
-                full[start:end] = tensors[key].detach().reshape(-1).float()
-            if self.dp_size > 1:  # each DP rank holds a disjoint range (zeros elsewhere): the sum is the whole
-                dist.all_reduce(full, group=self.dp_group)
-            out[key] = full
-        return out
-
-    def _dist_opt_shard(self, p: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, int] | None:
-        """The distributed optimizer's state of ``p``'s range on this DP rank and the
-        range ``[start, end)`` of the flat param, or None when this rank holds none of it."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if p in getattr(opt, "model_param_group_index_map", {}):
-                tensors = opt._get_main_param_and_optimizer_states(p)
-                rng = opt._get_model_param_range_map(p)["param"]
-                return tensors, rng.start, rng.end
-        return None
-
-    def _ensure_optimizer_state(self) -> None:
-        """Create Adam's state (zeros after a zero-grad step) where it does not exist yet,
-        so a checkpoint's state can be copied into it."""
-        if self.ddp is None:
-            inner = self.optimizer.optimizer if isinstance(self.optimizer, MainParamsOptimizer) else self.optimizer
-            for group in inner.param_groups:
-                for q in group["params"]:
-                    if not inner.state.get(q):
-                        inner.state[q] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(q),
-                                          "exp_avg_sq": torch.zeros_like(q)}
-            return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if any(opt.optimizer.state.get(q) for g in opt.optimizer.param_groups for q in g["params"]):
-                continue
-            opt._init_optimizer_states_with_dummy_values()
-
-    @torch.no_grad()
-    def _load_optimizer_states(self, states: dict[str, dict[str, torch.Tensor]], hf: dict[str, torch.Tensor],
-                               has_moments: bool) -> None:
-        """Copy a checkpoint's per-HF-name optimizer state into this rank's optimizer: the
-        main params (the checkpoint's when mixed, else the weights) and Adam's moments and
-        step; a checkpoint without moments (saved before any step) resets them."""
-        names = self._param_names_hf()
-        steps = int(states[names[0]]["step"]) if has_moments else 0
-        main_hf = {n: (states[n]["param"] if self.mixed else hf[n]).float() for n in names}
-        per_key = {"param": mc.hf_to_megatron(main_hf, self.shape)}
-        if has_moments:
-            for key in ("exp_avg", "exp_avg_sq"):
-                per_key[key] = mc.hf_to_megatron({n: states[n][key] for n in names}, self.shape)
-        for name, p in self.model.named_parameters():
-            local = {k: mc.tp_shard(name, v[name], self.shape, self.tp_rank, self.tp_size).reshape(-1)
-                     for k, v in per_key.items()}
-            self._set_param_state(p, local, steps)
-        self._adam_steps = steps
-
-    def _set_param_state(self, p: torch.Tensor, flat: dict[str, torch.Tensor], steps: int) -> None:
-        """``flat``: ``param`` and, unless resetting, ``exp_avg`` / ``exp_avg_sq`` of model
-        param ``p`` (flat, whole); ``steps``: Adam's step count."""
-        if self.ddp is None:
-            if isinstance(self.optimizer, MainParamsOptimizer):
-                main = self.optimizer.main[[id(q) for q in self.optimizer.params].index(id(p))]
-                inner = self.optimizer.optimizer
-            else:
-                main, inner = p, self.optimizer
-            main.copy_(flat["param"].view(main.shape))
-            if main is not p:
-                p.copy_(main)  # the model params are the main params rounded
-            if "exp_avg" not in flat:
-                inner.state.pop(main, None)  # fresh, as torch's load_state_dict of an empty state
-                return
-            st = inner.state[main]
-            st["exp_avg"].copy_(flat["exp_avg"].view(main.shape))
-            st["exp_avg_sq"].copy_(flat["exp_avg_sq"].view(main.shape))
-            st["step"] = torch.tensor(float(steps))
-            return
-        found = self._dist_opt_shard(p)
-        if found is None:
-            return
-        tensors, start, end = found
-        src = {k: v[start:end].to(self.device) for k, v in flat.items()}
-        for key, dst in tensors.items():
-            if key == "step" and isinstance(dst, torch.Tensor):
-                src[key] = torch.full_like(dst, float(steps))
-            elif key not in src:  # moments to reset (a checkpoint saved before any step)
-                src[key] = torch.zeros_like(dst)
-        opt = next(o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                   if p in o.model_param_group_index_map)
-        opt._set_main_param_and_optimizer_states(p, src)
-        for group in opt.optimizer.param_groups:  # Adam implementations that count steps per group
-            if "step" in group:
-                group["step"] = steps

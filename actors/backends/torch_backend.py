@@ -26,51 +26,25 @@ reduction order). Checkpoints are the same files whatever the world size.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
-import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from actors.backends.base import Loss, TrainerBackend
-from actors.backends.batching import batch_error, micro_batch_budget, micro_batches, pad_values
+from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_trainer_version, write_trainer_state
+from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.config import TrainerConfig
+from actors.backends.loss_pass import accumulate_passes, padded_batch, response_logprobs
 from actors.backends.mixed_precision import MainParamsOptimizer
+from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
 from actors.models import load_causal_lm, resolve_model_path
 from contracts.sample import Sample
 from contracts.weights import ShardSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULTS = TrainerConfig()  # the one set of defaults: the config's
-
-
-def _shard_spec(t: torch.Tensor, rank: int, world_size: int) -> ShardSpec:
-    """The slice of ``t``'s full tensor that ``rank`` holds: FSDP2 splits dim 0
-    like ``torch.chunk`` (ceil-sized chunks, the last ranks' shorter or empty).
-    A tensor FSDP does not shard (a buffer) is rank 0's whole and others' empty."""
-    full_shape = tuple(t.shape)
-    if not full_shape:
-        raise ValueError("a 0-dim weight cannot be described by a ShardSpec")
-    rows = full_shape[0]
-    if isinstance(t, DTensor):
-        assert tuple(t.placements) == (Shard(0),), t.placements
-        chunk = -(-rows // world_size)
-        offset = min(rank * chunk, rows)
-        length = min(chunk, rows - offset)
-        assert t.to_local().shape[0] == length, (full_shape, rank, t.to_local().shape)
-    else:
-        offset, length = 0, rows if rank == 0 else 0
-    return ShardSpec(full_shape=full_shape, dim=0, offset=offset, length=length)
-
-
-def _local(t: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """The part of live tensor ``t`` that ``spec`` describes, detached (a view)."""
-    if isinstance(t, DTensor):
-        return t.to_local().detach()
-    return t.detach().narrow(0, spec.offset, spec.length)
 
 
 class TorchBackend(TrainerBackend):
@@ -165,50 +139,9 @@ class TorchBackend(TrainerBackend):
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
     def _shard_model(self) -> None:
-        """FSDP2 over the default group: each decoder layer, then the root (which
-        takes the rest, the tied embedding / lm_head among it, so they stay one
-        parameter). Records each tensor's :class:`ShardSpec`."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        # Mixed precision is FSDP2's own: the sharded params (what AdamW steps) stay in
-        # master_dtype, are cast to the model dtype when all-gathered for compute, and
-        # their grads are reduced and accumulated in master_dtype. That is the sharded
-        # form of MainParamsOptimizer (fp32 main params, bf16 compute) without keeping
-        # a second copy; the engines get the same bf16 rounding of the fp32 params.
-        policy = (MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=self.master_dtype)
-                  if self.master_dtype is not None else MixedPrecisionPolicy())
-        layer_types = set(getattr(self.model, "_no_split_modules", None) or ())  # HF: the decoder layer class
-        for module in list(self.model.modules()):
-            if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(self.model, mesh=mesh, mp_policy=policy)
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                # Sum, not average: each rank's loss is already scaled by its share of
-                # the global token count, so the sum is the whole batch's token mean.
-                if hasattr(module, "set_force_sum_reduction_for_comms"):
-                    module.set_gradient_divide_factor(1.0)
-                    # a plain SUM, not NCCL's PREMUL_SUM by 1.0, which gloo lacks
-                    module.set_force_sum_reduction_for_comms(True)
-                else:  # torch < 2.8 (untested here): NCCL only
-                    module.set_reduce_scatter_divide_factor(1.0)
-        self._specs = {name: _shard_spec(t, self.rank, self.world_size) for name, t, _ in self._live_tensors()}
-
-    def _live_tensors(self) -> list[tuple[str, torch.Tensor, str | None]]:
-        """``(name, live tensor, name it is tied to or None)`` for every entry of
-        ``state_dict()``, in its order; sharded params are the live DTensors."""
-        self.model.reshard()  # the root keeps its params unsharded after a no-grad forward
-        live = dict(self.model.named_parameters(remove_duplicate=False))
-        live.update(self.model.named_buffers(remove_duplicate=False))
-        first: dict[int, str] = {}
-        out = []
-        for name in self.model.state_dict(keep_vars=True):
-            t = live[name]
-            out.append((name, t, first.get(id(t))))
-            first.setdefault(id(t), name)
-        return out
+        """FSDP2 over the default group (``torch_fsdp.shard_model``); records each tensor's :class:`ShardSpec`."""
+        shard_model(self.model, self.device.type, self.world_size, self.dtype, self.master_dtype)
+        self._specs = {name: shard_spec(t, self.rank, self.world_size) for name, t, _ in live_tensors(self.model)}
 
     @property
     def version(self) -> int:
@@ -218,46 +151,13 @@ class TorchBackend(TrainerBackend):
         if self.model is None:
             raise RuntimeError("TorchBackend.setup() must be called before use")
 
-    # -- batching ----------------------------------------------------------------
-
-    def _batch(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ``input_ids``/``attention_mask`` ``[B, L]``, and for the
-        response: gather index ``[B, T]`` into the logits and ``mask`` ``[B, T]``."""
-        if not samples:
-            raise ValueError("empty batch")
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        width = max(lengths)
-        num_resp = max(max(len(s.response_ids) for s in samples), 1)
-        # Built in numpy, moved once: per-row tensor writes cost a copy (and on CUDA a launch) each.
-        ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
-        # Logits at position p predict token p + 1, so response token j of a
-        # sample with prompt length P is scored by the logits at P - 1 + j.
-        pos = np.zeros((len(samples), num_resp), dtype=np.int64)
-        for i, s in enumerate(samples):
-            if len(s.prompt_ids) == 0:  # a list or an array
-                raise ValueError(f"sample {s.uid!r} has an empty prompt")
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            ids[i, :p] = s.prompt_ids
-            ids[i, p : p + n] = s.response_ids
-            pos[i, :n] = np.arange(p - 1, p - 1 + n)
-        cols = np.arange(width)
-        attn = (cols[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
-        resp = np.asarray([len(s.response_ids) for s in samples])
-        mask = (np.arange(num_resp)[None, :] < resp[:, None]).astype(np.float32)
-        ids, attn, pos, mask = (torch.from_numpy(a) for a in (ids, attn, pos, mask))
-        return ids.to(self.device), attn.to(self.device), pos.to(self.device), mask.to(self.device)
+    # -- the loss pass (actors.backends.loss_pass) ---------------------------------
 
     def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs ``[B, T]`` of each response token (T=1), entropy ``[B, T]`` and mask."""
-        ids, attn, pos, mask = self._batch(samples)
+        ids, attn, pos, mask = padded_batch(samples, self.pad_id, self.device)
         logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
-        idx = pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        resp_logits = torch.gather(logits, 1, idx).float()  # [B, T, V]
-        logp_all = torch.log_softmax(resp_logits, dim=-1)
-        targets = torch.gather(ids, 1, (pos + 1).clamp(max=ids.shape[1] - 1))  # [B, T]
-        logprobs = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logprobs * mask, entropy, mask
+        return response_logprobs(logits, ids, pos, mask)
 
     # -- endpoints -----------------------------------------------------------------
 
@@ -294,18 +194,9 @@ class TorchBackend(TrainerBackend):
         self._require_setup()
         passes, total_tokens = self._plan_passes(samples, advantages, proximal_logprobs)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for idx in passes:
-            if idx is None:  # a weight-0 pass: its collectives match a busier rank's
-                prox = None if proximal_logprobs is None else [[0.0]]
-                for k in self._accumulate([self._filler()], [0.0], prox, 0.0):
-                    sums.setdefault(k, 0.0)
-                continue
-            part = [samples[i] for i in idx]
-            prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
-            weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1)
-            for k, v in self._accumulate(part, [advantages[i] for i in idx], prox, weight).items():
-                sums[k] = sums.get(k, 0.0) + v * weight
+        # a None pass is a weight-0 one on the filler row: its collectives match a busier rank's
+        sums = accumulate_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
+                                 passes, total_tokens, {}, filler=self._filler())
         if self.world_size > 1:  # the ranks' token-weighted sums add up to the batch's means
             totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
@@ -387,30 +278,6 @@ class TorchBackend(TrainerBackend):
         return Sample(uid="<filler>", group_id="<filler>", prompt_ids=[self.pad_id],
                       response_ids=[self.pad_id], rollout_logprobs=[0.0])
 
-    def _accumulate(self, samples: list[Sample], advantages: list[float],
-                    proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, float]:
-        """Forward + backward of one micro-batch; its loss (a token mean over the
-        micro-batch) is scaled by its share of the batch's tokens, so the summed
-        gradient is that of the token mean over the whole batch."""
-        extra = {}
-        if self.loss.needs_proximal and proximal_logprobs is None:
-            # The weights before this step are the proximal policy.
-            with torch.no_grad():
-                extra["proximal_logprobs"] = self._response_logprobs(samples)[0]
-        logprobs, entropy, mask = self._response_logprobs(samples)
-        if self.loss.needs_proximal and proximal_logprobs is not None:
-            extra["proximal_logprobs"] = pad_values(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
-        rollout = pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
-        adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
-        loss, metrics = self.loss(logprobs, rollout, adv, mask, **extra)
-        (loss * weight).backward()
-        num_tokens = float(mask.sum())
-        return {
-            "loss": float(loss.detach()),
-            "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
-            **{k: float(v) for k, v in metrics.items()},
-        }
-
     def named_weights(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under its HF name, detached.
 
@@ -430,8 +297,8 @@ class TorchBackend(TrainerBackend):
             dtype = _DTYPES[dtype]
         out = {}
         if self.world_size > 1:
-            for name, t, tied in self._live_tensors():
-                local = out[tied] if tied is not None else _local(t, self._specs[name])
+            for name, t, tied in live_tensors(self.model):
+                local = out[tied] if tied is not None else local_shard(t, self._specs[name])
                 if tied is None and dtype is not None and local.is_floating_point():
                     local = local.to(dtype)
                 out[name] = local
@@ -454,21 +321,22 @@ class TorchBackend(TrainerBackend):
         self._require_setup()
         path = pathlib.Path(directory)
         if self.world_size > 1:
-            return self._save_sharded(path)
+            return save_sharded(self.model, self.optimizer, path, rank=self.rank, dtype=self.dtype,
+                                master_dtype=self.master_dtype, version=self._version, loss=self.loss)
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-        (path / "trainer_state.json").write_text(json.dumps({"version": self._version, "loss": self.loss.name}))
+        write_trainer_state(path, self._version, self.loss)
 
     def load(self, directory: str | pathlib.Path) -> None:
         """Restore weights, optimizer state and version written by :meth:`save`."""
         self._require_setup()
         path = pathlib.Path(directory)
-        for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
-            if not (path / name).is_file():
-                raise ValueError(f"checkpoint {str(path)!r} has no {name}")
+        check_checkpoint(path)
         if self.world_size > 1:
-            return self._load_sharded(path)
+            load_sharded(self.model, self.optimizer, path, specs=self._specs, master_dtype=self.master_dtype)
+            self._version = read_trainer_version(path)
+            return
         state = safetensors.torch.load_file(str(path / "model.safetensors"), device=str(self.device))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # A tied lm_head is saved once, under the embedding's name.
@@ -476,81 +344,4 @@ class TorchBackend(TrainerBackend):
         if set(missing) - tied or unexpected:
             raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
-        self._version = int(json.loads((path / "trainer_state.json").read_text())["version"])
-
-    # Data parallel, the checkpoint is the same files as one worker's: full tensors
-    # (weights in the model dtype; optimizer state, and the fp32 main params when
-    # the model dtype is lower, as MainParamsOptimizer writes them), so it resumes
-    # at any world size. Every rank takes part in the gathers, rank 0 writes;
-    # loading, every rank reads the files (a shared filesystem) and keeps its slices.
-
-    def _gathered(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The full ``t`` on rank 0 (host memory), None on the others; every rank must call it."""
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        return full.detach().cpu() if self.rank == 0 else None
-
-    def _save_sharded(self, path: pathlib.Path) -> None:
-        full: dict[str, torch.Tensor | None] = {}
-        for name, t, tied in self._live_tensors():
-            full[name] = full[tied] if tied is not None else self._gathered(t)
-        optim = self.optimizer.state_dict()
-        optim["state"] = {i: {k: self._gathered(v) if isinstance(v, DTensor) else v for k, v in st.items()}
-                          for i, st in optim["state"].items()}
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            weights: dict[str, torch.Tensor] = {}
-            for name, t, tied in self._live_tensors():
-                w = full[name] if tied is None else weights[tied]
-                weights[name] = w.to(self.dtype) if tied is None and w.is_floating_point() else w
-            self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
-            if self.master_dtype is not None:
-                # save_pretrained wrote the params' dtype (the main params'); the weights are the model dtype's
-                self.model.config.dtype = self.dtype
-                self.model.config.save_pretrained(path)
-                optim = {"optimizer": optim, "main_params": [full[n] for n, _ in self.model.named_parameters()]}
-            torch.save(optim, path / "optimizer.pt")
-            (path / "trainer_state.json").write_text(json.dumps({"version": self._version, "loss": self.loss.name}))
-        dist.barrier()  # nobody reads the checkpoint before rank 0 has written it
-
-    @torch.no_grad()
-    def _load_sharded(self, path: pathlib.Path) -> None:
-        state = safetensors.torch.load_file(str(path / "model.safetensors"), device="cpu")
-        live = self._live_tensors()
-        # A tied lm_head is saved once, under the embedding's name.
-        missing = [n for n, _, tied in live if n not in state and (tied is None or tied not in state)]
-        unexpected = sorted(set(state) - {n for n, _, _ in live})
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {missing}, unexpected {unexpected}")
-        for name, t, _ in live:
-            if name in state:
-                self._write_slice(t, state[name], name, path)
-        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        named = list(self.model.named_parameters())
-        if (self.master_dtype is not None) != ("main_params" in saved):
-            raise ValueError(f"checkpoint {str(path)!r}: its optimizer state is {'' if 'main_params' in saved else 'not '}"
-                             f"a mixed-precision one (fp32 main params), this backend's is the other kind")
-        if self.master_dtype is not None:
-            if len(saved["main_params"]) != len(named):
-                raise ValueError(f"checkpoint {str(path)!r} has {len(saved['main_params'])} main params for {len(named)} parameters")
-            for (name, p), main in zip(named, saved["main_params"]):
-                self._write_slice(p, main, name, path)  # exact: the safetensors hold them rounded
-            saved = saved["optimizer"]
-        for i, (name, p) in enumerate(named):  # keep this rank's slice of each full state tensor
-            spec = self._specs[name]
-            for k, v in saved["state"].get(i, {}).items():
-                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape:
-                    local = v.narrow(0, spec.offset, spec.length).to(p.device).contiguous()
-                    saved["state"][i][k] = DTensor.from_local(local, p.device_mesh, p.placements,
-                                                              shape=p.shape, stride=p.stride())
-        self.optimizer.load_state_dict(saved)
-        self._version = int(json.loads((path / "trainer_state.json").read_text())["version"])
-
-    def _write_slice(self, t: torch.Tensor, full: torch.Tensor, name: str, path: pathlib.Path) -> None:
-        """Copy this rank's part of ``full`` into live tensor ``t`` (a shard or a whole buffer)."""
-        if tuple(full.shape) != tuple(t.shape):
-            raise ValueError(f"checkpoint {str(path)!r} has {name} of shape {tuple(full.shape)}, the model {tuple(t.shape)}")
-        if isinstance(t, DTensor):
-            spec = self._specs[name]
-            t.to_local().copy_(full.narrow(0, spec.offset, spec.length))
-        else:
-            t.copy_(full)
+        self._version = read_trainer_version(path)

@@ -19,6 +19,9 @@ from actors.engines.base import (
     SamplingParams,
 )
 from actors.engines.config import ENGINE_TYPES, EngineConfig, engine_unavailable
+from actors.engines.sglang_engine import SglangEngine  # needs no sglang package: it speaks HTTP
+from actors.engines.torch_engine import TorchEngine
+from actors.engines.vllm_engine import VllmEngine  # imports vllm in setup(), where it is installed
 from actors.engines.weights import FullWeights
 
 __all__ = [
@@ -45,17 +48,11 @@ def make_engine(cfg: EngineConfig, model_path: str, *, seed: int) -> RolloutEngi
     if reason is not None:
         raise ValueError(f"rollout.engine.type: {reason}")
     if cfg.type == "sglang":
-        from actors.engines.sglang_engine import SglangEngine
-
         return SglangEngine(model_path, url=cfg.url, device=cfg.device, dtype=cfg.dtype,
                             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, seed=seed)
     if cfg.type == "vllm":
-        from actors.engines.vllm_engine import VllmEngine
-
         return VllmEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                           max_model_len=cfg.max_model_len, seed=seed)
-    from actors.engines.torch_engine import TorchEngine
-
     return TorchEngine(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                        max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
                        compile_decode=cfg.compile_decode)

@@ -11,24 +11,46 @@ token and a finish reason out. The mapping onto the external engines:
     sleep(1|2)/wake_up(tags) sleep(level)/wake_up(tags)         /release_memory_occupation, /resume_memory_occupation
     update_weights(update)   collective_rpc (reload_weights)    /update_weights_from_disk (a host copy, checked)
     reset_prefix_cache()     reset_prefix_cache()               /flush_cache
+
+An engine implements six methods: :meth:`~RolloutEngine.setup`,
+:meth:`~RolloutEngine.stream`, :meth:`~RolloutEngine.abort`,
+:meth:`~RolloutEngine.update_weights`, and the two switches that the verbs
+callers use sit on: ``_set_paused`` (``pause``/``resume``) and ``_set_memory``
+(``sleep``/``wake_up``, whose arguments are checked here, once for every engine).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any
 
 from contracts.rollout import GenerateOutput, GenerateRequest, SamplingParams
+
+__all__ = ["MEMORY_TAGS", "EngineAsleepError", "GenerateOutput", "GenerateRequest", "RolloutEngine",
+           "SamplingParams", "copy_output"]
+
+#: What ``sleep`` frees and ``wake_up`` restores, by name (``wake_up(None)``: both).
+MEMORY_TAGS = ("weights", "kv_cache")
 
 
 class EngineAsleepError(RuntimeError):
     """Raised when asked to generate while the engine sleeps."""
 
 
+def copy_output(out: GenerateOutput) -> GenerateOutput:
+    """A copy of ``out`` whose lists the engine's stream can go on filling."""
+    return GenerateOutput(request_id=out.request_id, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                          raw_logprobs=list(out.raw_logprobs), token_versions=list(out.token_versions),
+                          finish_reason=out.finish_reason)
+
+
 class RolloutEngine(abc.ABC):
     """A generation engine owned by one rollout actor (one event loop)."""
 
+    _version: int = 0  # the weight version held; implementations raise it in update_weights
+
+    # ---- what an engine implements -----------------------------------------------------------
     @abc.abstractmethod
     async def setup(self) -> None:
         """Load weights, allocate caches, start the generation loop."""
@@ -37,6 +59,28 @@ class RolloutEngine(abc.ABC):
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Yield cumulative outputs as tokens arrive; the last has a finish_reason."""
 
+    @abc.abstractmethod
+    async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
+        """Stop the given requests (all when ``None``); return their partial
+        outputs with ``finish_reason='abort'``. Their streams end with the same."""
+
+    @abc.abstractmethod
+    async def update_weights(self, update: object) -> int:
+        """Apply a ``sync`` weight update (full or delta); return the new version.
+        Invalidates every cache computed with the old weights."""
+
+    @abc.abstractmethod
+    async def _set_paused(self, paused: bool) -> None:
+        """``True``: stop scheduling new decode steps (admitted requests wait);
+        ``False``: go on. Behind :meth:`pause` and :meth:`resume`."""
+
+    @abc.abstractmethod
+    async def _set_memory(self, tags: list[str], *, resident: bool) -> None:
+        """Free (``resident=False``: ``["kv_cache"]`` for sleep level 1, ``["kv_cache",
+        "weights"]`` for level 2) or restore (``resident=True``: any of :data:`MEMORY_TAGS`)
+        what ``tags`` name. Behind :meth:`sleep` and :meth:`wake_up`, which check the tags."""
+
+    # ---- the verbs callers use ---------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Run one request to completion (or abort) and return its output."""
         last = GenerateOutput(request_id=request.request_id)
@@ -44,31 +88,27 @@ class RolloutEngine(abc.ABC):
             last = out
         return last
 
-    @abc.abstractmethod
-    async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
-        """Stop the given requests (all when ``None``); return their partial
-        outputs with ``finish_reason='abort'``. Their streams end with the same."""
-
-    @abc.abstractmethod
     async def pause(self) -> None:
         """Stop scheduling new decode steps (admitted requests wait)."""
+        await self._set_paused(True)
 
-    @abc.abstractmethod
     async def resume(self) -> None:
         """Undo :meth:`pause`."""
+        await self._set_paused(False)
 
-    @abc.abstractmethod
     async def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and also the weights (level 2)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level} must be 1 (KV cache) or 2 (KV cache and weights)")
+        await self._set_memory(["kv_cache"] + (["weights"] if level == 2 else []), resident=False)
 
-    @abc.abstractmethod
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed (``tags``: "weights", "kv_cache"; None = all)."""
-
-    @abc.abstractmethod
-    async def update_weights(self, update: object) -> int:
-        """Apply a ``sync`` weight update (full or delta); return the new version.
-        Invalidates every cache computed with the old weights."""
+        tags = list(MEMORY_TAGS) if tags is None else list(tags)
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)} unknown (use 'weights', 'kv_cache')")
+        await self._set_memory(tags, resident=True)
 
     async def stage_weights(self, update: object) -> bool:
         """Check ``update`` ahead of :meth:`update_weights`, writing nothing,
@@ -77,19 +117,23 @@ class RolloutEngine(abc.ABC):
         :meth:`update_weights` checks as it applies. Raises for a corrupt payload."""
         return False
 
-    @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:
-        """Drop any prefix / KV cache reuse state."""
+        """Drop any prefix / KV cache reuse state (the default: the engine keeps none)."""
 
     @property
-    @abc.abstractmethod
     def version(self) -> int:
         """The weight version the engine holds now."""
+        return self._version
 
     def named_weights(self) -> dict[str, object]:
         """The weights the engine holds, by Hugging Face name (read-only views;
         for bit-exactness checks against the trainer). Optional for adapters."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters for monitoring (read without locking; approximate while running).
+        The default: none."""
+        return {}
 
     async def close(self) -> None:
         """Stop the generation loop and free memory."""

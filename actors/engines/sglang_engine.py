@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import secrets
 import shutil
@@ -60,181 +59,32 @@ import socket
 import subprocess
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from safetensors.torch import save_file
 
-from actors.engines.adapted import copy_output, first_of
-from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine
+from actors.engines.adapted import AdaptedEngine, AdaptedStream
+from actors.engines.base import MEMORY_TAGS, GenerateOutput, GenerateRequest, copy_output
+from actors.engines.sglang_http import SglangHttp, SglangResponse, SglangServerError
+from actors.engines.weights import LM_HEAD
 
-_LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+__all__ = ["SglangEngine", "SglangServerError"]
+
 _FINISH = {"stop": "stop", "length": "length"}
-_TAGS = ("weights", "kv_cache")
 _UPDATE_TIMEOUT_S = 600.0  # loading a large model from disk
 
 
-class SglangServerError(RuntimeError):
-    """The SGLang server could not be reached, did not answer in time, or answered
-    with an error. The message names the server's URL and the call."""
-
-
-# ---- HTTP/1.1: one connection per call, ``Connection: close`` -----------------------------------
-class _Response:
-    """A response's status and headers, its body read piece by piece (chunked,
-    sized or to the end) and, for ``/generate``, as server-sent events."""
-
-    def __init__(self, http: _Http, what: str, timeout_s: float, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.http, self.what, self.timeout_s = http, what, timeout_s
-        self.reader, self.writer = reader, writer
-        self.status, self.headers = 0, {}
-        self._chunked = False
-        self._left = -1  # the body's size when it is given; -1: chunked or up to the end
-        self._ended = False
-        self._buffer = b""
-
-    async def _io(self, aw: Any) -> Any:
-        return await self.http.io(aw, self.what, self.timeout_s)
-
-    async def read_head(self) -> None:
-        line = await self._io(self.reader.readline())
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise SglangServerError(f"the SGLang server at {self.http.url} answered {self.what} with no HTTP "
-                                    f"status line: {line[:80]!r}")
-        self.status = int(parts[1])
-        while (line := await self._io(self.reader.readline())) not in (b"\r\n", b"\n", b""):
-            key, _, value = line.decode("latin-1").partition(":")
-            self.headers[key.strip().lower()] = value.strip()
-        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
-        if not self._chunked and "content-length" in self.headers:
-            self._left = int(self.headers["content-length"])
-
-    async def piece(self) -> bytes:
-        """The next piece of the body; ``b""`` at its end."""
-        if self._ended:
-            return b""
-        if self._chunked:
-            line = await self._io(self.reader.readline())
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise SglangServerError(f"the SGLang server at {self.http.url} broke off its answer to "
-                                        f"{self.what} (chunk header {line[:40]!r})") from None
-            data = await self._io(self.reader.readexactly(size + 2)) if size else b""
-            self._ended = size == 0
-            return data[:size]
-        if self._left >= 0:
-            data = await self._io(self.reader.readexactly(self._left)) if self._left else b""
-            self._ended = True
-            return data
-        data = await self._io(self.reader.read(65536))
-        self._ended = not data
-        return data
-
-    async def body(self) -> bytes:
-        pieces = []
-        while piece := await self.piece():
-            pieces.append(piece)
-        return b"".join(pieces)
-
-    async def event(self) -> Any:
-        """The next server-sent event's JSON; ``None`` after ``data: [DONE]``."""
-        while True:
-            event, sep, rest = self._buffer.partition(b"\n\n")
-            if sep:
-                self._buffer = rest
-                for line in event.splitlines():
-                    if line.startswith(b"data:"):
-                        payload = line[5:].strip()
-                        return None if payload == b"[DONE]" else msgspec.json.decode(payload)
-                continue
-            piece = await self.piece()
-            if not piece:
-                raise SglangServerError(f"the SGLang server at {self.http.url} ended its answer to {self.what} "
-                                        f"before 'data: [DONE]'")
-            self._buffer += piece
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def cut(self) -> None:
-        """Drop the connection now: a read waiting on it sees its end."""
-        self.writer.transport.abort()
-
-
-class _Http:
-    def __init__(self, url: str, timeout_s: float) -> None:
-        u = urllib.parse.urlsplit(url)
-        self.host, self.port, self.timeout_s = u.hostname, u.port, timeout_s
-        self.url = f"http://{self.host}:{self.port}"
-
-    async def io(self, aw: Any, what: str, timeout_s: float) -> Any:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await aw
-        except TimeoutError:  # before OSError: TimeoutError is one
-            raise SglangServerError(f"the SGLang server at {self.url} did not answer {what} "
-                                    f"within {timeout_s:g} s") from None
-        except (OSError, asyncio.IncompleteReadError) as err:
-            raise SglangServerError(f"the connection to the SGLang server at {self.url} broke during "
-                                    f"{what}: {err!r}") from None
-
-    async def send(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> _Response:
-        """Connect and send a request; the response's head is not read yet."""
-        what, timeout_s = f"{method} {path}", timeout_s or self.timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
-        except (TimeoutError, OSError) as err:
-            why = f"no connection within {timeout_s:g} s" if isinstance(err, TimeoutError) else str(err)
-            raise SglangServerError(f"cannot connect to the SGLang server at {self.url} ({what}): {why}; "
-                                    f"is it running? (rollout.engine.url)") from None
-        data = b"" if body is None else msgspec.json.encode(body)
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nConnection: close\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-        return _Response(self, what, timeout_s, reader, writer)
-
-    async def open(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> _Response:
-        """Send a request; return the response with its head read."""
-        resp = await self.send(method, path, body, timeout_s)
-        try:
-            await resp.read_head()
-        except BaseException:
-            resp.cut()
-            raise
-        return resp
-
-    async def call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> bytes:
-        """One request; its body. Raises :class:`SglangServerError` unless HTTP 200."""
-        resp = await self.open(method, path, body, timeout_s)
-        try:
-            data = await resp.body()
-        finally:
-            resp.close()
-        if resp.status != 200:
-            raise SglangServerError(f"the SGLang server at {self.url} answered {resp.what} with HTTP "
-                                    f"{resp.status}: {data[:500].decode('utf-8', 'replace')}")
-        return data
-
-
-# ---- the engine -------------------------------------------------------------------------------
-class _Stream:
+class _Stream(AdaptedStream):
     """One request as the caller sees it, across its SGLang submissions."""
 
     def __init__(self, request: GenerateRequest) -> None:
-        self.request = request
-        self.out = GenerateOutput(request_id=request.request_id)
+        super().__init__(request)
         self.rid: str | None = None  # the SGLang request in flight
-        self.resp: _Response | None = None  # and its connection
+        self.resp: SglangResponse | None = None  # and its connection
         self.cut = False  # that connection was cut by pause / abort
-        self.aborted = False  # by the caller
-        self.parked = asyncio.Event()  # cut by a pause, waiting for resume
-        self.done = asyncio.Event()
-        self.wake = asyncio.Event()  # resume or abort while parked
 
     def cut_connection(self) -> None:
         self.cut = True
@@ -242,7 +92,7 @@ class _Stream:
             self.resp.cut()
 
 
-class SglangEngine(RolloutEngine):
+class SglangEngine(AdaptedEngine[_Stream]):
     """``url``: a running SGLang server serving ``model_path``'s model (None: launch one
     on a free loopback port, with ``device`` (``cuda:i``: GPU ``i``; on CUDA with
     --enable-memory-saver, so that sleep frees memory), ``dtype``, ``max_num_seqs``
@@ -256,41 +106,26 @@ class SglangEngine(RolloutEngine):
     def __init__(self, model_path: str, *, url: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_num_seqs: int = 128, max_model_len: int = 128, seed: int = 0, timeout_s: float = 300.0,
                  launch_timeout_s: float = 900.0, weights_dir: str | None = None) -> None:
-        self.model_path, self.url, self.device, self.dtype = model_path, url, device, dtype
-        self.max_num_seqs, self.max_model_len, self.seed = max_num_seqs, max_model_len, seed
-        self.timeout_s, self.launch_timeout_s, self.weights_dir = timeout_s, launch_timeout_s, weights_dir
-        self._http: _Http | None = None
+        super().__init__(model_path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len, seed=seed)
+        self.url, self.timeout_s, self.launch_timeout_s = url, timeout_s, launch_timeout_s
+        self.weights_dir = weights_dir
+        self._http: SglangHttp | None = None
         self._proc: subprocess.Popen | None = None
         self._dir: Path | None = None  # holds the file updates are loaded from
-        self._weights: dict[str, Any] = {}  # host copy, Hugging Face names, engine dtype
-        self._tied = False  # lm_head is the embedding (not held apart)
-        self._version = 0
-        self._streams: dict[str, _Stream] = {}
-        self._paused = False
-        self._freed: set[str] = set()  # what sleep freed: "weights", "kv_cache"
         self._tag, self._rids = secrets.token_hex(4), itertools.count()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
-        import torch
-        from safetensors.torch import load_file
-
-        from actors.models import resolve_model_path
-
-        path = resolve_model_path(self.model_path)
-        dtype = getattr(torch, self.dtype)
-        for f in sorted(path.glob("*.safetensors")):
-            self._weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-        config = json.loads((path / "config.json").read_text())
-        self._tied = bool(config.get("tie_word_embeddings", False))
+        path, self._tied = self._read_checkpoint()
         if self._tied:  # SGLang, like Hugging Face, takes the head from the embedding
-            self._weights.pop(_LM_HEAD, None)
+            self._weights.pop(LM_HEAD, None)
         self._dir = Path(tempfile.mkdtemp(prefix="asyncrl-sglang-", dir=self.weights_dir))
         shutil.copy(path / "config.json", self._dir / "config.json")
         try:
             if self.url is None:
                 self.url = await self._launch(path)
-            self._http = _Http(self.url, self.timeout_s)
+            self._http = SglangHttp(self.url, self.timeout_s)
             info = msgspec.json.decode(await self._http.call("GET", "/get_model_info"))
             if not info.get("is_generation", True):
                 raise SglangServerError(f"the SGLang server at {self.url} serves a model that does not "
@@ -313,7 +148,7 @@ class SglangEngine(RolloutEngine):
         env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}  # see the docstring
         self._proc = subprocess.Popen(cmd, env=env)
         url, loop = f"http://127.0.0.1:{port}", asyncio.get_running_loop()
-        probe, deadline = _Http(url, 5.0), loop.time() + self.launch_timeout_s
+        probe, deadline = SglangHttp(url, 5.0), loop.time() + self.launch_timeout_s
         while True:
             if self._proc.poll() is not None:
                 raise SglangServerError(f"the SGLang server launched at {url} exited with code "
@@ -345,19 +180,6 @@ class SglangEngine(RolloutEngine):
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def named_weights(self) -> dict[str, Any]:
-        """The weights last loaded into SGLang, by Hugging Face name (the host copy
-        updates are applied to, with checks). A tied ``lm_head.weight`` is listed
-        too, as the embedding, like ``state_dict()``."""
-        out = dict(self._weights)
-        if self._tied:
-            out[_LM_HEAD] = out[_EMBED]
-        return out
 
     # ---- generation ----------------------------------------------------------------------------
     def _body(self, st: _Stream) -> dict[str, Any]:
@@ -399,10 +221,7 @@ class SglangEngine(RolloutEngine):
         return kind, max(0, end - start)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        if self._freed:
-            raise EngineAsleepError("the engine is asleep: wake_up() first")
-        if request.request_id in self._streams:
-            raise ValueError(f"request {request.request_id!r} is already running")
+        self._check_new(request)
         s = request.sampling
         if s.top_k > 0 or s.top_p < 1.0:
             raise ValueError(f"request {request.request_id!r}: top_k={s.top_k}, top_p={s.top_p}: the sglang engine "
@@ -416,12 +235,8 @@ class SglangEngine(RolloutEngine):
         raw_ok, out, finish = s.temperature in (0.0, 1.0), st.out, None
         try:
             while not st.aborted and len(out.token_ids) < request.max_tokens:
-                if self._paused:
-                    st.parked.set()
-                    st.wake.clear()
-                    await st.wake.wait()
+                if await self._park_if_paused(st):
                     continue
-                st.parked.clear()
                 st.cut, st.rid, base = False, f"asyncrl-{self._tag}-{next(self._rids):012d}", len(out.token_ids)
                 # fixed-width ids: SGLang aborts every rid that *starts with* the one named
                 try:
@@ -457,85 +272,46 @@ class SglangEngine(RolloutEngine):
             out.finish_reason = "abort" if st.aborted else finish or "length"
             yield copy_output(out)
         finally:
-            st.parked.set()
-            st.done.set()
-            self._streams.pop(request.request_id, None)
+            self._end(st)
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
-        targets = list(self._streams.values()) if request_ids is None else \
-            [self._streams[i] for i in request_ids if i in self._streams]
-        for st in targets:
-            st.aborted = True
-            st.wake.set()
+        targets = self._mark_aborted(request_ids)
         in_flight = [st.rid for st in targets if st.rid is not None]
         try:  # stop the server's work first; the streams end whatever it answers
             await asyncio.gather(*(self._http.call("POST", "/abort_request", {"rid": rid}) for rid in in_flight))
         finally:
             for st in targets:
                 st.cut_connection()
-            await asyncio.gather(*(st.done.wait() for st in targets))
-        return [copy_output(st.out) for st in targets]
+            outputs = await self._outputs_when_done(targets)
+        return outputs
 
-    async def pause(self) -> None:
-        """SGLang aborts every request in flight and holds new ones; each stream
-        parks with its tokens and goes on after :meth:`resume`."""
-        if self._paused:
+    async def _set_paused(self, paused: bool) -> None:
+        """Pausing, SGLang aborts every request in flight and holds new ones; each
+        stream parks with its tokens and goes on after resuming."""
+        if paused == self._paused:
             return
-        self._paused = True
-        await self._http.call("POST", "/pause_generation", {"mode": "abort"})
-        streams = list(self._streams.values())
-        for st in streams:  # what they read from now on is dropped: no token comes after pause()
-            st.cut_connection()
-        await asyncio.gather(*(first_of(st.parked, st.done) for st in streams))
-
-    async def resume(self) -> None:
-        if not self._paused:
+        if paused:
+            self._paused = True
+            await self._http.call("POST", "/pause_generation", {"mode": "abort"})
+            streams = list(self._streams.values())
+            for st in streams:  # what they read from now on is dropped: no token comes after pause()
+                st.cut_connection()
+            await self._until_parked(streams)
             return
         await self._http.call("POST", "/continue_generation", {})
         self._paused = False
-        for st in list(self._streams.values()):
-            st.wake.set()
+        self._wake_all()
 
     async def reset_prefix_cache(self) -> None:
         await self._http.call("POST", "/flush_cache")
 
     # ---- weights and memory --------------------------------------------------------------------
     async def update_weights(self, update: object) -> int:
-        from actors.engines.weights import FullWeights
-
-        if isinstance(update, FullWeights):
-            import torch
-
-            dtype = getattr(torch, self.dtype)
-            tensors = {n: t for n, t in update.tensors.items() if not (self._tied and n == _LM_HEAD)}
-            missing = sorted(set(self._weights) - set(tensors))
-            unknown = sorted(set(tensors) - set(self._weights))
-            if missing or unknown:
-                raise ValueError(f"full weight update: missing {missing[:5]}, unknown {unknown[:5]}")
-            self._weights.update({n: t.detach().to("cpu", dtype) for n, t in tensors.items()})
-            version = int(update.version)
-        else:
-            from sync.apply import apply_update
-
-            names = {e.name for e in update.manifest.entries}
-            targets = dict(self._weights)
-            if self._tied and _LM_HEAD in names:  # a sender that did not tie them: the head is the embedding
-                embed = self._weights[_EMBED]
-                targets[_LM_HEAD] = embed.clone() if _EMBED in names else embed
-            version = await asyncio.to_thread(apply_update, targets, update, self._version)  # checks first
+        version = await self._apply_to_host(update, require_all=True)
         if "weights" in self._freed:  # SGLang's weight memory is released: wake_up() loads them
             self._version = version
             return version
-        was_paused = self._paused
-        if not was_paused:  # requests in flight must not keep KV of the old weights
-            await self.pause()
-        try:
-            await self._load_into_server(version)
-            self._version = version
-        finally:
-            if not was_paused:
-                await self.resume()
-        return self._version
+        return await self._load_paused(lambda: self._load_into_server(version), version)
 
     async def _load_into_server(self, version: int) -> None:
         await asyncio.to_thread(self._write_weights)
@@ -547,30 +323,18 @@ class SglangEngine(RolloutEngine):
         await self._http.call("POST", "/flush_cache")  # no prefix computed on the old weights is reused
 
     def _write_weights(self) -> None:
-        from safetensors.torch import save_file
-
         partial = self._dir / "model.safetensors.partial"  # not *.safetensors: SGLang loads every one
         save_file({n: t.contiguous() for n, t in self._weights.items()}, str(partial), metadata={"format": "pt"})
         os.replace(partial, self._dir / "model.safetensors")
 
-    async def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level={level} must be 1 (KV cache) or 2 (KV cache and weights)")
-        tags = ["kv_cache"] + (["weights"] if level == 2 else [])
-        await self._http.call("POST", "/release_memory_occupation", {"tags": tags})
-        self._freed |= set(tags)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        tags = list(_TAGS) if tags is None else list(tags)
-        unknown = set(tags) - set(_TAGS)
-        if unknown:
-            raise ValueError(f"wake_up tags {sorted(unknown)} unknown (use 'weights', 'kv_cache')")
-        freed = [t for t in _TAGS if t in tags and t in self._freed]
+    async def _set_memory(self, tags: list[str], *, resident: bool) -> None:
+        if not resident:
+            await self._http.call("POST", "/release_memory_occupation", {"tags": tags})
+            self._freed |= set(tags)
+            return
+        freed = [t for t in MEMORY_TAGS if t in tags and t in self._freed]
         if freed:
             await self._http.call("POST", "/resume_memory_occupation", {"tags": freed})
         if "weights" in freed:
             await self._load_into_server(self._version)
         self._freed -= set(tags)
-
-    def statistics(self) -> dict[str, Any]:
-        return {"num_running": len(self._streams), "version": self._version}

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import EngineAsleepError, RolloutEngine
+from actors.engines.base import EngineAsleepError, RolloutEngine, copy_output
 from actors.engines.config import EngineConfig
+from actors.engines.engine_core import EngineCore
+from actors.engines.engine_steps import EngineOptions, Event, Seq
+from actors.engines.weights import with_tied_head
 from contracts.rollout import GenerateOutput, GenerateRequest
-from actors.engines.engine_core import EngineCore, EngineOptions, Event, Seq
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULTS = EngineConfig()  # the one set of defaults: the config's
@@ -206,9 +208,7 @@ class TorchEngine(RolloutEngine):
                 if st.error is not None:
                     raise RuntimeError(f"request {request.request_id!r} failed in the engine") from st.error
                 out = st.out
-                yield GenerateOutput(request_id=out.request_id, token_ids=list(out.token_ids),
-                                     logprobs=list(out.logprobs), raw_logprobs=list(out.raw_logprobs),
-                                     token_versions=list(out.token_versions), finish_reason=out.finish_reason)
+                yield copy_output(out)
                 if out.finish_reason is not None:
                     return
         finally:
@@ -230,21 +230,15 @@ class TorchEngine(RolloutEngine):
         return [st.out for st in streams]
 
     # ---- control -------------------------------------------------------------------------------
-    async def pause(self) -> None:
-        await self._call("pause")
+    async def _set_paused(self, paused: bool) -> None:
+        await self._call("pause" if paused else "resume")
 
-    async def resume(self) -> None:
-        await self._call("resume")
-
-    async def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level={level} must be 1 (KV cache) or 2 (KV cache and weights)")
+    async def _set_memory(self, tags: list[str], *, resident: bool) -> None:
+        if resident:
+            self._asleep = not await self._call("wake", list(tags))
+            return
         self._asleep = True
-        await self._call("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        awake = await self._call("wake", None if tags is None else list(tags))
-        self._asleep = not awake
+        await self._call("sleep", 2 if "weights" in tags else 1)
 
     async def update_weights(self, update: object) -> int:
         self._version = await self._call("update", update)
@@ -263,14 +257,7 @@ class TorchEngine(RolloutEngine):
         if self._core is None or not hasattr(self._core, "weights"):
             raise RuntimeError("TorchEngine.setup() was not awaited")
         store = self._core.weights
-        out = dict(store.params)
-        if store.cfg.tie_word_embeddings:
-            out["lm_head.weight"] = store.embed
-        return out
-
-    @property
-    def version(self) -> int:
-        return self._version
+        return with_tied_head(store.params, store.cfg.tie_word_embeddings)
 
     def statistics(self) -> dict[str, float]:
         """Counts for monitoring (read without locking; approximate while running)."""

@@ -26,33 +26,28 @@ top-k / top-p) and left empty otherwise.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.engines.adapted import copy_output, first_of
-from actors.engines.base import EngineAsleepError, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
+import torch
+
+from actors.engines.adapted import AdaptedEngine, AdaptedStream
+from actors.engines.base import GenerateOutput, GenerateRequest, SamplingParams, copy_output
+from actors.engines.weights import LM_HEAD
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
-_LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
-class _Stream:
+class _Stream(AdaptedStream):
     """One request as the caller sees it, across its vLLM submissions."""
 
     def __init__(self, request: GenerateRequest) -> None:
-        self.request = request
-        self.out = GenerateOutput(request_id=request.request_id)
+        super().__init__(request)
         self.vllm_id: str | None = None  # the submission in flight
         self.submissions = 0
-        self.aborted = False  # by the caller
-        self.parked = asyncio.Event()  # cut by a pause, waiting for resume
-        self.done = asyncio.Event()
-        self.wake = asyncio.Event()  # resume or abort while parked
 
 
-class VllmEngine(RolloutEngine):
+class VllmEngine(AdaptedEngine[_Stream]):
     """``device``: ``cpu`` or ``cuda`` (vLLM picks its GPU itself: choose one with
     ``CUDA_VISIBLE_DEVICES``; a ``cuda:i`` index is not passed on); ``dtype``: the
     weights' and compute dtype. The host copy of the weights costs one model's
@@ -60,35 +55,21 @@ class VllmEngine(RolloutEngine):
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 128,
                  max_model_len: int = 128, seed: int = 0, memory_utilization: float | None = None) -> None:
-        self.model_path, self.device, self.dtype = model_path, device, dtype
-        self.max_num_seqs, self.max_model_len, self.seed = max_num_seqs, max_model_len, seed
+        super().__init__(model_path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len, seed=seed)
         # vLLM's gpu_memory_utilization: the share of the GPU's memory, or on a CPU of the
         # machine's RAM, the engine takes (weights + KV cache); vLLM's 0.92 would take a
         # shared CPU machine's memory whole
         self.memory_utilization = memory_utilization or (0.5 if device.startswith("cuda") else 0.1)
         self._llm: Any = None
-        self._version = 0
-        self._streams: dict[str, _Stream] = {}
-        self._paused = False
-        self._freed: set[str] = set()  # what sleep freed: "weights", "kv_cache"
-        self._weights: dict[str, Any] = {}  # host copy, Hugging Face names, engine dtype
-        self._tied = False  # lm_head is the embedding (not held apart)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
-        import torch
-        from safetensors.torch import load_file
-        from vllm import AsyncEngineArgs
+        from vllm import AsyncEngineArgs  # optional dependency (extra vllm)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from actors.models import resolve_model_path
-
-        path = resolve_model_path(self.model_path)
-        dtype = getattr(torch, self.dtype)
-        for f in sorted(path.glob("*.safetensors")):
-            self._weights.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-        config = json.loads((path / "config.json").read_text())
-        self._tied = bool(config.get("tie_word_embeddings", False)) and _LM_HEAD not in self._weights
+        path, tied = self._read_checkpoint()
+        self._tied = tied and LM_HEAD not in self._weights
         cuda = self.device.startswith("cuda")
         args = AsyncEngineArgs(
             model=str(path), skip_tokenizer_init=True, dtype=self.dtype, max_model_len=self.max_model_len,
@@ -103,32 +84,16 @@ class VllmEngine(RolloutEngine):
             self._llm.shutdown()
             self._llm = None
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def named_weights(self) -> dict[str, Any]:
-        """The weights last loaded into vLLM, by Hugging Face name (the host copy
-        updates are applied to, with checks; vLLM holds them fused). A tied
-        ``lm_head.weight`` is listed too, as the embedding, like ``state_dict()``."""
-        out = dict(self._weights)
-        if self._tied:
-            out[_LM_HEAD] = out[_EMBED]
-        return out
-
     # ---- generation ----------------------------------------------------------------------------
     def _params(self, sampling: SamplingParams, max_tokens: int) -> Any:
-        from vllm import SamplingParams as VllmSampling
+        from vllm import SamplingParams as VllmSampling  # optional dependency (extra vllm)
 
         return VllmSampling(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                             seed=sampling.seed, max_tokens=max_tokens, stop_token_ids=list(sampling.stop_token_ids),
                             ignore_eos=True, logprobs=0, detokenize=False)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        if self._freed:
-            raise EngineAsleepError("the engine is asleep: wake_up() first")
-        if request.request_id in self._streams:
-            raise ValueError(f"request {request.request_id!r} is already running")
+        self._check_new(request)
         st = _Stream(request)
         self._streams[request.request_id] = st
         s = request.sampling
@@ -137,12 +102,8 @@ class VllmEngine(RolloutEngine):
         try:
             finish = "length"
             while not st.aborted and len(out.token_ids) < request.max_tokens:
-                if self._paused:
-                    st.parked.set()
-                    st.wake.clear()
-                    await st.wake.wait()
+                if await self._park_if_paused(st):
                     continue
-                st.parked.clear()
                 st.vllm_id = f"{request.request_id}#{st.submissions}"
                 st.submissions += 1
                 base = len(out.token_ids)
@@ -174,101 +135,57 @@ class VllmEngine(RolloutEngine):
             yield copy_output(out)
         finally:
             st.vllm_id = None
-            st.parked.set()
-            st.done.set()
-            self._streams.pop(request.request_id, None)
+            self._end(st)
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerateOutput]:
-        targets = list(self._streams.values()) if request_ids is None else \
-            [self._streams[i] for i in request_ids if i in self._streams]
-        for st in targets:
-            st.aborted = True
-            st.wake.set()
+        targets = self._mark_aborted(request_ids)
         in_flight = [st.vllm_id for st in targets if st.vllm_id is not None]
         if in_flight and self._llm is not None:
             await self._llm.abort(in_flight)
-        await asyncio.gather(*(st.done.wait() for st in targets))
-        return [copy_output(st.out) for st in targets]
+        return await self._outputs_when_done(targets)
 
-    async def pause(self) -> None:
-        """Cut every request in flight (vLLM's abort mode) and hold new ones; each
-        stream parks with its tokens and goes on after :meth:`resume`."""
-        if self._paused:
+    async def _set_paused(self, paused: bool) -> None:
+        """Pausing cuts every request in flight (vLLM's abort mode) and holds new ones;
+        each stream parks with its tokens and goes on after resuming."""
+        if paused == self._paused:
             return
-        self._paused = True
-        await self._llm.pause_generation(mode="abort", clear_cache=False)
-        # every stream has taken its cut output in (its tokens carry the version of then)
-        await asyncio.gather(*(first_of(st.parked, st.done) for st in list(self._streams.values())))
-
-    async def resume(self) -> None:
-        if not self._paused:
+        self._paused = paused
+        if paused:
+            await self._llm.pause_generation(mode="abort", clear_cache=False)
+            # every stream has taken its cut output in (its tokens carry the version of then)
+            await self._until_parked(list(self._streams.values()))
             return
-        self._paused = False
         await self._llm.resume_generation()
-        for st in list(self._streams.values()):
-            st.wake.set()
+        self._wake_all()
 
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
 
     # ---- weights and memory --------------------------------------------------------------------
     async def update_weights(self, update: object) -> int:
-        from actors.engines.weights import FullWeights
+        version = await self._apply_to_host(update, require_all=False)
+        return await self._load_paused(self._load_into_workers, version)
 
-        if isinstance(update, FullWeights):
-            import torch
+    async def _load_into_workers(self) -> None:
+        # every weight, not only the changed ones: vLLM reloads whole layers; a tied
+        # head goes too (vLLM's reload leaves it unusable when only the embedding comes)
+        await self._llm.collective_rpc("asyncrl_load_weights",
+                                       args=([_wire(n, t) for n, t in self.named_weights().items()],))
+        await self._llm.reset_prefix_cache()
 
-            dtype = getattr(torch, self.dtype)
-            tensors = {n: t for n, t in update.tensors.items() if not (self._tied and n == _LM_HEAD)}
-            self._weights.update({n: t.detach().to("cpu", dtype) for n, t in tensors.items()})
-            version = int(update.version)
+    async def _set_memory(self, tags: list[str], *, resident: bool) -> None:
+        if self.device.startswith("cuda"):  # vLLM has no sleep mode on a CPU
+            if resident:
+                await self._llm.wake_up(tags)
+            else:
+                await self._llm.sleep(2 if "weights" in tags else 1)
+        if resident:
+            self._freed -= set(tags)
         else:
-            from sync.apply import apply_update
-
-            names = {e.name for e in update.manifest.entries}
-            targets = dict(self._weights)
-            if self._tied and _LM_HEAD in names:  # a sender that did not tie them: the head is the embedding
-                embed = self._weights[_EMBED]
-                targets[_LM_HEAD] = embed.clone() if _EMBED in names else embed
-            version = await asyncio.to_thread(apply_update, targets, update, self._version)  # checks first
-        was_paused = self._paused
-        if not was_paused:  # requests in flight must not keep KV of the old weights
-            await self.pause()
-        try:
-            # every weight, not only the changed ones: vLLM reloads whole layers; a tied
-            # head goes too (vLLM's reload leaves it unusable when only the embedding comes)
-            await self._llm.collective_rpc("asyncrl_load_weights",
-                                           args=([_wire(n, t) for n, t in self.named_weights().items()],))
-            await self._llm.reset_prefix_cache()
-            self._version = version
-        finally:
-            if not was_paused:
-                await self.resume()
-        return self._version
-
-    async def sleep(self, level: int = 1) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level={level} must be 1 (KV cache) or 2 (KV cache and weights)")
-        if self.device.startswith("cuda"):
-            await self._llm.sleep(level)
-        self._freed |= {"kv_cache"} | ({"weights"} if level == 2 else set())
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"wake_up tags {sorted(unknown)} unknown (use 'weights', 'kv_cache')")
-        if self.device.startswith("cuda"):
-            await self._llm.wake_up(tags)
-        self._freed -= set(tags)
-
-    def statistics(self) -> dict[str, Any]:
-        return {"num_running": len(self._streams), "version": self._version}
+            self._freed |= set(tags)
 
 
 def _wire(name: str, t: Any) -> tuple[str, str, list[int], bytes]:
     """A tensor as vLLM's RPC carries it (see ``vllm_worker.WeightLoader``)."""
-    import torch
-
     t = t.detach().contiguous().cpu()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()

@@ -4,7 +4,7 @@ vLLM engine adapter (:mod:`actors.engines.vllm_engine`) makes through
 
 from __future__ import annotations
 
-from typing import Any
+import torch
 
 
 class WeightLoader:
@@ -18,8 +18,6 @@ class WeightLoader:
         (q/k/v, gate/up; a tied ``lm_head.weight`` is skipped) and processes the
         layer again (the CPU backend prepacks its matmul weights, so a plain
         ``load_weights`` has nothing left to write into). Returns how many came."""
-        import torch
-
         tensors = [(name, torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(shape))
                    for name, dtype, shape, data in named]
         self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]

@@ -13,11 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from actors.engines.model import ModelConfig
+
+LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
 @dataclass
@@ -28,6 +31,30 @@ class FullWeights:
 
     version: int
     tensors: dict[str, torch.Tensor]
+
+
+def with_tied_head(named: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """``named`` (Hugging Face names), with a tied ``lm_head.weight`` listed too,
+    as the embedding, like ``state_dict()`` lists it."""
+    out = dict(named)
+    if tied:
+        out[LM_HEAD] = out[EMBED]
+    return out
+
+
+def update_targets(named: dict[str, Any], update: Any, *, tied: bool) -> dict[str, Any]:
+    """The HF-named tensors ``sync.apply`` writes ``update`` into: ``named``. A tied
+    model holds no ``lm_head.weight``; if an update names it anyway (a sender that
+    did not tie them), it goes to the embedding, or, when the embedding comes in the
+    same update, to a throw-away copy (writing one storage twice would fail a
+    delta's base checksum)."""
+    targets = dict(named)
+    if tied:
+        names = {e.name for e in update.manifest.entries}
+        if LM_HEAD in names:
+            embed = named[EMBED]
+            targets[LM_HEAD] = embed.clone() if EMBED in names else embed
+    return targets
 
 
 class WeightStore:
@@ -83,9 +110,9 @@ class WeightStore:
                 gate_up_w=fused([m + "gate_proj.weight", m + "up_proj.weight"], cfg.hidden_size),
                 down_w=p[m + "down_proj.weight"],
             ))
-        self.embed = p["model.embed_tokens.weight"]
+        self.embed = p[EMBED]
         self.final_norm = p["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else p["lm_head.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else p[LM_HEAD]
 
     @torch.no_grad()
     def load_dir(self, model_path: str | Path) -> None:
@@ -119,7 +146,7 @@ class WeightStore:
             self.params[n].copy_(tensors[n])
 
     def _skip(self, name: str) -> bool:
-        return self.cfg.tie_word_embeddings and name == "lm_head.weight"
+        return self.cfg.tie_word_embeddings and name == LM_HEAD
 
     def _check(self, name: str, shape: tuple[int, ...]) -> None:
         if name not in self.shapes:
