@@ -310,8 +310,29 @@ class DriverProbe:
 def install(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
     """Hook every boundary of the driver (module docstring); ``monkeypatch`` undoes it."""
     p = DriverProbe()
+    _install_local(p, monkeypatch)
+    _install_process(p, monkeypatch)
+    _install_queue_wire(p, monkeypatch)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return p
+    _install_ray(p, monkeypatch)
+    return p
 
-    # runtime 'local': a call is a coroutine on the driver's loop
+
+def _seen_spawn(p: DriverProbe, spawn: Any, runtime: str) -> Any:
+    """A runtime's ``spawn`` that shows the constructor's arguments as one message."""
+
+    async def spawning(self: Any, cls: type, *args: Any, name: str, **kwargs: Any) -> Any:
+        p.see(f"{runtime}:{name}.__init__ (sent)", (args, kwargs))
+        return await spawn(self, cls, *args, name=name, **kwargs)
+
+    return spawning
+
+
+def _install_local(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runtime ``local``: a call is a coroutine on the driver's loop; nothing is encoded."""
     local_call = rt._LocalHandle.call
 
     async def call_local(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -321,17 +342,15 @@ def install(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
         p.see(f"{where} (received)", result)
         return result
 
-    local_spawn = rt.LocalRuntime.spawn
-
-    async def spawn_local(self: Any, cls: type, *args: Any, name: str, **kwargs: Any) -> Any:
-        p.see(f"local:{name}.__init__ (sent)", (args, kwargs))
-        return await local_spawn(self, cls, *args, name=name, **kwargs)
-
     monkeypatch.setattr(rt._LocalHandle, "call", call_local)
-    monkeypatch.setattr(rt.LocalRuntime, "spawn", spawn_local)
+    monkeypatch.setattr(rt.LocalRuntime, "spawn", _seen_spawn(p, rt.LocalRuntime.spawn, "local"))
 
-    # runtime 'process': actors/runtime.py encodes every call and decodes every reply with
-    # its module's pickle; _send (loop thread) and _read (one thread per actor) say whose
+
+def _install_process(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runtime ``process``: actors/runtime.py encodes every call and decodes every reply
+    with its module's pickle; ``_send`` (loop thread) and ``_read`` (one thread per
+    actor) say whose. The constructor's arguments travel in the child's start
+    (multiprocessing pickles them): ``spawn`` shows them."""
     send, read = rt._ProcessHandle._send, rt._ProcessHandle._read
 
     def sending(self: Any, *args: Any) -> None:
@@ -345,21 +364,30 @@ def install(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
         p._local.reading, p._local.outer = self, True
         read(self)
 
-    spawn = rt.ProcessRuntime.spawn
-
-    async def spawning(self: Any, cls: type, *args: Any, name: str, **kwargs: Any) -> Any:
-        # the constructor's arguments travel in the child's start (multiprocessing pickles them)
-        p.see(f"process:{name}.__init__ (sent)", (args, kwargs))
-        return await spawn(self, cls, *args, name=name, **kwargs)
-
-    monkeypatch.setattr(rt.ProcessRuntime, "spawn", spawning)
+    monkeypatch.setattr(rt.ProcessRuntime, "spawn", _seen_spawn(p, rt.ProcessRuntime.spawn, "process"))
     monkeypatch.setattr(rt._ProcessHandle, "_send", sending)
     monkeypatch.setattr(rt._ProcessHandle, "_read", reading)
     codec = {k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}
     monkeypatch.setattr(rt, "pickle", types.SimpleNamespace(**{**codec, "dumps": p._pickle_dumps,
                                                                "loads": p._pickle_loads}))
 
-    # the TransferQueue's socket wire (the served local deployment and the ray one)
+
+class _CountingReader:
+    """A stream reader that counts the bytes read through it."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader, self.nbytes = reader, 0
+
+    async def readexactly(self, n: int) -> bytes:
+        data = await self.reader.readexactly(n)
+        self.nbytes += len(data)
+        return data
+
+
+def _install_queue_wire(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TransferQueue's socket wire (the served local deployment and the ray one):
+    ``_frame`` and ``_read_frame`` see every message, ``RpcClient._write`` and
+    ``_Connection`` say whose call a reply answers."""
     frame, read_frame = rpc._frame, rpc._read_frame
     connection_init, write = rpc._Connection.__init__, rpc.RpcClient._write
 
@@ -369,17 +397,8 @@ def install(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
         p.see(f"{where} (sent)", body, "socket", sum(memoryview(x).nbytes for x in parts))
         return parts
 
-    class _Counting:
-        def __init__(self, reader: Any) -> None:
-            self.reader, self.nbytes = reader, 0
-
-        async def readexactly(self, n: int) -> bytes:
-            data = await self.reader.readexactly(n)
-            self.nbytes += len(data)
-            return data
-
     async def read_framed(reader: Any, max_bytes: int) -> Any:
-        counting = _Counting(reader)
+        counting = _CountingReader(reader)
         message = await read_frame(counting, max_bytes)
         conn = p._readers.get(id(reader))
         where, body = p._rpc_where(message)
@@ -400,13 +419,6 @@ def install(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
     monkeypatch.setattr(rpc, "_read_frame", read_framed)
     monkeypatch.setattr(rpc._Connection, "__init__", connected)
     monkeypatch.setattr(rpc.RpcClient, "_write", writing)
-
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return p
-    _install_ray(p, monkeypatch)
-    return p
 
 
 def _install_ray(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:

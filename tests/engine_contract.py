@@ -1,7 +1,8 @@
 """The rollout-engine contract, as tests any engine can be run against.
 
 Use: subclass :class:`EngineContract` in a ``test_*.py`` module and provide
-two fixtures:
+two fixtures (tests/conftest.py has a ``make_update`` for an engine that takes
+a sync manifest, and the ``tiny_models`` the tests run on):
 
     engine_factory(model_dir: str, **options) -> RolloutEngine   (not yet set up)
     make_update(version: int, state: dict[str, Tensor]) -> object  (what update_weights takes)
@@ -76,11 +77,9 @@ def req(rid: str, prompt: list[int], max_tokens: int, sampling: SamplingParams =
     return GenerateRequest(request_id=rid, prompt_ids=list(prompt), max_tokens=max_tokens, sampling=sampling)
 
 
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory, wide_heads) -> dict[str, tuple[str, object]]:
-    """family -> (checkpoint dir, HF model); plus "<family>-b": other weights, same shapes.
-    ``wide_heads`` (tests/conftest.py, False): a module overrides it for head_dim 64."""
-    root = tmp_path_factory.mktemp("tiny_models")
+def build_tiny_models(root: Path, wide_heads: bool = False) -> dict[str, tuple[str, object]]:
+    """family -> (checkpoint dir under ``root``, HF model); plus "<family>-b": other
+    weights, same shapes (the ``tiny_models`` fixture of tests/conftest.py)."""
     out = {}
     for i, family in enumerate(FAMILIES):
         for suffix, seed in (("", 100 + i), ("-b", 200 + i)):

@@ -10,22 +10,9 @@ import pathlib
 import pytest
 
 from actors.launch import launch
+from tests.helpers import train_checking_engine_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def train_checking_engine_weights(run, steps: int, dtype: str = "bfloat16") -> None:
-    """Train step by step; after each sync every engine holds the trainer's version, bit for bit."""
-    import loop
-
-    policy = run.policy
-    for step in range(1, steps + 1):
-        (m,) = run.train(steps=1)
-        assert m["sync/version"] == step
-        want = loop.run(policy.trainer.weights_digest(dtype))
-        for rollout in policy.rollouts:
-            assert loop.run(rollout.get_version()) == step
-            assert loop.run(rollout.weights_digest()) == want
 
 
 @pytest.mark.parametrize("runtime", [pytest.param("ray", marks=pytest.mark.ray), "process"])

@@ -14,7 +14,7 @@ import torch
 import loop
 from actors.engines import EngineConfig, FullWeights, make_engine
 from actors.engines.torch_engine import TorchEngine
-from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running, tiny_models  # noqa: F401
+from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running
 
 
 @pytest.fixture
@@ -24,6 +24,7 @@ def engine_factory():
 
 @pytest.fixture
 def make_update():
+    # the built-in engine takes FullWeights as they are (conftest's default: a sync manifest)
     return lambda version, state: FullWeights(version=version, tensors=state)
 
 

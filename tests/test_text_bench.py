@@ -16,7 +16,7 @@ from actors.models import load_causal_lm, load_tokenizer
 from bench import async_vs_sync
 from bench.make_model import TOKENIZER_FILES, VOCAB_MULTIPLE, export_tokenizer, make_model
 from policies.tasks import TextArithmetic, make_task
-from tests.test_text_tasks import build_byte_tokenizer
+from tests.helpers import build_byte_tokenizer
 from tools import sft_text
 
 pytestmark = pytest.mark.timeout(180)

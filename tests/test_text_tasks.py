@@ -1,5 +1,5 @@
 """Text tasks on a tiny byte-level tokenizer with a ChatML chat template, built
-here (no downloads): rendering, stop tokens, decoding, rewards, held-out
+by tests/helpers.py (no downloads): rendering, stop tokens, decoding, rewards, held-out
 prompts, and a hanging user reward through the rollout actor's scoring path."""
 
 import asyncio
@@ -15,30 +15,11 @@ import pytest
 
 from policies.config import TaskConfig
 from policies.tasks import TextArithmetic, TextDataset, make_task
+from tests.helpers import CHATML, build_byte_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN, EVAL = str(ROOT / "examples" / "arithmetic_train.jsonl"), str(ROOT / "examples" / "arithmetic_eval.jsonl")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _RELEASE = threading.Event()
-
-
-def build_byte_tokenizer(chat_template: str | None = CHATML):
-    """A byte-level tokenizer (256 byte tokens, no merges: any text round-trips)
-    with ``<|endoftext|>`` as eos and ChatML turn markers as special tokens."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
-                                               pad_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    if chat_template:
-        tok.chat_template = chat_template
-    return tok
 
 
 @pytest.fixture(scope="module")

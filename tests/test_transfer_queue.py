@@ -1,5 +1,7 @@
 """TransferQueue, in-process deployment: readiness, samplers, staleness, backpressure,
-leases, persistence, close semantics, and exactly-once delivery under concurrency."""
+leases, persistence, close semantics, and exactly-once delivery under concurrency.
+Its parts below the client (storage unit, codec, coalescer, controller) are in
+tests/test_transfer_queue_internals.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 import pytest_asyncio
 
 import loop
+from contracts.sample import TOKEN_DTYPES, pack_tokens
+from tests.helpers import assert_accounting, check_array_samples_round_trip, make_samples, run_producers_consumers
 from transfer_queue import (
     EndOfStream,
     LeaseLost,
@@ -22,137 +26,8 @@ from transfer_queue import (
     TransferQueue,
     TransferQueueConfig,
 )
-from transfer_queue.coalesce import PutCoalescer, ReserveRefused
-from transfer_queue.codec import (
-    ALL_FIELDS,
-    FULL_MASK,
-    decode_identities,
-    decode_samples,
-    encode_new_samples,
-    encode_rows,
-    fields_mask,
-    frame_rows,
-    sample_to_row,
-    tags_of,
-)
-from contracts.sample import TOKEN_DTYPES, pack_tokens
-from transfer_queue.storage import StorageUnit
-from transfer_queue.wire import QueueStats
 
 pytestmark = pytest.mark.timeout(30)
-
-
-# ------------------------------------------------------------------ helpers (shared)
-def make_samples(
-    num_groups: int, group_size: int = 1, version: int = 0, prefix: str = "s", num_tokens: int = 4
-) -> list[Sample]:
-    """``num_groups`` GRPO groups of ``group_size`` samples, every token from ``version``."""
-    out = []
-    for g in range(num_groups):
-        for k in range(group_size):
-            i = g * group_size + k
-            out.append(
-                Sample(
-                    uid=f"{prefix}{i}",
-                    group_id=f"{prefix}g{g}",
-                    prompt_ids=[1, 2, 3],
-                    response_ids=list(range(i, i + num_tokens)),
-                    rollout_logprobs=[-0.5] * num_tokens,
-                    token_versions=[version] * num_tokens,
-                    reward=float(k),
-                    finish_reason="stop",
-                    meta={"answer": str(i)},
-                )
-            )
-    return out
-
-
-def assert_accounting(stats: QueueStats) -> None:
-    assert stats.dropped == sum(stats.dropped_by_reason.values())
-    assert stats.put == stats.delivered + stats.dropped + stats.pending + stats.in_flight, stats
-
-
-def with_arrays(samples: list[Sample]) -> list[Sample]:
-    """The same samples holding numpy arrays as an engine hands them over (int64 ids,
-    float64 log-probs: the queue stores int32 and float32)."""
-    return [
-        msgspec.structs.replace(
-            s, prompt_ids=np.array(s.prompt_ids, np.int64), response_ids=np.array(s.response_ids, np.int64),
-            rollout_logprobs=np.array(s.rollout_logprobs, np.float64), token_versions=np.array(s.token_versions, np.int64),
-        )
-        for s in samples
-    ]  # fmt: skip
-
-
-async def check_array_samples_round_trip(tq: TransferQueue) -> None:
-    """Array samples come back as read-only arrays (int32 / float32) with their values, next to
-    list samples in the same batch, with version tags from the arrays; bad arrays are refused."""
-    lists = make_samples(2, 2, version=3)
-    arrays = with_arrays(make_samples(2, 2, version=3, prefix="a", num_tokens=1000))
-    arrays[0].response_ids[0] = 2**31 - 1  # the largest token id int32 holds
-    await tq.put(lists[:2])
-    await tq.put(arrays[:2])
-    await tq.put(arrays[2:])
-    await tq.put(lists[2:])
-    batch = await tq.get("trainer", 8, sampler="grpo_group", group_size=2, current_version=4, max_staleness=1)
-    assert batch.dropped == {}  # tags (min/max version) came from the arrays
-    got = {s.uid: s for s in batch.samples}
-    for want in arrays:
-        s = got[want.uid]
-        assert s.response_ids.dtype == np.int32 and s.rollout_logprobs.dtype == np.float32
-        assert s.response_ids.tolist() == want.response_ids.tolist()
-        assert s.rollout_logprobs.tolist() == want.rollout_logprobs.astype(np.float32).tolist()
-        assert (s.min_version, s.max_version) == (3, 3) and s.reward == want.reward
-        with pytest.raises(ValueError, match="read-only"):
-            s.response_ids[0] = 0  # a redelivery must see what was put
-    for want in lists:
-        assert got[want.uid] == want
-    columns = dict(zip(batch.uids, batch.column("response_ids")))
-    assert all(columns[s.uid].tolist() == list(s.response_ids) for s in (*lists, *arrays))
-    await tq.ack(batch.batch_id)
-    bad = make_samples(1, prefix="bad")
-    bad[0].response_ids = np.zeros((2, 2), np.int32)
-    with pytest.raises(ValueError, match="'response_ids' must be a list or a 1-D array"):
-        await tq.put(bad)
-    assert_accounting(await tq.statistics_async())
-
-
-async def run_producers_consumers(
-    tq: TransferQueue, num_producers: int = 4, num_consumers: int = 2, per_producer: int = 64, batch_size: int = 8
-) -> None:
-    """4 producers x 2 consumers; every uid put is delivered exactly once or dropped with a reason."""
-    delivered: list[str] = []
-    received = [0]
-
-    async def produce(p: int) -> None:
-        samples = make_samples(per_producer // 4, 4, prefix=f"p{p}-")
-        for i in range(0, len(samples), 4):
-            await tq.put(samples[i : i + 4])
-
-    async def consume(c: int) -> None:
-        while True:
-            try:
-                batch = await tq.get(f"trainer-{c}", batch_size, sampler="grpo_group", group_size=4)
-            except EndOfStream:
-                return
-            received[0] += 1
-            if received[0] % 3 == 0:
-                await tq.nack(batch.batch_id)  # exercise redelivery under load
-            else:
-                delivered.extend(s.uid for s in batch.samples)
-                await tq.ack(batch.batch_id)
-
-    consumers = [asyncio.create_task(consume(c)) for c in range(num_consumers)]
-    await asyncio.gather(*(produce(p) for p in range(num_producers)))
-    await tq.drop([], "unused")  # a no-op drop is allowed
-    await tq.close()
-    await asyncio.gather(*consumers)
-    stats = await tq.statistics_async()
-    assert_accounting(stats)
-    assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
-    assert stats.put == num_producers * per_producer
-    assert stats.delivered == len(delivered) == stats.put - stats.dropped - stats.pending
-    assert stats.pending == 0 and stats.in_flight == 0
 
 
 @pytest_asyncio.fixture
@@ -202,24 +77,6 @@ def test_pack_tokens_turns_a_finished_sample_into_arrays_with_the_same_values() 
         assert value.dtype == dtype and value.tolist() == before[name]
     assert (sample.min_version, sample.max_version) == (2, 2)
 
-
-def test_storage_unit_keeps_encoded_rows_unparsed_and_merges_field_writes() -> None:
-    unit = StorageUnit(0)
-    samples = make_samples(2, 2)
-    prompts = [sample_to_row(s, ["prompt_ids"]) for s in samples]
-    rest = [sample_to_row(s, [f for f in ALL_FIELDS if f != "prompt_ids"]) for s in samples]
-    unit.put_encoded([0, 2, 4, 6], encode_rows(prompts))
-    unit.put_encoded([0, 2, 4, 6], encode_rows(rest))  # a later write adds the other fields
-    assert {type(v) for row in unit._rows.values() for v in row.values()} == {msgspec.Raw}
-    assert decode_samples(unit.get_encoded([6, 0, 2, 4], None), FULL_MASK) == [samples[3], *samples[:3]]
-    fields = ("response_ids", "reward")
-    partial = decode_samples(unit.get_encoded([2], fields), fields_mask(fields))
-    assert partial == [Sample(uid=samples[1].uid, group_id=samples[1].group_id, prompt_ids=[],
-                              response_ids=samples[1].response_ids, reward=samples[1].reward)]  # fmt: skip
-    assert decode_identities(unit.get_encoded([4, 0], fields)) == [(samples[2].uid, samples[2].group_id),
-                                                                   (samples[0].uid, samples[0].group_id)]  # fmt: skip
-    with pytest.raises(LookupError, match="no row"):
-        unit.get_encoded([8], None)
 
 
 @pytest.mark.asyncio
@@ -518,71 +375,3 @@ def test_sync_twins_run_on_the_process_loop(tmp_path) -> None:
 async def test_four_producers_two_consumers_deliver_every_sample_exactly_once() -> None:
     tq = await TransferQueue.create(TransferQueueConfig(capacity=32, num_storage_units=2))
     await run_producers_consumers(tq)
-
-
-@pytest.mark.asyncio
-async def test_puts_issued_in_one_tick_share_one_write_and_keep_their_own_errors() -> None:
-    writes: list[list[str]] = []
-    release = asyncio.Event()
-
-    async def write(key, rows, tags) -> None:
-        writes.append(list(rows))
-        if "bad" in rows:
-            raise ReserveRefused(ValueError("bad row"))
-        await release.wait()
-
-    coalescer = PutCoalescer(write)
-    first = [asyncio.create_task(coalescer.put("k", [f"a{i}"], [None])) for i in range(3)]
-    await asyncio.sleep(0.01)
-    assert writes == [["a0", "a1", "a2"]]  # one write for the three puts of that tick
-    behind = [asyncio.create_task(coalescer.put("k", [r], [None])) for r in ("b", "bad")]
-    release.set()
-    await asyncio.gather(*first)
-    assert await asyncio.gather(*behind, return_exceptions=True) == [None, ANY_VALUE_ERROR]
-    # queued behind the first write, merged, refused together, then retried one by one
-    assert writes[1:] == [["b", "bad"], ["b"], ["bad"]]
-
-
-class _AnyValueError:
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ValueError) and str(other) == "bad row"
-
-
-ANY_VALUE_ERROR = _AnyValueError()
-
-
-def test_new_samples_encode_straight_into_bodies_that_frame_into_one_write() -> None:
-    samples = make_samples(40, 2)  # 80 rows: a 3-byte array header once framed
-    samples[5].response_ids = np.array(samples[5].response_ids)  # an engine's array takes the row path
-    parts = [samples[:1], samples[1:17], samples[17:]]  # 1, 16 (a 3-byte header) and 63 rows
-    encoded = [encode_new_samples(p) for p in parts]
-    framed = frame_rows(len(samples), [body for body, _ in encoded])
-    samples[5].response_ids = samples[5].response_ids.tolist()
-    decoded = decode_samples(framed, FULL_MASK)
-    assert decoded[5].response_ids.dtype == np.int32  # an array comes back as one (as int32)
-    decoded[5].response_ids = decoded[5].response_ids.tolist()
-    assert decoded == samples
-    assert [t for _, tags in encoded for t in tags] == [tags_of(sample_to_row(s, ALL_FIELDS), FULL_MASK) for s in samples]
-    assert decode_samples(frame_rows(0, []), FULL_MASK) == []
-
-
-@pytest.mark.asyncio
-async def test_controller_places_new_samples_at_allocated_indices_that_never_collide() -> None:
-    from transfer_queue.controller import Controller
-    from transfer_queue.errors import QueueFull as Full
-
-    controller = Controller(TransferQueueConfig(capacity=8, num_storage_units=2))
-    first = controller.allocate(1, 4)
-    rows = [sample_to_row(s, ALL_FIELDS) for s in make_samples(2, 2)]
-    tags = [tags_of(r, FULL_MASK) for r in rows]
-    mine = [(first + k) * 2 + 1 for k in range(4)]  # slots of unit 1: index % 2 == 1
-    assert await controller.reserve("train", tags, True, indices=mine, commit=True) == mine
-    assert controller.statistics().partitions["train"].ready == 4  # committed at once
-    others = [sample_to_row(s, ALL_FIELDS) for s in make_samples(2, 2, prefix="o")]
-    placed = await controller.reserve("train", [tags_of(r, FULL_MASK) for r in others], True)
-    assert not set(placed) & set(mine)  # the round-robin path skips the allocated block
-    with pytest.raises(Full):  # capacity still holds for placed puts
-        late = [tags_of(sample_to_row(s, ALL_FIELDS), FULL_MASK) for s in make_samples(1, prefix="x")]
-        await controller.reserve("train", late, True, wait=False, indices=[controller.allocate(0, 1) * 2], commit=True)
-    with pytest.raises(ValueError, match="num_slots"):
-        controller.allocate(0, 0)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loop
-from tests.test_transfer_queue import assert_accounting, make_samples
+from tests.helpers import assert_accounting, make_samples
 from transfer_queue import QueueEmpty, QueueFull, TransferQueue, TransferQueueConfig
 
 pytestmark = pytest.mark.timeout(60)

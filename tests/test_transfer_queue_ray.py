@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.test_transfer_queue import assert_accounting, check_array_samples_round_trip, make_samples, run_producers_consumers
+from tests.helpers import assert_accounting, check_array_samples_round_trip, make_samples, run_producers_consumers
 from transfer_queue import (
     EndOfStream,
     QueueClosed,
@@ -35,13 +35,6 @@ async def test_ray_deployment_refuses_to_start_ray_itself() -> None:
         await TransferQueue.create(_cfg())
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.asyncio
 async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pickles(ray_cluster) -> None:
     tq = await TransferQueue.create(_cfg())
@@ -58,7 +51,7 @@ async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pick
 
     @ray.remote(num_cpus=0)
     def produce(queue: TransferQueue) -> int:  # the client pickles into another process
-        from tests.test_transfer_queue import make_samples
+        from tests.helpers import make_samples
 
         queue.put_sync(make_samples(3, prefix="remote"))
         return queue.statistics().put

@@ -10,7 +10,6 @@ from actors.engines import triton_layers as TL
 from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.weights import WeightStore
-from tests.engine_contract import tiny_models  # noqa: F401
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (torch.cuda.is_available() and TL.triton is not None), reason="needs CUDA + Triton")]
@@ -63,7 +62,7 @@ def test_more_rows_than_a_tile_is_a_clear_error():
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-5)])
-def test_decode_step_with_triton_layers_matches_the_torch_path(tiny_models, family, dtype, tol):  # noqa: F811
+def test_decode_step_with_triton_layers_matches_the_torch_path(tiny_models, family, dtype, tol):
     """(fp32 also runs this path in the engine's CUDA contract tests, against HF.)"""
     path, _ = tiny_models[family]
     dev = torch.device("cuda")
@@ -88,7 +87,7 @@ def test_decode_step_with_triton_layers_matches_the_torch_path(tiny_models, fami
     assert rel(out[True][1], out[False][1]) < tol  # this step's key went into the cache
 
 
-def test_programmatic_dependent_launch_changes_no_result_in_a_graph(tiny_models):  # noqa: F811
+def test_programmatic_dependent_launch_changes_no_result_in_a_graph(tiny_models):
     """The decode step replayed as a CUDA graph with and without PDL: bit-identical logits and cache."""
     from actors.engines.cuda_graphs import DecodeGraphs
 
@@ -114,6 +113,6 @@ def test_programmatic_dependent_launch_changes_no_result_in_a_graph(tiny_models)
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
-def test_qwen3_keeps_the_torch_path(tiny_models):  # noqa: F811
+def test_qwen3_keeps_the_torch_path(tiny_models):
     path, _ = tiny_models["qwen3"]
     assert not Model(ModelConfig.from_dir(path), 64, torch.device("cuda"), DT).triton_layers
