@@ -132,22 +132,11 @@ class Wiring:
 
     async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
         """Pick the weight transport from where the actors run (``sync.transport``
-        can force one) and open it at both ends; returns its name."""
-        from sync.link import choose_transport
+        can force one) and open it at both ends (``sync.link.open_weight_link``);
+        returns its name."""
+        from sync.link import open_weight_link
 
-        where = await asyncio.gather(trainer.placement(), *(h.placement() for h in rollouts))
-        kind = choose_transport(where[0], list(where[1:]), self.cfg.sync.transport)
-        init = await trainer.open_weight_link(kind)
-        await asyncio.gather(*(h.open_weight_link(kind) for h in rollouts))
-        if kind == "dist":
-            backend = self.cfg.sync.backend
-            if backend == "auto":
-                backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
-            n = self.cfg.trainer.num_workers  # ranks 0..n-1: the trainer workers, each sends its shards
-            world = n + len(rollouts)
-            await asyncio.gather(trainer.join_weight_group(init, world, backend),
-                                 *(h.join_weight_group(init, n + i, world, backend, n) for i, h in enumerate(rollouts)))
-        return kind
+        return await open_weight_link(trainer, rollouts, self.cfg.sync, sources=self.cfg.trainer.num_workers)
 
     def _placement(self, device: str) -> tuple[float, str]:
         """Ray GPUs to reserve for an actor on ``device``, and the device name

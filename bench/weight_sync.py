@@ -60,9 +60,8 @@ from typing import Any
 import torch
 
 from actors.backends.mixed_precision import MainParamsOptimizer
-from sync import WeightSender, apply_update
+from sync import WeightSender, apply_update, codec, pool
 from sync.apply import stage_update, stageable
-from sync import native
 from sync.auto import AutoConfig, AutoPolicy
 from contracts.weights import WeightUpdate
 from sync.transport import make_transport
@@ -497,8 +496,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                                  "actors/backends/mixed_precision.py, as the torch backend does for a bf16 model): "
                                  "no cast in the sync, for full and delta alike") if model_params == "bf16" else
                                 ("fp32 params: full and delta both cast to bf16 inside the sync")},
-        "native_kernels": native.available(),
-        "sync_threads": native.NUM_THREADS,
+        "native_kernels": codec.choose("cpu", 2) == "c",  # the C delta path (sync.codec.choose)
+        "sync_threads": pool.NUM_THREADS,
         "bucket_bytes": bucket_bytes,
         "repeat": repeat,
         "timing": ("each repeat, per transport: the delta and then the full push of the same version from "

@@ -20,6 +20,8 @@ from typing import Any
 
 from contracts.rollout import GroupReport, GroupRequest
 from sync.errors import SyncFailed
+from sync.link import WeightGroupLost, reform_weight_link
+from sync.sequence import resume_engines
 
 __all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "ActorLostError", "RolloutFaults", "is_dead", "one_line"]
 
@@ -191,29 +193,16 @@ class RolloutFaults:
                               "generate with; continue from the run's last checkpoint")
 
     async def _reform_weight_link(self, engines: list[Any]) -> None:
-        """After a rollout actor died: a broadcast group (``dist``) of fixed members
-        would wait for it at every push, so the trainer and ``engines`` (the live
-        actors and those joining) form a new one (the composition root's
-        ``open_weight_link`` / ``join_weight_group`` again). Other transports have no
-        membership: nothing to do."""
+        """After a rollout actor died, or with replacements joining: the weight
+        link of the trainer and ``engines`` (the live actors and those joining)
+        formed again where it has fixed members (``sync.link.reform_weight_link``)."""
         if not self._weight_link_stale or not engines:
             return
-        link = self._weight_link
-        if link is None:  # died before the first step asked: a live original still knows
-            links = [x for x in await asyncio.gather(*(h.weight_link() for h in engines)) if x is not None]
-            link = next((x for x in links if x[1] is not None), links[0] if links else None)
-        if link is not None and link[0] == "dist":
-            kind, backend, sources = link
-            if backend == "nccl":
-                raise ActorLostError(f"a rollout actor died ({self.lost_rollouts[-1]}) and an NCCL weight group "
-                                     "cannot be re-formed without it in this process; continue from the run's "
-                                     "last checkpoint")
-            init = await self.trainer.open_weight_link(kind)
-            await asyncio.gather(*(h.open_weight_link(kind) for h in engines))
-            world = sources + len(engines)
-            await asyncio.gather(self.trainer.join_weight_group(init, world, backend),
-                                 *(h.join_weight_group(init, sources + i, world, backend, sources)
-                                   for i, h in enumerate(engines)))
+        try:
+            await reform_weight_link(self.trainer, engines, self._weight_link)
+        except WeightGroupLost as err:
+            raise ActorLostError(f"a rollout actor died ({self.lost_rollouts[-1]}) and {err}; continue from "
+                                 "the run's last checkpoint") from err
         self._weight_link_stale = False
 
     async def _failed_push(self, err: Exception, engines: list[Any], joining: list[Any] = ()) -> dict[str, Any]:
@@ -236,11 +225,8 @@ class RolloutFaults:
             self._weight_link_stale = True  # the group may have been re-formed with them: again before the next
         if not self.rollouts and not self.replacing:
             raise self.no_rollouts_left() from err
-        if any(dead):
-            if self.cfg.sync.colocated:
-                await asyncio.gather(*(h.wake_up(["kv_cache"]) for h in self.rollouts))
-            await asyncio.gather(*(h.reset_prefix_cache() for h in self.rollouts))
-            await asyncio.gather(*(h.resume() for h in self.rollouts))
+        if any(dead):  # the push stopped short of its end: the live ones run again
+            await resume_engines(self.rollouts, colocated=self.cfg.sync.colocated)
         elif not isinstance(err, SyncFailed):
             raise err
         self.num_failed_pushes += 1

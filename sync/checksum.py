@@ -9,7 +9,8 @@ Why not CRC: this sum is additive, so (a) the checksum of a tensor is the
 sum over its pieces however a sharded trainer cut it, and (b) a delta's
 effect on it costs O(changed elements), which is what keeps a delta sync
 small in *time*, not just bytes. Integer sums are exact and independent of
-reduction order, so CPU (numpy, ~4 GB/s) and GPU (torch) agree bit for bit.
+reduction order, so CPU (numpy, ~4 GB/s; the C kernels of :mod:`sync.native`
+for byte payloads) and GPU (torch) agree bit for bit.
 Any single changed element changes the first sum; swaps change the second.
 """
 
@@ -158,6 +159,15 @@ def bytes_checksum(buf: torch.Tensor) -> Checksum:
     for region, first in _bytes_regions(buf):
         total = add(total, region_checksum(region, first))
     return total
+
+
+def bytes_checksums(bufs: list[torch.Tensor]) -> list[Checksum]:
+    """:func:`bytes_checksum` of many 1-D contiguous uint8 CPU buffers: with the
+    C kernels a few calls in all (a call per small sparse payload cost more
+    than summing it), else one each."""
+    if bufs and native.available():
+        return native.bytes_sums_many(bufs)
+    return [bytes_checksum(b) for b in bufs]
 
 
 def bytes_sums(buf: torch.Tensor) -> torch.Tensor:

@@ -1,381 +1,373 @@
-"""Per-piece delta codecs: which positions changed, and to what.
+"""The delta codec: one interface for how a piece's changes are found, written
+as the streams of :mod:`sync.streams`, and applied. The implementation is
+picked in one place, :func:`choose`, by device and element size:
 
-Index streams (sorted changed positions within a piece of ``n`` elements):
-  * ``varint``  — gaps minus one as LEB128 bytes: 1 byte per change while the
-    mean gap is below 128 (density above ~1%), more only for the rare long gap;
-  * ``bitmask`` — ``ceil(n / 8)`` bytes; wins above ~12% density.
-Value streams:
-  * ``raw``   — the new values (element size each);
-  * ``diff8`` — new minus old *bit pattern* as int8, with -128 escaping to a
-    raw value in a third stream. An optimizer step at RL learning rates moves
-    most changed bf16 elements by one unit in the last place, so this is
-    1 byte per change; it is exact because the receiver holds the base.
+    choose(device, itemsize, planned=) ─┬─ "triton"  sync/device_delta.py: an update laid out by sync.device,
+                                        │            on a GPU: every piece at once, in a few kernels
+                                        ├─ "c"       sync/native.py: CPU pieces of 2- or 4-byte elements,
+                                        │            once its C kernels build
+                                        └─ "torch"   sync/streams.py: anything else, any device and dtype;
+                                                     the reference the others match byte for byte
 
-On CPU the fused C kernels (:mod:`sync.native`) write these streams in one
-pass; where they cannot be built, numpy (:mod:`sync.codec_np`); CUDA tensors
-use torch on the device. All three write the same bytes.
+    sender    encode_piece(writer, entry fields, old, new, ...) -> the piece's entry, written into a bucket
+              positions(kept) -> the changed positions its undo log kept
+              encode_planned_delta(plan, ...) -> the update of every piece of a plan
+    receiver  apply_pieces([(piece, blob)], undo) -> per piece (old, new) checksums, or its error
+              apply_planned_delta(weights, update) -> applied, or False for the per-piece path
+
+A fast path is kept only where a kept measurement shows it pays
+(``bench/results/``): the Triton path took the delta push of a 494M-parameter
+bf16 model on an H200 from 832 ms (``weight_sync_h200_planned.json``, lr 1e-6,
+inproc) to 10 ms (``weight_sync_h200_planned_delta.json``); the C kernels took
+its delta on 2 CPU cores from 1774 ms encode + 625 ms apply (a numpy path,
+``weight_sync_cpu.json`` at 084b7ba) to 364 + 180 ms (at d955f18).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
-from sync import codec_np as cnp
-from sync import native
-from sync.checksum import int_view
+from contracts.weights import Checksum, Manifest, ShardSpec, TensorEntry, WeightUpdate, bucket_tensor, dtype_from_name
+from sync import checksum as cks
+from sync import device, device_delta, native, pool
+from sync.buckets import BucketWriter
+from sync.errors import ChecksumError, ManifestMismatch
+from sync.piece import Piece
+from sync.streams import IndexCodec, ValueCodec, as_bytes, decode_index, decode_sparse, encode_sparse, pick_codecs
 
-IndexCodec = Literal["varint", "bitmask"]
-ValueCodec = Literal["raw", "diff8"]
-
-_ESCAPE = -128
-
-
-def _count(mask: torch.Tensor) -> int:
-    # torch's CPU bool sum is ~20x slower than numpy's count_nonzero
-    if mask.is_cuda:
-        return int(mask.sum())
-    return int(np.count_nonzero(mask.numpy()))
+Impl = Literal["triton", "c", "torch"]
 
 
-# ---------------------------------------------------------------- varint gaps
+def choose(device: torch.device | str, itemsize: int | None = None, *, planned: bool = False) -> Impl:
+    """The implementation for pieces of ``itemsize``-byte elements on
+    ``device``; ``planned``: for a whole update laid out by :mod:`sync.device`
+    (a sender's plan, a receiver's region), where "torch" means the plan's own
+    torch reference on the sender and the per-piece path on the receiver."""
+    dev = torch.device(device)
+    if planned:
+        return "triton" if dev.type == "cuda" and device_delta.kernels_available() else "torch"
+    if dev.type == "cpu" and itemsize is not None and native.supports(itemsize):
+        return "c"
+    return "torch"
 
 
-def _varint_lengths(values: torch.Tensor) -> torch.Tensor:
-    n = torch.ones_like(values)
-    for bits in (7, 14, 21, 28, 35, 42, 49, 56):
-        n += values >= (1 << bits)
-    return n
+# ---------------------------------------------------------------- sender
 
 
-def varint_size(idx: torch.Tensor) -> int:
-    """Bytes :func:`varint_encode` would produce for sorted ``idx``."""
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
-    return int(_varint_lengths(gaps).sum())
+class Scratch:
+    """Buffers a sender's CPU pieces reuse across pieces and syncs: the C
+    kernels' outputs, and the buffer a trainer-dtype piece is cast into
+    (fresh memory every piece costs page faults comparable to the work)."""
+
+    def __init__(self) -> None:
+        self.native = native.EncodeScratch()
+        self._cast: torch.Tensor | None = None
+
+    def cast(self, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``new`` cast to ``dtype``, in the kept buffer."""
+        n = new.numel()
+        if self._cast is None or self._cast.dtype != dtype or self._cast.numel() < n:
+            self._cast = torch.empty(n, dtype=dtype)
+        buf = self._cast[:n]
+        buf.copy_(new)
+        return buf
 
 
-def varint_encode(idx: torch.Tensor) -> torch.Tensor:
-    """Sorted distinct int64 positions -> LEB128 bytes of their gaps minus one."""
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
-    lengths = _varint_lengths(gaps)
-    ends = torch.cumsum(lengths, 0)
-    starts = ends - lengths
-    out = torch.empty(int(ends[-1]) if ends.numel() else 0, dtype=torch.uint8, device=idx.device)
-    for b in range(int(lengths.max()) if lengths.numel() else 0):
-        sel = lengths > b
-        byte = (gaps[sel] >> (7 * b)) & 0x7F
-        byte |= (lengths[sel] > b + 1).to(torch.int64) << 7
-        out[starts[sel] + b] = byte.to(torch.uint8)
-    return out
+class Changes(NamedTuple):
+    """How one piece changed (:func:`_changes`).
 
-
-def varint_decode(buf: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`varint_encode`; ``count`` positions expected."""
-    b = buf.to(torch.int64)
-    is_end = (b & 0x80) == 0
-    # group id of every byte = number of value ends strictly before it
-    group = torch.cumsum(is_end, 0) - is_end.to(torch.int64)
-    num_values = int(group[-1]) + 1 if b.numel() else 0
-    if num_values != count or (b.numel() and not bool(is_end[-1])):
-        raise ValueError("varint stream does not hold the expected number of values")
-    end_pos = torch.nonzero(is_end).view(-1)
-    group_start = torch.cat([end_pos.new_zeros(1), end_pos[:-1] + 1])
-    shift = 7 * (torch.arange(b.numel(), device=b.device) - group_start[group])
-    gaps = torch.zeros(count, dtype=torch.int64, device=b.device)
-    gaps.scatter_add_(0, group, (b & 0x7F) << shift)
-    return torch.cumsum(gaps + 1, 0) - 1
-
-
-# ---------------------------------------------------------------- bitmask
-
-
-def bitmask_encode(idx: torch.Tensor, n: int) -> torch.Tensor:
-    mask = torch.zeros(n, dtype=torch.bool, device=idx.device)
-    mask[idx] = True
-    if not mask.is_cuda:
-        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-    pad = (-n) % 8
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-    out = torch.zeros(m.shape[0], dtype=torch.uint8, device=idx.device)
-    for bit in range(8):
-        out |= m[:, bit] << bit
-    return out
-
-
-def bitmask_decode(buf: torch.Tensor, n: int) -> torch.Tensor:
-    if not buf.is_cuda:
-        mask = np.unpackbits(buf.numpy(), count=n, bitorder="little")
-        return torch.from_numpy(np.flatnonzero(mask))
-    bits = (buf.view(-1, 1) >> torch.arange(8, device=buf.device, dtype=torch.uint8)) & 1
-    return torch.nonzero(bits.view(-1)[:n]).view(-1)
-
-
-# ---------------------------------------------------------------- values
-
-
-def diff8_encode(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer views ``old``/``new`` at the changed positions -> (int8 diffs, raw escapes)."""
-    d = new.to(torch.int64) - old.to(torch.int64)
-    fits = (d > _ESCAPE) & (d <= 127)
-    d8 = torch.where(fits, d, _ESCAPE).to(torch.int8)
-    return d8, new[~fits]
-
-
-def diff8_size(old: torch.Tensor, new: torch.Tensor) -> int:
-    d = new.to(torch.int64) - old.to(torch.int64)
-    num_escapes = d.numel() - _count((d > _ESCAPE) & (d <= 127))
-    return d.numel() + num_escapes * new.element_size()
-
-
-def diff8_decode(old: torch.Tensor, d8: torch.Tensor, escapes: torch.Tensor) -> torch.Tensor:
-    """Integer view of the old values + diffs -> integer view of the new values."""
-    esc = d8 == _ESCAPE
-    new = (old.to(torch.int64) + d8.to(torch.int64)).to(old.dtype)
-    if escapes.numel() != _count(esc):
-        raise ValueError("diff8 escape count does not match the escape stream")
-    new[esc] = escapes
-    return new
-
-
-# ---------------------------------------------------------------- one piece
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def encode_sparse(
-    old: torch.Tensor, new: torch.Tensor, *, write_old: bool = False, scratch: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[IndexCodec, ValueCodec, list[torch.Tensor]] | None]:
-    """Compare 1-D pieces bit for bit, ``new`` cast to ``old.dtype`` first.
-
-    Returns ``(idx, old_values, new_values, plan, sums)`` (values at
-    ``idx``, in ``old.dtype``) where ``plan`` is None when a
-    raw copy of ``new`` is no larger than the best sparse encoding, else the
-    chosen codecs and the byte streams (index, values, escapes); ``sums`` is
-    ((sum, index-weighted sum) of the old values, the same of the new) when
-    the CPU path computed them while comparing, else None.
-    ``write_old``: also make ``old`` equal to ``new`` (only the changed
-    elements are written). ``scratch``: a reusable buffer of ``old.dtype``
-    for the cast, so a sync does not page-fault fresh memory every piece.
-    """
-    if new.is_cuda:
-        return _encode_sparse_torch(old, new, write_old)
-    return _encode_sparse_np(old, new, write_old, scratch)
-
-
-def _encode_sparse_torch(old: torch.Tensor, new: torch.Tensor, write_old: bool = False):
-    new = new.to(old.dtype)
-    oi, ni = int_view(old), int_view(new)
-    idx = torch.nonzero(oi != ni).view(-1)
-    k, n, size = idx.numel(), new.numel(), new.element_size()
-    if k == 0:
-        return idx, old[:0], new[:0], None, None
-    old_c, new_c = oi[idx], ni[idx]
-    if write_old:
-        oi[idx] = new_c
-    idx_sizes = {"varint": varint_size(idx)} if k * 8 < n else {}
-    idx_sizes["bitmask"] = (n + 7) // 8
-    index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
-    val_sizes = {"raw": k * size, "diff8": diff8_size(old_c, new_c) if size > 1 else k * size + 1}
-    value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
-    new_vals, old_vals = new_c.view(old.dtype), old_c.view(old.dtype)
-    if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx, old_vals, new_vals, None, None
-    index_bytes = varint_encode(idx) if index_codec == "varint" else bitmask_encode(idx, n)
-    if value_codec == "raw":
-        streams = [index_bytes, as_bytes(new_c), index_bytes.new_empty(0)]
-    else:
-        d8, escapes = diff8_encode(old_c, new_c)
-        streams = [index_bytes, as_bytes(d8), as_bytes(escapes)]
-    return idx, old_vals, new_vals, (index_codec, value_codec, streams), None
-
-
-class NativeChanges(NamedTuple):
-    """:func:`encode_sparse_native`'s result. ``old_values`` is a view into the
-    scratch (copy it to keep it); positions are not materialised: the index
-    stream (the chosen codec's, or the bitmask for a raw piece) says them."""
+    ``old_values``: the old values at the changed positions (``old``'s dtype,
+    a copy the undo log may keep); ``new_values``: the new ones, None where the
+    path did not gather them (C). ``codecs``: (index, value) codec of the sparse
+    encoding, None when a raw copy of the piece is no larger; ``streams``: for
+    them, the index, value and escape stream, each a list of uint8 chunks.
+    ``sums``: piece-local (sum, index-weighted sum) of the old and of the new
+    values at the changed positions, where the path had them while comparing
+    (C). ``index``: the positions, ``("idx", int64 tensor)`` or ``(index codec,
+    chunks)`` of a stream (C: the bitmask when ``codecs`` is None). ``impl``:
+    which implementation made it."""
 
     num_changed: int
     old_values: torch.Tensor
-    plan: tuple[IndexCodec, ValueCodec, list[list[np.ndarray]]] | None
-    sums: tuple[tuple[int, int], tuple[int, int]]
-    index_codec: IndexCodec
-    index_stream: list[np.ndarray]
+    new_values: torch.Tensor | None
+    codecs: tuple[IndexCodec, ValueCodec] | None
+    streams: list[list[Any]]
+    sums: tuple[Checksum, Checksum] | None
+    index: tuple
+    impl: Impl
 
 
-def encode_sparse_native(old: torch.Tensor, new: torch.Tensor, *, write_old: bool,
-                         scratch: "native.EncodeScratch", cast_buf: torch.Tensor | None = None) -> NativeChanges:
-    """:func:`encode_sparse` through the fused kernel (CPU, 2- or 4-byte
-    ``old``): one pass compares, emits every stream and sums, and (``write_old``)
-    updates ``old``. ``new`` in another dtype is cast by the kernel (fp32 ->
-    bf16) or into ``cast_buf`` first.
-    Same codec choice and bytes as the numpy path."""
+def encode_piece(writer: BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
+                 shard: ShardSpec | None, base: Checksum, *, write_old: bool = False,
+                 scratch: Scratch | None = None) -> tuple[TensorEntry, tuple, torch.Tensor] | None:
+    """Encode how piece ``old`` (1-D, the last version sent) became ``new``
+    (any float dtype, compared in ``old``'s) into ``writer``: sparse streams or
+    raw values, whichever is smaller, its checksum moved from ``base`` by the
+    changed elements only. Returns (entry, the changed positions as an undo log
+    keeps them (:func:`positions`), the old values there), None if unchanged.
+    ``common``: the entry's name, dtype, shape, shard, start and count.
+    ``write_old``: ``old`` becomes ``new`` on the way (changed elements only)."""
+    start, count = common["start"], common["count"]
+    changes = _changes(old, new, write_old, scratch)
+    k = changes.num_changed
+    if k == 0:
+        return None
+    if changes.sums is not None and (shard is None or shard.is_contiguous):  # summed while comparing
+        old_sum, new_sum = (cks.shift_sums(s, shard, start) for s in changes.sums)
+    else:  # position weights need the shard's layout: the positions themselves
+        idx = _changed_positions(changes, count)
+        new_values = changes.new_values
+        if new_values is None:
+            new_values = old[idx] if write_old else new[idx].to(old.dtype)
+        old_sum = cks.sparse_checksum(changes.old_values, idx, shard, start)
+        new_sum = cks.sparse_checksum(new_values, idx, shard, start)
+    checksum = cks.add(base, cks.sub(new_sum, old_sum))
+    if changes.codecs is None:
+        blob, written = as_bytes(new.to(old.dtype)), None
+        bucket, offset = writer.add(blob)
+        extra: dict = dict(encoding="raw")
+    else:
+        parts = _stream_sizes(changes)
+        bucket, offset, blob = writer.reserve(sum(parts), old.device)
+        written = blob
+        extra = dict(encoding="sparse", index_codec=changes.codecs[0], value_codec=changes.codecs[1], parts=parts,
+                     payload_checksum=_write_streams(changes, blob), changed_base_checksum=old_sum)
+    entry = TensorEntry(**common, **extra, num_changed=k, bucket=bucket, offset=offset,
+                        nbytes=blob.numel(), checksum=checksum, base_checksum=base)
+    return entry, _kept_positions(changes, count, written), changes.old_values
+
+
+def _changes(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch: Scratch | None) -> Changes:
+    """How piece ``new`` differs bit for bit from ``old``, by the implementation :func:`choose` picks."""
+    if choose(old.device, old.element_size()) == "c" and new.device.type == "cpu" and old.is_contiguous():
+        return _encode_c(old, new, write_old, scratch or Scratch())
+    idx, old_values, new_values, codecs, streams = encode_sparse(old, new, write_old)
+    return Changes(idx.numel(), old_values, new_values, codecs, [[s] for s in streams], None, ("idx", idx), "torch")
+
+
+def _encode_c(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch: Scratch) -> Changes:
+    """The C kernel: one pass compares, emits every stream and sums, and
+    updates ``old``; ``new`` in fp32 for a bf16 ``old`` is cast by the kernel
+    (exactly as torch casts), other dtypes into the scratch first."""
     if new.dtype != old.dtype and not native.fuses_cast(old, new):
-        n = new.numel()
-        buf = cast_buf[:n] if cast_buf is not None and cast_buf.dtype == old.dtype and cast_buf.numel() >= n \
-            else torch.empty(n, dtype=old.dtype)
-        buf.copy_(new)
-        new = buf
-    d = native.encode_piece(old, new.contiguous(), write_old, scratch)
+        new = scratch.cast(new, old.dtype)
+    d = native.encode_piece(old, new.contiguous(), write_old, scratch.native)
     k, n, size = d.num_changed, old.numel(), old.element_size()
     # a copy (the scratch is reused): the sender's undo log keeps it
     olds = torch.from_numpy(np.concatenate(d.olds) if d.olds else np.empty(0, native._ELEM[size][1])).view(old.dtype)
     sums = (d.old_sums, d.new_sums)
-    idx_sizes = dict(d.index_size)
-    if not k * 8 < n:  # varint (>= 1 byte per change) cannot beat the bitmask
-        idx_sizes.pop("varint", None)
-    index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
-    val_sizes = {"raw": k * size, "diff8": k + d.num_escapes * size}
-    value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
-    if k == 0 or idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return NativeChanges(k, olds, None, sums, "bitmask", d.index["bitmask"])
-    u8 = lambda chunks: [c.view(np.uint8) for c in chunks]  # noqa: E731
-    if value_codec == "raw":
-        streams = [d.index[index_codec], u8(d.vals), []]
+    codecs = pick_codecs(n, k, size, d.index_size, d.num_escapes)
+    if codecs is None:
+        return Changes(k, olds, None, None, [], sums, ("bitmask", d.index["bitmask"]), "c")
+    index_codec, value_codec = codecs
+    u8 = [[c.view(np.uint8) for c in chunks] for chunks in ((d.vals, []) if value_codec == "raw" else (d.d8, d.esc))]
+    return Changes(k, olds, None, codecs, [d.index[index_codec], *u8], sums, (index_codec, d.index[index_codec]), "c")
+
+
+def _nbytes(chunk: Any) -> int:
+    return chunk.numel() if isinstance(chunk, torch.Tensor) else chunk.size
+
+
+def _stream_sizes(changes: Changes) -> tuple[int, int, int]:
+    """Bytes of the index, value and escape stream (``TensorEntry.parts``)."""
+    return tuple(sum(_nbytes(c) for c in s) for s in changes.streams)  # type: ignore[return-value]
+
+
+def _write_streams(changes: Changes, blob: torch.Tensor) -> Checksum:
+    """Copy the streams one after another into ``blob`` (exactly their size)
+    and return its checksum, the entry's ``payload_checksum``."""
+    chunks = [c for s in changes.streams for c in s]
+    if changes.impl == "c":  # copied and summed in one call
+        return native.pack_bytes(blob.numpy(), chunks)
+    dst = blob.numpy() if not blob.is_cuda else None
+    at = 0
+    for c in chunks:  # straight into the bucket, no concatenated copy
+        num = _nbytes(c)
+        if dst is not None:  # numpy copies: no torch worker threads woken per small stream
+            np.copyto(dst[at : at + num], c.numpy() if isinstance(c, torch.Tensor) else c)
+        else:
+            blob[at : at + num].copy_(c)
+        at += num
+    return cks.bytes_checksum(blob)
+
+
+def _changed_positions(changes: Changes, count: int) -> torch.Tensor:
+    """The int64 changed positions of a piece of ``count`` elements."""
+    if changes.index[0] == "idx":
+        return changes.index[1]
+    codec, chunks = changes.index
+    return decode_index(torch.from_numpy(np.concatenate(chunks)), codec, count, changes.num_changed)
+
+
+def _kept_positions(changes: Changes, count: int, blob: torch.Tensor | None) -> tuple:
+    """The changed positions in the compact form an undo log keeps (see
+    :func:`positions`): int32 indices, or the index stream, pointed at in
+    ``blob`` when :func:`_write_streams` put it there."""
+    if changes.index[0] == "idx":
+        return ("idx", changes.index[1].to(torch.int32))  # int32: the undo log is O(changed) and should stay small
+    codec, chunks = changes.index
+    if blob is not None and changes.codecs is not None:
+        stream = blob[: _stream_sizes(changes)[0]]
     else:
-        streams = [d.index[index_codec], u8(d.d8), u8(d.esc)]
-    return NativeChanges(k, olds, (index_codec, value_codec, streams), sums, index_codec, d.index[index_codec])
+        stream = torch.from_numpy(np.concatenate(chunks))
+    return ("stream", codec, stream, count, changes.num_changed)
 
 
-def _encode_sparse_np(old: torch.Tensor, new: torch.Tensor, write_old: bool = False,
-                      scratch: torch.Tensor | None = None):
-    """:func:`encode_sparse` for CPU tensors, in numpy. ``new`` may still be
-    in the trainer's dtype: it is cast in one torch call per piece into
-    ``scratch`` (torch's and numpy's threads then do not take turns per
-    chunk), then compared a word at a time in cache-sized chunks."""
-    if new.dtype != old.dtype:
-        n = new.numel()
-        buf = scratch[:n] if scratch is not None and scratch.dtype == old.dtype and scratch.numel() >= n \
-            else torch.empty(n, dtype=old.dtype)
-        buf.copy_(new)
-        new = buf
-    oi = int_view(old).numpy()
-    found = cnp.find_changes(oi, int_view(new).numpy(), write_old)
-    idx, old_c, new_c = found.idx, found.old, found.new
-    sums = (found.old_sums, found.new_sums)
-    k, n, size = idx.size, oi.size, oi.itemsize
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64), old[:0], old[:0], None, sums
-    idx_sizes = {}
-    if k * 8 < n:  # otherwise varint (>= 1 byte per change) cannot beat the bitmask
-        gaps = cnp.gaps_of(idx)
-        plan = cnp.VarintPlan(gaps)
-        idx_sizes["varint"] = plan.size
-    idx_sizes["bitmask"] = (n + 7) // 8
-    index_codec: IndexCodec = min(idx_sizes, key=idx_sizes.__getitem__)
-    val_sizes = {"raw": k * size}
-    if size > 1:
-        val_sizes["diff8"] = k + found.num_escapes * size
-    value_codec: ValueCodec = min(val_sizes, key=val_sizes.__getitem__)
-    idx_t, new_vals = torch.from_numpy(idx), torch.from_numpy(new_c).view(old.dtype)
-    old_vals = torch.from_numpy(old_c).view(old.dtype)
-    if idx_sizes[index_codec] + val_sizes[value_codec] >= n * size:
-        return idx_t, old_vals, new_vals, None, sums
-    index_bytes = cnp.varint_encode(gaps, plan) if index_codec == "varint" else cnp.bitmask_encode(idx, n)
-    if value_codec == "raw":
-        streams = [index_bytes, new_c.view(np.uint8), np.empty(0, np.uint8)]
+def positions(kept: tuple) -> torch.Tensor:
+    """The int64 positions an undo log kept (:func:`encode_piece`)."""
+    if kept[0] == "idx":
+        return kept[1].to(torch.int64)
+    _, codec, stream, count, k = kept
+    return decode_index(stream, codec, count, k)
+
+
+def encode_planned_delta(plan: device.SenderPlan, version: int, base_version: int | None,
+                         base_sums: list[Checksum], bucket_bytes: int, *,
+                         restore: bool = False) -> tuple[WeightUpdate, dict[int, Checksum]]:
+    """A delta of every piece of ``plan`` at once, against the last version its
+    storage holds (``restore``: back to the version before that one); the
+    update, and the new checksum of each changed piece by its plan index."""
+    if plan.delta is None:
+        plan.delta = device_delta.DeltaPacker(plan)
+    packer = plan.delta
+    if restore:
+        packer.restore_previous()
     else:
-        escapes = new_c[found.d8 == cnp.ESCAPE] if found.num_escapes else new_c[:0]
-        streams = [index_bytes, found.d8.view(np.uint8), escapes.view(np.uint8)]
-    plan_out = (index_codec, value_codec, [torch.from_numpy(x) for x in streams])
-    return idx_t, old_vals, new_vals, plan_out, sums
+        torch._foreach_copy_(packer.cur_dst, plan.src)
+    rows = packer.pack(kernels=choose(plan.storage.device, packer.itemsize, planned=True) == "triton")
+    return device_delta.delta_update(plan, packer, rows, version, base_version, base_sums, bucket_bytes)
 
 
-def decode_sparse(
-    blob: torch.Tensor,
-    parts: tuple[int, ...],
-    index_codec: str,
-    value_codec: str,
-    count: int,
-    num_changed: int,
-    old_values_at: "callable",
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Decode a sparse blob -> (positions within the piece, new values in
-    ``dtype``, old values there or None). ``old_values_at(idx)`` returns the
-    receiver's current values (read only for diff8, and then returned)."""
-    if len(parts) != 3 or sum(parts) != blob.numel():
-        raise ValueError(f"sparse parts {parts} do not add up to {blob.numel()} bytes")
-    a, b = parts[0], parts[0] + parts[1]
-    if not blob.is_cuda:
-        return _decode_sparse_np(blob.numpy(), a, b, index_codec, value_codec, count, num_changed, old_values_at, dtype)
-    return _decode_sparse_torch(blob, a, b, index_codec, value_codec, count, num_changed, old_values_at, dtype)
+# ---------------------------------------------------------------- receiver
 
 
-def _decode_sparse_torch(blob: torch.Tensor, a: int, b: int, index_codec: str, value_codec: str, count: int,
-                         num_changed: int, old_values_at: "callable", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    idx_bytes, val_bytes, esc_bytes = blob[:a], blob[a:b], blob[b:]
-    if index_codec == "varint":
-        idx = varint_decode(idx_bytes, num_changed)
-    elif index_codec == "bitmask":
-        idx = bitmask_decode(idx_bytes, count)
-    else:
-        raise ValueError(f"unknown index codec {index_codec!r}")
-    if idx.numel() != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
-        raise ValueError("decoded positions do not match the manifest")
-    int_dtype = int_view(torch.empty(0, dtype=dtype)).dtype
-    old_t = None
-    if value_codec == "raw":
-        new = val_bytes.clone().view(int_dtype)
-    elif value_codec == "diff8":
-        old_t = old_values_at(idx).to(dtype)
-        new = diff8_decode(int_view(old_t), val_bytes.clone().view(torch.int8), esc_bytes.clone().view(int_dtype))
-    else:
-        raise ValueError(f"unknown value codec {value_codec!r}")
-    if new.numel() != num_changed:
-        raise ValueError("decoded values do not match the manifest")
-    return idx, new.view(dtype), old_t
+def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
+                 undo: list[Callable[[], None]]) -> list[tuple[Checksum, Checksum] | Exception]:
+    """Decode the sparse payloads ``items`` (piece, blob) and write them: per
+    piece, the checksums of its old and of its new values at the positions
+    written (the caller compares them with the manifest), or the error that
+    stopped it with nothing of it written (an undecodable payload: a
+    ChecksumError). What was written is on ``undo`` before this returns. The
+    C path takes its pieces all at once on the pool (pieces are disjoint)."""
+    results: list[Any] = [None] * len(items)
+    jobs = []
+    for i, (piece, blob) in enumerate(items):
+        flat = piece.np_piece()
+        if flat is not None and choose(piece.device, flat.itemsize) == "c":
+            jobs.append((i, flat, blob.cpu().numpy()))
+    _apply_c(items, jobs, undo, results)
+    for i, (piece, blob) in enumerate(items):
+        if results[i] is None:
+            results[i] = _apply_torch(piece, blob.to(piece.device), undo)
+    return results
 
 
-def _decode_sparse_np(blob: np.ndarray, a: int, b: int, index_codec: str, value_codec: str, count: int,
-                      num_changed: int, old_values_at: "callable", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = _decode_index_np(blob[:a], index_codec, count, num_changed)
-    int_dtype = int_view(torch.empty(0, dtype=dtype)).numpy().dtype
-    idx_t = torch.from_numpy(idx)
-    old_t = None
-    if value_codec == "raw":
-        new = blob[a:b].copy().view(int_dtype)  # copy: the slice may be misaligned for the dtype
-    elif value_codec == "diff8":
-        old_t = old_values_at(idx_t).to(dtype)
-        new = cnp.diff8_decode(int_view(old_t).numpy(), blob[a:b].view(np.int8), blob[b:].copy().view(int_dtype))
-    else:
-        raise ValueError(f"unknown value codec {value_codec!r}")
-    if new.size != num_changed:
-        raise ValueError("decoded values do not match the manifest")
-    return idx_t, torch.from_numpy(new).view(dtype), old_t
+def _undecodable(e: Any, exc: Exception) -> ChecksumError:
+    err = ChecksumError(f"{e.name}: undecodable sparse payload: {exc}")
+    err.__cause__ = exc
+    return err
 
 
-def apply_sparse_np(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str,
-                    count: int, num_changed: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], tuple[int, int]]:
-    """Decode a sparse blob and write it into ``flat`` (the integer view of
-    one contiguous CPU piece) in a single pass over the changed positions.
-    Returns (positions, old values, sum pair of the old values, of the new)
-    for the caller to check against the manifest, writing the old values
-    back (:func:`restore_np`) if they do not match."""
-    if len(parts) != 3 or sum(parts) != blob.size:
-        raise ValueError(f"sparse parts {parts} do not add up to {blob.size} bytes")
-    a, b = parts[0], parts[0] + parts[1]
-    idx = _decode_index_np(blob[:a], index_codec, count, num_changed)
-    if value_codec == "raw":
-        old, old_sums, new_sums = cnp.apply_changes(flat, idx, values=blob[a:b].copy().view(flat.dtype))
-    elif value_codec == "diff8":
-        old, old_sums, new_sums = cnp.apply_changes(flat, idx, d8=blob[a:b].view(np.int8),
-                                                    escapes=blob[b:].copy().view(flat.dtype))
-    else:
-        raise ValueError(f"unknown value codec {value_codec!r}")
-    return torch.from_numpy(idx), torch.from_numpy(old), old_sums, new_sums
+def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.ndarray, np.ndarray]],
+             undo: list[Callable[[], None]], results: list[Any]) -> None:
+    entries = [items[i][0].entry for i, _, _ in jobs]
+    out = pool.run_each([partial(native.apply_piece, flat, blob, e.parts, e.index_codec or "", e.value_codec or "",
+                                 e.count, e.num_changed) for (_, flat, blob), e in zip(jobs, entries)],
+                        [e.num_changed for e in entries])
+    for (_, flat, blob), e, r in zip(jobs, entries, out):
+        if not isinstance(r, Exception):
+            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec, e.count, r[0]))
+    for (i, _, _), e, r in zip(jobs, entries, out):  # a malformed blob raised with its piece as it was
+        if isinstance(r, ValueError):
+            results[i] = _undecodable(e, r)
+        elif isinstance(r, Exception):
+            results[i] = r
+        else:
+            results[i] = (cks.shift_sums(r[1], e.shard, e.start), cks.shift_sums(r[2], e.shard, e.start))
 
 
-def _decode_index_np(buf: np.ndarray, index_codec: str, count: int, num_changed: int) -> np.ndarray:
-    if index_codec == "varint":
-        idx = cnp.varint_decode(buf, num_changed)
-    elif index_codec == "bitmask":
-        idx = cnp.bitmask_decode(buf, count)
-    else:
-        raise ValueError(f"unknown index codec {index_codec!r}")
-    if idx.size != num_changed or (num_changed and (int(idx[0]) < 0 or int(idx[-1]) >= count)):
-        raise ValueError("decoded positions do not match the manifest")
-    return idx
+def _apply_torch(piece: Piece, blob: torch.Tensor, undo: list[Callable[[], None]]) -> Any:
+    e = piece.entry
+    try:
+        idx, new, old = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
+                                      e.num_changed, piece.read, piece.dtype)
+    except (ValueError, RuntimeError, IndexError) as exc:
+        return _undecodable(e, exc)
+    old = piece.read(idx) if old is None else old
+    sums = cks.sparse_checksum(old, idx, e.shard, e.start), cks.sparse_checksum(new, idx, e.shard, e.start)
+    undo.append(partial(piece.write, idx, old))
+    piece.write(idx, new)
+    return sums
+
+
+_DELTA_PLANS: dict[str, list[device_delta.DeltaReceiverPlan]] = {}  # layout -> plans (one per receiver here)
+
+
+def apply_planned_delta(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool:
+    """Apply a delta packed over a planned layout (:mod:`sync.device_delta`)
+    with the Triton kernels, when :func:`choose` picks them for the buckets'
+    device and every piece is a contiguous run of a receiver tensor of the
+    sent dtype there; False to take the per-piece path."""
+    m = update.manifest
+    if len(update.buckets) != len(m.bucket_sizes) or not m.entries:
+        return False
+    region = device.contiguous_region([bucket_tensor(b) for b in update.buckets], m.bucket_sizes)
+    if region is None or choose(region.device, planned=True) != "triton":
+        return False
+    itemsize = dtype_from_name(m.entries[0].dtype).itemsize
+    blob_offsets = _blob_offsets(m, itemsize)
+    found = None if blob_offsets is None else _delta_receiver(weights, m, region, itemsize)
+    if found is None:
+        return False
+    plan, indices = found
+    plan.apply(m, region, blob_offsets, indices)
+    return True
+
+
+def _blob_offsets(m: Manifest, itemsize: int) -> list[int] | None:
+    """Where each piece's blob starts in the region, when every entry is a
+    planned one (bitmask + raw values, in range); None otherwise."""
+    offsets = device.bucket_offsets(m.bucket_sizes)
+    out = []
+    for e in m.entries:
+        k, mb = e.num_changed, -(-e.count // 8)
+        if (e.encoding != "sparse" or e.index_codec != "bitmask" or e.value_codec != "raw" or k <= 0
+                or not 0 <= e.bucket < len(offsets) or e.offset < 0 or e.offset + e.nbytes > m.bucket_sizes[e.bucket]
+                or tuple(e.parts) != (mb, itemsize * k, 0) or e.nbytes != mb + itemsize * k
+                or e.base_checksum is None):
+            return None
+        out.append(offsets[e.bucket] + e.offset)
+    return out
+
+
+def _delta_receiver(weights: dict[str, torch.Tensor], m: Manifest, region: torch.Tensor,
+                    itemsize: int) -> tuple[device_delta.DeltaReceiverPlan, list[int]] | None:
+    """This receiver's plan covering every piece of ``m`` and their indices in
+    it (a new one when none does); None when the pieces do not fit one."""
+    keys = [(e.name, e.shard, e.start, e.count) for e in m.entries]
+    plans = _DELTA_PLANS.setdefault(m.layout, [])
+    for p in plans:  # engines pass a fresh dict each time
+        if (found := p.find(weights, keys)) is not None:
+            return p, found
+    # pieces of this receiver's older plan that this delta leaves out stay covered
+    known = set(keys)
+    older = next((p for p in plans if p.find(weights, []) is not None), None)
+    entries = list(m.entries) + ([] if older is None else [
+        e for e in older.entries if (e.name, e.shard, e.start, e.count) not in known])
+    try:
+        pieces = [Piece(weights, e) for e in entries]
+    except ManifestMismatch:
+        return None  # the per-piece path reports it
+    views = [p.region_view() for p in pieces]
+    if any(v is None or v.device != region.device or v.element_size() != itemsize for v in views):
+        return None
+    plan = device_delta.DeltaReceiverPlan(weights, entries, pieces)
+    plans[:] = [plan] + [p for p in plans if p is not older][: device.MAX_PLANS - 1]
+    for layout in [k for k in _DELTA_PLANS if k != m.layout][: max(0, len(_DELTA_PLANS) - device.MAX_PLANS)]:
+        del _DELTA_PLANS[layout]  # layouts long replaced
+    return plan, list(range(len(m.entries)))

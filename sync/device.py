@@ -41,6 +41,7 @@ from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dt
 from sync import checksum as cks
 
 BLOCK = 1024  # elements per checksum block; every planned piece starts on one
+MAX_PLANS = 4  # receiver plans kept per layout (one per receiver in a process), and delta layouts kept
 _CHUNK_BLOCKS = 4096  # torch fallback: blocks summed per pass (int64 temporaries of 32 MiB)
 
 

@@ -40,7 +40,7 @@ import torch
 
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync import checksum as cks
-from sync.codec import bitmask_encode
+from sync.streams import bitmask_encode
 from sync.device import BLOCK, _PieceSums, _piece_first
 
 MASK_BYTES = BLOCK // 8
@@ -200,8 +200,10 @@ def _kernels() -> Any:
 _K: Any = None
 
 
-def _cuda_kernels(t: torch.Tensor) -> Any:
-    return _kernels() if t.is_cuda else False
+def kernels_available() -> bool:
+    """Whether the Triton kernels build here (Triton installed); the device is
+    :func:`sync.codec.choose`'s to judge."""
+    return bool(_kernels())
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -262,16 +264,17 @@ class DeltaPacker:
         self.old = torch.empty(self.last.numel(), dtype=self.last.dtype, device=dev)
         self.num_changed = 0  # of the last pack: self.old[:num_changed] are the values it replaced
 
-    def pack(self) -> list[list[int]]:
+    def pack(self, kernels: bool) -> list[list[int]]:
         """Compare cur with last, write the payload, move last to cur; per piece
         ``[changed, blob offset, blob length, new sums (2), old sums at the
-        changed elements (2), payload sums (2)]`` (checksums not yet masked)."""
-        kernels = _cuda_kernels(self.cur)
+        changed elements (2), payload sums (2)]`` (checksums not yet masked).
+        ``kernels``: with the Triton kernels, else the torch reference."""
         if not kernels:
             return self._pack_torch()
+        k = _kernels()
         nb = self.blocks.shape[0]
         stats = torch.empty(nb, 5, dtype=torch.int64, device=self.cur.device)
-        kernels["scan"][(nb,)](self.cur, self.last, self.mask, stats, BLOCK=BLOCK, num_warps=WARPS["scan"])
+        k["scan"][(nb,)](self.cur, self.last, self.mask, stats, BLOCK=BLOCK, num_warps=WARPS["scan"])
         prefix = _exclusive_cumsum(stats[:, 0])
         changed = prefix[self.ends] - prefix[self.starts]
         length = torch.where(changed > 0, self.mbytes + self.itemsize * changed, 0)
@@ -279,12 +282,12 @@ class DeltaPacker:
         offset = torch.cumsum(aligned, 0) - aligned
         table = torch.stack((offset, self.mbytes, length, self.starts), 1)
         table = torch.cat((table, table.new_zeros(1, 4)))  # the empty row
-        kernels["pack"][(nb,)](self.cur, self.last, self.mask, prefix, self.blocks, table, self.payload, self.old,
-                               ITEM=self.itemsize, BLOCK=BLOCK, num_warps=WARPS["pack"])
+        k["pack"][(nb,)](self.cur, self.last, self.mask, prefix, self.blocks, table, self.payload, self.old,
+                         ITEM=self.itemsize, BLOCK=BLOCK, num_warps=WARPS["pack"])
         nc = self.chunks.shape[0]
         chunk_sums = torch.empty(2, nc, dtype=torch.int64, device=self.cur.device)
-        kernels["words"][(nc,)](self.payload.view(torch.int64), self.payload, self.chunks, table, chunk_sums,
-                                CHUNK=_CHUNK_WORDS, num_warps=WARPS["words"])
+        k["words"][(nc,)](self.payload.view(torch.int64), self.payload, self.chunks, table, chunk_sums,
+                          CHUNK=_CHUNK_WORDS, num_warps=WARPS["words"])
         pre = [_exclusive_cumsum(row) for row in chunk_sums]  # 1-D scans: a [2, n] one runs on two blocks
         pay = torch.stack([r[self.chunk_ends] - r[self.chunk_starts] for r in pre], 1)
         out = torch.cat((changed[:, None], offset[:, None], length[:, None], self.sums.from_blocks(stats[:, 1:3]),
@@ -377,7 +380,7 @@ class DeltaReceiverPlan:
     delta leaves unchanged pieces out, so a later one may name any subset
     (a piece it does not know takes a new plan, built for both). Tensors are
     held by weak reference, as :class:`sync.device.ReceiverPlan` does.
-    ``pieces``: the ``sync.apply._Piece`` of every entry."""
+    ``pieces``: the :class:`sync.piece.Piece` of every entry."""
 
     def __init__(self, weights: dict[str, torch.Tensor], entries: list[TensorEntry], pieces: list[Any]) -> None:
         self.entries = entries
@@ -457,7 +460,3 @@ class DeltaReceiverPlan:
             raise
         finally:  # the sender may refill its payload once this returns
             torch.cuda.current_stream(region.device).synchronize()
-
-
-def receiver_kernels_available(region: torch.Tensor) -> bool:
-    return bool(_cuda_kernels(region))

@@ -6,15 +6,15 @@ per-piece checksums of it. ``encode`` turns the trainer's current weights
 into a full or delta :class:`WeightUpdate`:
 
     trainer weights (fp32 master, any sharding)
-      └─ per piece of <= bucket_bytes: cast to engine dtype
+      ├─ planned (sync.device: one GPU, a fixed layout, reused every sync)
+      │    full : a few kernels copy, cast and sum every piece
+      │    delta: sync.codec.encode_planned_delta, every piece at once
+      └─ per piece of <= bucket_bytes, cast to the engine dtype
            ├─ full : raw bytes -> bucket; checksum; copy into last-sent
-           └─ delta: compare bit patterns with last-sent. CPU: one pass of the
-                     fused kernel (sync/native.py) per part of a piece, a part per
-                     core: fp32 -> bf16 cast in cache, 64-element vector compares,
-                     every stream, the sums, and last-sent updated at the changed
-                     elements; without a C compiler the numpy path (sync/codec_np.py)
-                     -> sparse (index + value streams) or raw, whichever is smaller
-                     -> checksum moved by the changed elements only
+           └─ delta: sync.codec.encode_piece: compare bit patterns with
+                     last-sent (updating it at the changed elements) -> sparse
+                     streams or raw, the smaller -> checksum moved by the
+                     changed elements only
 """
 
 from __future__ import annotations
@@ -24,58 +24,18 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import msgspec
-import numpy as np
 import torch
 
-from sync import checksum as cks
-from sync import device
-from sync import device_delta
-from sync import native
-from sync.auto import AutoConfig, AutoPolicy, Kind
-from sync.codec import NativeChanges, as_bytes, encode_sparse, encode_sparse_native
-from sync.config import SyncConfig
 from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
+from sync import checksum as cks
+from sync import codec, device
+from sync.auto import AutoConfig, AutoPolicy, Kind
+from sync.config import SyncConfig
+from sync.buckets import BucketWriter
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor, ShardSpec | None]]
 
-_ALIGN = 8  # raw pieces start 8-byte aligned so receivers view them in place
 _DEFAULTS = SyncConfig()  # the one set of defaults: the config's
-
-
-class _BucketWriter:
-    """Packs entry blobs into uint8 buckets of at most ``bucket_bytes``
-    (a piece is never larger than that), writing each blob in place once."""
-
-    def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.buckets: list[torch.Tensor] = []
-        self._cur: torch.Tensor | None = None
-        self._used = 0
-
-    def reserve(self, nbytes: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
-        """Room for ``nbytes``: (bucket index, offset, the uint8 view to fill)."""
-        pad = (-self._used) % _ALIGN
-        if self._cur is not None and self._used + pad + nbytes > self._cur.numel():
-            self.flush()
-            pad = 0
-        if self._cur is None:
-            self._cur = torch.empty(max(self.bucket_bytes, nbytes), dtype=torch.uint8, device=device)
-        self._cur[self._used : self._used + pad].zero_()
-        offset = self._used + pad
-        self._used = offset + nbytes
-        return len(self.buckets), offset, self._cur[offset : self._used]
-
-    def add(self, blob: torch.Tensor) -> tuple[int, int]:
-        bucket, offset, view = self.reserve(blob.numel(), blob.device)
-        view.copy_(blob)
-        return bucket, offset
-
-    def flush(self) -> None:
-        if self._cur is not None:
-            used = self._cur[: self._used]
-            # a mostly empty last bucket should not pin a whole bucket of memory
-            self.buckets.append(used.clone() if self._used < self._cur.numel() // 2 else used)
-        self._cur, self._used = None, 0
 
 
 def _iter_named(named: NamedTensors) -> Iterable[tuple[str, torch.Tensor, ShardSpec | None]]:
@@ -141,8 +101,7 @@ class WeightSender:
         self.dedup_tied = dedup_tied
         self._undo: tuple[int | None, list[tuple] | str] | None = None  # "planned": the packer holds it
         self._unreported: tuple[Kind, float, int] | None = None
-        self._scratch: torch.Tensor | None = None
-        self._native_scratch = native.EncodeScratch()
+        self._scratch = codec.Scratch()  # the CPU delta path's buffers, kept across syncs
         self.device_plan = device_plan
         self._plan: device.SenderPlan | None = None
         self._plan_given: list[tuple] = []  # (name, address, shape, dtype, shard) the plan was built for
@@ -157,16 +116,6 @@ class WeightSender:
                 raise ValueError(f"WeightSender dtype {dtype!r} is not a torch dtype name")
             dtype = getattr(torch, dtype)
         return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=dtype)
-
-    def _cast_scratch(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """A buffer the CPU delta path casts a trainer-dtype piece into, kept
-        across syncs (one piece, <= a bucket): fresh memory every piece costs
-        page faults comparable to the cast itself."""
-        if piece.dtype == dtype or piece.is_cuda:
-            return None
-        if self._scratch is None or self._scratch.dtype != dtype or self._scratch.numel() < piece.numel():
-            self._scratch = torch.empty(piece.numel(), dtype=dtype)
-        return self._scratch
 
     def force_full(self) -> None:
         """Make the next update full (a receiver refused a delta)."""
@@ -208,82 +157,81 @@ class WeightSender:
                 return self._encode_planned(version, t0)
             prev_version = self.version
             return self._sent(self._encode_planned_delta(version), t0, (prev_version, "planned"))
-        planned = kind == "full" and self.device_plan != "never"
         items = self._collect(given)
-        if planned and device.plan_items(items, self.device_plan == "always"):
+        if kind == "full" and self.device_plan != "never" and device.plan_items(items, self.device_plan == "always"):
             self._build_plan(given, items)
             return self._encode_planned(version, t0)
-        self._fill_prev()
-        writer = _BucketWriter(self.bucket_bytes)
-        entries: list[TensorEntry] = []
-        undo: list[tuple] = []  # per delta piece: what revert_update needs
-        revertible = kind == "delta"
-        num_elements = num_changed = 0
-        pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
-        for name, tensor, shard, dtype in items:
-            piece_elems = max(1, self.bucket_bytes // dtype.itemsize)
-            shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)
-            if shard is not None and tuple(tensor.shape) != shard.local_shape:
-                raise ValueError(f"{name}: shard tensor shape {tuple(tensor.shape)} != ShardSpec {shard.local_shape}")
-            src = tensor.detach().reshape(-1)
-            key = (name, shard)
-            prev = self._prev.get(key)
-            fresh = prev is None or prev.numel() != src.numel() or prev.dtype != dtype
-            if fresh:
-                prev = self._prev[key] = torch.empty(src.numel(), dtype=dtype, device=src.device)
-            num_elements += src.numel()
-            itemsize = prev.element_size()
-            for start in range(0, src.numel(), piece_elems):
-                piece = src[start : start + piece_elems]  # still in the trainer's dtype
-                count = piece.numel()
-                common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=count)
-                sum_key = (name, shard, start)
-                if kind == "full" or fresh:
-                    revertible = revertible and kind == "delta" and not fresh
-                    bucket, offset, view = writer.reserve(count * itemsize, src.device)
-                    new = view.view(dtype)
-                    new.copy_(piece)  # cast straight into the payload
-                    if new.is_cuda:  # filled in after the loop, read back with the others: one wait on the device
-                        pending.append((len(entries), sum_key, (new, shard, start)))
-                        checksum = (0, 0)
-                    else:
-                        checksum = cks.piece_checksum(new, shard, start)
-                    entries.append(TensorEntry(**common, encoding="raw", num_changed=count, bucket=bucket,
-                                               offset=offset, nbytes=count * itemsize, checksum=checksum))
-                    prev[start : start + count].copy_(new)
-                    num_changed += count
-                else:
-                    old = prev[start : start + count]
-                    found = _delta_piece(writer, common, old, piece, shard, self._prev_sums[sum_key],
-                                         write_old=True, scratch=self._cast_scratch(piece, dtype),
-                                         native_scratch=self._native_scratch)
-                    if found is None:
-                        continue
-                    entry, where, old_vals = found
-                    entries.append(entry)
-                    undo.append((key, sum_key, where, old_vals, self._prev_sums[sum_key], common))
-                    num_changed += entry.num_changed
-                    checksum = entry.checksum
-                self._prev_sums[sum_key] = checksum
-        for (i, sum_key, _), checksum in zip(pending, cks.read_sums(cks.pieces_sums([p[2] for p in pending]))):
-            entries[i] = msgspec.structs.replace(entries[i], checksum=checksum)
-            self._prev_sums[sum_key] = checksum
-        writer.flush()
-        manifest = Manifest(
-            version=version,
-            base_version=self.version if kind == "delta" else None,
-            kind=kind,
-            entries=entries,
-            bucket_sizes=[b.numel() for b in writer.buckets],
-            num_elements=num_elements,
-            num_changed=num_changed,
-        )
+        update, undo = self._encode_pieces(items, kind, version)
         # a delta can be undone from the old values at its changed positions;
         # a full update could only be undone from a whole second copy, so not at all
         # re-sending the same version in full (after a refusal) leaves the
         # copy as it was, so the delta that produced that version can still be undone
-        return self._sent(WeightUpdate(manifest=manifest, buckets=writer.buckets), t0,
-                          (self.version, undo) if revertible else None)
+        return self._sent(update, t0, undo)
+
+    def _encode_pieces(self, items: list[tuple[str, torch.Tensor, ShardSpec | None, torch.dtype]], kind: Kind,
+                       version: int) -> tuple[WeightUpdate, tuple | None]:
+        """The per-piece path: every tensor in pieces of <= a bucket, each raw or
+        a delta; the update, and the undo log of a delta (None: not revertible)."""
+        self._fill_prev()
+        out = _Pieces(self.bucket_bytes)
+        num_elements, fresh_any = 0, False
+        for name, tensor, shard, dtype in items:
+            if shard is not None and tuple(tensor.shape) != shard.local_shape:
+                raise ValueError(f"{name}: shard tensor shape {tuple(tensor.shape)} != ShardSpec {shard.local_shape}")
+            src = tensor.detach().reshape(-1)
+            prev = self._prev.get((name, shard))
+            fresh = prev is None or prev.numel() != src.numel() or prev.dtype != dtype
+            if fresh:  # the receivers have no base of it: sent whole
+                prev = self._prev[(name, shard)] = torch.empty(src.numel(), dtype=dtype, device=src.device)
+            fresh_any |= fresh and src.numel() > 0
+            num_elements += src.numel()
+            shape = tuple(shard.full_shape) if shard else tuple(tensor.shape)
+            piece_elems = max(1, self.bucket_bytes // dtype.itemsize)
+            for start in range(0, src.numel(), piece_elems):
+                common = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start,
+                              count=min(piece_elems, src.numel() - start))
+                self._encode_piece(out, common, src[start : start + piece_elems], prev, raw=kind == "full" or fresh)
+        sums = cks.read_sums(cks.pieces_sums([p[2] for p in out.pending]))  # one wait on the device for them all
+        for (i, sum_key, _), checksum in zip(out.pending, sums):
+            out.entries[i] = msgspec.structs.replace(out.entries[i], checksum=checksum)
+            self._prev_sums[sum_key] = checksum
+        out.writer.flush()
+        manifest = Manifest(version=version, base_version=self.version if kind == "delta" else None, kind=kind,
+                            entries=out.entries, bucket_sizes=[b.numel() for b in out.writer.buckets],
+                            num_elements=num_elements, num_changed=out.num_changed)
+        undo = (self.version, out.undo) if kind == "delta" and not fresh_any else None
+        return WeightUpdate(manifest=manifest, buckets=out.writer.buckets), undo
+
+    def _encode_piece(self, out: _Pieces, common: dict, piece: torch.Tensor, prev: torch.Tensor, raw: bool) -> None:
+        """One piece (still in the trainer's dtype) against its last-sent copy
+        ``prev`` (the whole tensor's): its entry into ``out``, ``prev`` updated."""
+        name, shard, start, count = common["name"], common["shard"], common["start"], common["count"]
+        sum_key = (name, shard, start)
+        if raw:
+            dtype, itemsize = prev.dtype, prev.element_size()
+            bucket, offset, view = out.writer.reserve(count * itemsize, piece.device)
+            new = view.view(dtype)
+            new.copy_(piece)  # cast straight into the payload
+            if new.is_cuda:  # filled in after the loop, read back with the others: one wait on the device
+                out.pending.append((len(out.entries), sum_key, (new, shard, start)))
+                checksum = (0, 0)
+            else:
+                checksum = cks.piece_checksum(new, shard, start)
+            out.entries.append(TensorEntry(**common, encoding="raw", num_changed=count, bucket=bucket, offset=offset,
+                                           nbytes=count * itemsize, checksum=checksum))
+            prev[start : start + count].copy_(new)
+            out.num_changed += count
+        else:
+            found = codec.encode_piece(out.writer, common, prev[start : start + count], piece, shard,
+                                       self._prev_sums[sum_key], write_old=True, scratch=self._scratch)
+            if found is None:
+                return
+            entry, where, old_values = found
+            out.entries.append(entry)
+            out.undo.append(((name, shard), sum_key, where, old_values, self._prev_sums[sum_key], common))
+            out.num_changed += entry.num_changed
+            checksum = entry.checksum
+        self._prev_sums[sum_key] = checksum
 
     def _sent(self, update: WeightUpdate, t0: float, undo: tuple | None) -> WeightUpdate:
         """Record ``update`` as the last version sent."""
@@ -359,22 +307,14 @@ class WeightSender:
 
     def _encode_planned_delta(self, version: int, restore: bool = False) -> WeightUpdate:
         """A delta against the last version sent, through the plan
-        (:mod:`sync.device_delta`); ``restore``: to the version before it."""
+        (:func:`sync.codec.encode_planned_delta`); ``restore``: to the version before it."""
         plan = self._plan
         if not self._plan_holds_prev:  # the generic path sent last: its copies hold that version
             plan.load_prev()
             self._plan_holds_prev = True
-        if plan.delta is None:
-            plan.delta = device_delta.DeltaPacker(plan)
-        packer = plan.delta
-        if restore:
-            packer.restore_previous()
-        else:
-            torch._foreach_copy_(packer.cur_dst, plan.src)
-        rows = packer.pack()
         keys = [(e.name, e.shard, e.start) for e in plan.entries]
-        update, new_sums = device_delta.delta_update(plan, packer, rows, version, self.version,
-                                                     [self._prev_sums[k] for k in keys], self.bucket_bytes)
+        update, new_sums = codec.encode_planned_delta(plan, version, self.version, [self._prev_sums[k] for k in keys],
+                                                      self.bucket_bytes, restore=restore)
         for i, checksum in new_sums.items():
             self._prev_sums[keys[i]] = checksum
         return update
@@ -392,17 +332,17 @@ class WeightSender:
             self.version, self._undo = prev_version, None
             return update
         self._fill_prev()
-        writer = _BucketWriter(self.bucket_bytes)
+        writer = BucketWriter(self.bucket_bytes)
         entries: list[TensorEntry] = []
         num_changed = 0
         for key, sum_key, where, old_vals, old_sum, common in reversed(undo):
             start, count = sum_key[2], common["count"]
             current = self._prev[key][start : start + count]
             restored = current.clone()
-            idx = _positions(where)
+            idx = codec.positions(where)
             restored[idx] = old_vals
-            found = _delta_piece(writer, common, current, restored, key[1], self._prev_sums[sum_key],
-                                 native_scratch=self._native_scratch)
+            found = codec.encode_piece(writer, common, current, restored, key[1], self._prev_sums[sum_key],
+                                       scratch=self._scratch)
             assert found is not None and found[0].checksum == old_sum, "undo log out of step with last-sent copy"
             entries.append(found[0])
             current[idx] = old_vals
@@ -416,96 +356,13 @@ class WeightSender:
         return WeightUpdate(manifest=manifest, buckets=writer.buckets)
 
 
-def _native_ok(old: torch.Tensor, new: torch.Tensor) -> bool:
-    return not old.is_cuda and not new.is_cuda and old.is_contiguous() and native.supports(old.element_size())
 
+class _Pieces:
+    """What the per-piece path of one encode builds up."""
 
-def _delta_piece(writer: _BucketWriter, common: dict, old: torch.Tensor, new: torch.Tensor,
-                 shard: ShardSpec | None, base: cks.Checksum, *, write_old: bool = False,
-                 scratch: torch.Tensor | None = None,
-                 native_scratch: native.EncodeScratch | None = None) -> tuple[TensorEntry, tuple, torch.Tensor] | None:
-    """Encode how piece ``old`` became ``new`` (any float dtype; compared in
-    ``old``'s), sparse or raw, the smaller; return (entry, how to find the
-    changed positions again, old values there), None if unchanged. The
-    positions are ``("idx", int32 tensor)`` or ``("stream", codec, bytes, count,
-    num_changed)`` for :func:`_positions`. ``write_old``: ``old`` becomes
-    ``new`` as a side effect (changed elements only)."""
-    start = common["start"]
-    contiguous = shard is None or shard.is_contiguous
-    found: NativeChanges | None = None
-    if _native_ok(old, new):
-        found = encode_sparse_native(old, new, write_old=write_old, scratch=native_scratch or native.EncodeScratch(),
-                                     cast_buf=scratch)
-        k = found.num_changed
-        if k == 0:
-            return None
-        old_vals, plan, sums = found.old_values, found.plan, found.sums
-        if contiguous:
-            old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
-        else:  # position weights need the shard's layout: decode the positions
-            idx = torch.from_numpy(_stream_positions(found.index_codec, found.index_stream, common["count"], k))
-            old_sum = cks.sparse_checksum(old_vals, idx, shard, start)
-            new_sum = cks.sparse_checksum(_new_at(old, new, idx, write_old), idx, shard, start)
-    else:
-        idx, old_vals, new_vals, plan, sums = encode_sparse(old, new, write_old=write_old, scratch=scratch)
-        k = idx.numel()
-        if k == 0:
-            return None
-        if sums is not None and contiguous:  # summed while comparing
-            old_sum, new_sum = cks.shift_sums(sums[0], shard, start), cks.shift_sums(sums[1], shard, start)
-        else:
-            old_sum, new_sum = cks.sparse_checksum(old_vals, idx, shard, start), cks.sparse_checksum(new_vals, idx, shard, start)
-    checksum = cks.add(base, cks.sub(new_sum, old_sum))
-    if plan is None:
-        blob = as_bytes(new.to(old.dtype))
-        extra: dict = dict(encoding="raw")
-        bucket, offset = writer.add(blob)
-    else:
-        index_codec, value_codec, streams = plan
-        chunks = [[s] if isinstance(s, torch.Tensor) else s for s in streams]
-        parts = tuple(sum(c.numel() if isinstance(c, torch.Tensor) else c.size for c in s) for s in chunks)
-        bucket, offset, blob = writer.reserve(sum(parts), old.device)
-        dst = blob.numpy() if not blob.is_cuda else None
-        if found is not None:  # the kernel's streams: copied and summed in one call
-            payload_checksum = native.pack_bytes(dst, [c for s in chunks for c in s])
-        else:
-            at = 0
-            for s in chunks:  # straight into the bucket, no concatenated copy
-                for c in s:
-                    num = c.numel() if isinstance(c, torch.Tensor) else c.size
-                    if dst is not None:  # numpy copies: no torch worker threads woken per small stream
-                        np.copyto(dst[at : at + num], c.numpy() if isinstance(c, torch.Tensor) else c)
-                    else:
-                        blob[at : at + num].copy_(c)
-                    at += num
-            payload_checksum = cks.bytes_checksum(blob)
-        extra = dict(encoding="sparse", index_codec=index_codec, value_codec=value_codec,
-                     parts=parts, payload_checksum=payload_checksum, changed_base_checksum=old_sum)
-    entry = TensorEntry(**common, **extra, num_changed=k, bucket=bucket, offset=offset,
-                        nbytes=blob.numel(), checksum=checksum, base_checksum=base)
-    if found is not None:
-        if plan is not None:  # the index stream is in the bucket already: point at it
-            stream = blob[: parts[0]]
-        else:
-            stream = torch.from_numpy(np.concatenate(found.index_stream))
-        where: tuple = ("stream", found.index_codec, stream, common["count"], k)
-    else:
-        where = ("idx", idx.to(torch.int32))  # int32: the undo log is O(changed) and should stay small
-    return entry, where, old_vals
-
-
-def _stream_positions(codec: str, stream: list | torch.Tensor, count: int, k: int) -> np.ndarray:
-    buf = stream.numpy() if isinstance(stream, torch.Tensor) else np.concatenate(stream)
-    return native.decode_index(buf, codec, count, k)
-
-
-def _new_at(old: torch.Tensor, new: torch.Tensor, idx: torch.Tensor, written: bool) -> torch.Tensor:
-    return old[idx] if written else new[idx].to(old.dtype)
-
-
-def _positions(where: tuple) -> torch.Tensor:
-    """The int64 changed positions an undo entry refers to."""
-    if where[0] == "idx":
-        return where[1].to(torch.int64)
-    _, codec, stream, count, k = where
-    return torch.from_numpy(_stream_positions(codec, stream, count, k))
+    def __init__(self, bucket_bytes: int) -> None:
+        self.writer = BucketWriter(bucket_bytes)
+        self.entries: list[TensorEntry] = []
+        self.undo: list[tuple] = []  # per delta piece: what revert_update needs
+        self.pending: list[tuple[int, tuple, tuple]] = []  # device pieces whose checksums are summed after the loop
+        self.num_changed = 0

@@ -2,7 +2,10 @@
 the three places that use it.
 
     driver (control only)            trainer process               engine processes
-    choose_transport(placements) ─► TrainerLink(kind)  ──────────► EngineLink(kind)
+    open_weight_link(trainer, rollouts, cfg.sync)
+      choose_transport(placements) ► TrainerLink(kind)  ──────────► EngineLink(kind)
+      [dist] one broadcast group: trainer workers ranks 0..n-1, rollout i rank n+i
+    reform_weight_link(...)          the same group again, without a dead rollout actor
     push_weights(rollouts, trainer)
       trainer.weight_update() ─────► encode, publish: the payload
                   ◄── manifest + small handle (never the buckets)
@@ -32,11 +35,12 @@ import msgspec
 
 from contracts.placement import Placement, node_address
 from contracts.weights import WeightUpdate, merge_updates
+from sync.config import SyncConfig
 from sync.sequence import sync_weights
-from sync.transport import transport_class
+from sync.transport import make_transport, transport_class
 
-__all__ = ["DistPush", "EngineLink", "TrainerLink", "choose_transport", "digest_named", "push_weights",
-           "weight_sync_fn"]
+__all__ = ["DistPush", "EngineLink", "TrainerLink", "WeightGroupLost", "choose_transport", "digest_named",
+           "open_weight_link", "push_weights", "reform_weight_link", "weight_sync_fn"]
 
 Kind = Literal["inproc", "cuda_ipc", "dist", "ray"]
 _TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died makes a broadcast fail, not hang
@@ -49,7 +53,8 @@ class DistPush(msgspec.Struct, frozen=True):
 
 
 def choose_transport(trainer: Placement, engines: list[Placement], forced: str = "auto") -> Kind:
-    """The transport for this placement (``forced`` when not ``auto``)."""
+    """The transport for this placement (``forced``, ``sync.transport``, when not
+    ``auto``): the one place the config's ``broadcast`` becomes ``dist``."""
     if forced != "auto":
         return {"broadcast": "dist"}.get(forced, forced)  # type: ignore[return-value]
     if all(e.pid == trainer.pid for e in engines):
@@ -93,9 +98,7 @@ def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> A
 
 def _broadcasts(group: Any, sources: int) -> list[Any]:
     """One broadcast transport per sending rank (the trainer workers are ranks 0..sources-1)."""
-    from sync.transport.dist import BroadcastTransport
-
-    return [BroadcastTransport(src=s, pg=group) for s in range(sources)]
+    return [make_transport("dist", src=s, pg=group) for s in range(sources)]
 
 
 def _free_port(host: str) -> int:
@@ -113,22 +116,8 @@ class TrainerLink:
         self._group: Any = None
         self._pending: WeightUpdate | None = None  # dist: the update waiting for its broadcast
         self._published: list[Any] = []
-        if kind == "inproc":
-            from sync.transport.inproc import InProcessTransport
-
-            self._transport: Any = InProcessTransport()
-        elif kind == "cuda_ipc":
-            from sync.transport.cuda_ipc import CudaIpcTransport
-
-            if getattr(device, "type", str(device).split(":")[0]) != "cuda":
-                raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {device}")
-            self._transport = CudaIpcTransport(device)
-        elif kind == "ray":
-            from sync.transport.ray_store import RayObjectStoreTransport
-
-            self._transport = RayObjectStoreTransport()
-        elif kind != "dist":
-            raise ValueError(f"sync.transport: unknown transport {kind!r}")
+        # dist: the group's transports, made when it is joined
+        self._transport: Any = None if kind == "dist" else make_transport(kind, device=device)
 
     @staticmethod
     def rendezvous() -> str:
@@ -227,6 +216,57 @@ class _ActorPush:
         task, self._task = self._task, None
         if task is not None:
             await task
+
+
+class WeightGroupLost(RuntimeError):
+    """A broadcast group that cannot be formed again without a member that died."""
+
+
+async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig, sources: int = 1) -> Kind:
+    """Pick the weight transport from where the trainer and ``engines`` (rollout
+    actor handles) run (``cfg.transport`` can force one), open it at both ends
+    and, for a broadcast, form its group (``cfg.backend``; ``auto``: NCCL when
+    every member is on a GPU, else gloo); returns the transport's name.
+    ``sources``: the trainer workers, each broadcasting its shards."""
+    where = await asyncio.gather(trainer.placement(), *(h.placement() for h in engines))
+    kind = choose_transport(where[0], list(where[1:]), cfg.transport)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
+    await _form_weight_link(trainer, engines, kind, backend, sources)
+    return kind
+
+
+async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, str | None, int] | None) -> None:
+    """After a rollout actor died: a broadcast group of fixed members would wait
+    for it at every push, so the trainer and ``engines`` (the live actors and
+    those joining) form a new one. ``link``: how the actors were linked (a
+    rollout actor's ``weight_link()``; None: asked of ``engines``). Other
+    transports have no membership: nothing to do. Raises
+    :class:`WeightGroupLost` when the group cannot be formed again here (NCCL)."""
+    if link is None:  # died before the first step asked: a live original still knows
+        links = [x for x in await asyncio.gather(*(h.weight_link() for h in engines)) if x is not None]
+        link = next((x for x in links if x[1] is not None), links[0] if links else None)
+    if link is None or link[0] != "dist":
+        return
+    kind, backend, sources = link
+    if backend == "nccl":
+        raise WeightGroupLost("an NCCL weight group cannot be re-formed without it in this process")
+    await _form_weight_link(trainer, engines, kind, backend, sources)  # type: ignore[arg-type]
+
+
+async def _form_weight_link(trainer: Any, engines: list[Any], kind: Kind, backend: str, sources: int) -> None:
+    """Open ``kind`` at the trainer and every engine; for ``dist``, form the
+    broadcast group: the ``sources`` trainer workers are ranks 0..sources-1,
+    engine i is rank sources + i, and every member joins at once (each join
+    blocks until all have). The one place a weight group is formed."""
+    init = await trainer.open_weight_link(kind)
+    await asyncio.gather(*(h.open_weight_link(kind) for h in engines))
+    if kind == "dist":
+        world = sources + len(engines)
+        await asyncio.gather(trainer.join_weight_group(init, world, backend),
+                             *(h.join_weight_group(init, sources + i, world, backend, sources)
+                               for i, h in enumerate(engines)))
 
 
 async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None, *,

@@ -1,9 +1,10 @@
 """Fused CPU kernels for the delta path (``sync/_native.c``), built on first use.
 
-The numpy path (:mod:`sync.codec_np`) makes a chain of temporaries per chunk
-(compare, nonzero, gather, diff, sums), each a pass over memory; on a 2-core
-host that made a delta of a 0.5B model cost more than a full push. These
-kernels do each job in one pass:
+A numpy path made a chain of temporaries per chunk (compare, nonzero, gather,
+diff, sums), each a pass over memory; on a 2-core host that made a delta of a
+0.5B model cost more than a full push (``bench/results/weight_sync_cpu.json``
+at 084b7ba: delta encode 1774 ms, apply 625 ms at lr 1e-6; these kernels at
+d955f18: 364 ms and 180 ms). They do each job in one pass:
 
     encode_piece  sender: compare last-sent vs current a word at a time, emit
                   varint gaps + bitmask + diff8 + escapes + sums, update last-sent
@@ -13,9 +14,11 @@ kernels do each job in one pass:
 
 The C source is compiled with the system C compiler into a per-user cache the
 first time it is needed (about a second) and loaded with ctypes; ctypes drops
-the GIL during a call, so a piece is split into parts run on threads. Without
-a compiler, or with ``ASYNCRL_SYNC_NATIVE=0``, :func:`available` is False and
-callers use the numpy path, which writes the same bytes.
+the GIL during a call, so a piece is split into parts run on the threads of
+:mod:`sync.pool`. Without a compiler, or with ``ASYNCRL_SYNC_NATIVE=0``,
+:func:`available` is False and :func:`sync.codec.choose` picks the torch path,
+which writes the same bytes. Only :mod:`sync.codec` (and the checksums of
+:mod:`sync.checksum`) call in here.
 """
 
 from __future__ import annotations
@@ -27,26 +30,22 @@ import os
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from sync import pool
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_native.c")
-# Parts a piece is split into (run on that many threads). Default: the cores
-# this process may use, at most 2 (the kernels are bound by memory bandwidth).
-NUM_THREADS = max(1, int(os.environ.get("ASYNCRL_SYNC_THREADS", "0")) or min(2, len(os.sched_getaffinity(0))))
-MIN_PART = 1 << 16  # elements: smaller pieces are not split
 _MASK64 = (1 << 64) - 1
 
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -126,7 +125,7 @@ def available() -> bool:
                 _lib = _build()
             except (OSError, subprocess.SubprocessError) as exc:
                 _lib_error = str(exc)
-                log.warning("sync: native delta kernels unavailable (%s); using the numpy path", exc)
+                log.warning("sync: native delta kernels unavailable (%s); using the torch path", exc)
     return _lib is not None
 
 
@@ -156,54 +155,6 @@ def _torch_nan_bits() -> int | None:
 def fuses_cast(old: torch.Tensor, new: torch.Tensor) -> bool:
     """True when :func:`encode_piece` can cast ``new`` (fp32) to ``old``'s bf16 itself."""
     return old.dtype == torch.bfloat16 and new.dtype == torch.float32 and available() and _torch_nan_bits() is not None
-
-
-def _shared_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="sync-native")
-    return _pool
-
-
-def _run(fns: list) -> list:
-    """Call each thunk, on the shared pool when there is more than one."""
-    if len(fns) <= 1:
-        return [f() for f in fns]
-    futures = [_shared_pool().submit(f) for f in fns[1:]]
-    first = fns[0]()  # this thread works too
-    return [first] + [f.result() for f in futures]
-
-
-def _call(f) -> Any:
-    try:
-        return f()
-    except Exception as exc:  # noqa: BLE001 - handed back to the caller
-        return exc
-
-
-def run_each(fns: list, sizes: list[int] | None = None) -> list:
-    """Call every thunk on the shared pool (this thread waits) and return, in
-    order, each one's result or the exception it raised: independent pieces
-    run at once, and one bad piece does not hide what the others did.
-    ``sizes`` (elements per thunk) groups consecutive small thunks into tasks
-    of at least ``MIN_PART`` elements: a hand-off to the pool costs more than
-    a small piece's work, so a small model's update runs on this thread."""
-    if sizes is None:
-        tasks = [[f] for f in fns]
-    else:
-        tasks, work = [[]], 0
-        for f, n in zip(fns, sizes, strict=True):
-            if work >= MIN_PART:
-                tasks.append([])
-                work = 0
-            tasks[-1].append(f)
-            work += n
-    if len(tasks) <= 1 or NUM_THREADS <= 1:
-        return [_call(f) for f in fns]
-    pool = _shared_pool()
-    futures = [pool.submit(lambda group=group: [_call(f) for f in group]) for group in tasks]
-    return [r for fut in futures for r in fut.result()]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
@@ -239,12 +190,13 @@ class EncodeScratch:
         self.num_parts = 0
 
     def ensure(self, n: int, itemsize: int) -> None:
-        if n <= self.n and itemsize == self.itemsize and NUM_THREADS <= self.num_parts:
+        num_threads = pool.NUM_THREADS
+        if n <= self.n and itemsize == self.itemsize and num_threads <= self.num_parts:
             return
         n = max(n, self.n)
-        self.num_parts = NUM_THREADS  # the varint buffer has a region per part
+        self.num_parts = num_threads  # the varint buffer has a region per part
         dt = _ELEM[itemsize][1]
-        self.vbuf = np.empty(n // 8 + 16 * NUM_THREADS + 16, np.uint8)
+        self.vbuf = np.empty(n // 8 + 16 * num_threads + 16, np.uint8)
         self.bm = np.empty(n // 8 + 8, np.uint8)
         self.d8 = np.empty(n, np.int8)
         self.vals = np.empty(n, dt)
@@ -252,7 +204,7 @@ class EncodeScratch:
         self.esc = np.empty(n, dt)
         self.n, self.itemsize = n, itemsize
         self.ptrs = {name: _ptr(getattr(self, name)) for name in ("vbuf", "bm", "d8", "vals", "olds", "esc")}
-        self.out = np.zeros((NUM_THREADS + 1, 10), np.int64)  # one row of counters per part
+        self.out = np.zeros((num_threads + 1, 10), np.int64)  # one row of counters per part
         self.out_ptr = _ptr(self.out)
 
 
@@ -289,7 +241,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
     else:
         assert fuses_cast(old, new), (old.dtype, new.dtype)
         fn, nan_bits, new_size = _lib.enc_bf16_f32, _torch_nan_bits(), 4
-    num_parts = max(1, min(NUM_THREADS, n // MIN_PART))
+    num_parts = max(1, min(pool.NUM_THREADS, n // pool.MIN_PART))
     # parts start on a bitmask byte (a multiple of 8 elements)
     step = ((n + num_parts - 1) // num_parts + 7) // 8 * 8 if num_parts > 1 else max(n, 1)
     bounds = [(s, min(s + step, n)) for s in range(0, n, step)] or [(0, 0)]
@@ -297,7 +249,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
     o_ptr, n_ptr = old.data_ptr(), new.data_ptr()
     s = scratch
 
-    p = s.ptrs  # s.out has a row per part: len(bounds) <= NUM_THREADS
+    p = s.ptrs  # s.out has a row per part: len(bounds) <= pool.NUM_THREADS
 
     def part(t: int):
         a, b = bounds[t]
@@ -306,7 +258,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
            p["olds"] + a * size, p["esc"] + a * size, nan_bits, s.out_ptr + t * 80)
         return s.out[t]
 
-    outs = _run([lambda t=t: part(t) for t in range(len(bounds))])
+    outs = pool.run([lambda t=t: part(t) for t in range(len(bounds))])
     k = int(sum(int(o[0]) for o in outs))
     nesc = int(sum(int(o[1]) for o in outs))
     sums = [sum(int(o[i]) for o in outs) & _MASK64 for i in range(4, 8)]
@@ -357,17 +309,17 @@ def bytes_sums_many(bufs: list[torch.Tensor]) -> list[tuple[int, int]]:
     ptrs = np.array([b.data_ptr() for b in bufs], np.int64)
     lens = np.array([b.numel() for b in bufs], np.int64)
     out = np.zeros((len(bufs), 2), np.int64)
-    cuts = [0]
-    if NUM_THREADS > 1 and lens.sum() >= MIN_PART * NUM_THREADS:
+    cuts, num_threads = [0], pool.NUM_THREADS
+    if num_threads > 1 and lens.sum() >= pool.MIN_PART * num_threads:
         ends = np.cumsum(lens)
-        cuts += [int(np.searchsorted(ends, ends[-1] * t // NUM_THREADS)) for t in range(1, NUM_THREADS)]
+        cuts += [int(np.searchsorted(ends, ends[-1] * t // num_threads)) for t in range(1, num_threads)]
     cuts.append(len(bufs))
 
     def span(a: int, b: int) -> None:
         if b > a:
             _lib.bytes_sums_many(_ptr(ptrs) + 8 * a, _ptr(lens) + 8 * a, b - a, _ptr(out) + 16 * a)
 
-    _run([lambda a=a, b=b: span(a, b) for a, b in zip(cuts, cuts[1:])])
+    pool.run([lambda a=a, b=b: span(a, b) for a, b in zip(cuts, cuts[1:])])
     return [(int(x) & _MASK64, int(y) & _MASK64) for x, y in out.tolist()]
 
 
@@ -452,11 +404,3 @@ def restore_piece(flat: np.ndarray, blob: np.ndarray, parts: tuple[int, ...], in
     rc, _, written = _apply(flat, blob[: parts[0]], index_codec, olds.size, None, None, olds, 2)
     assert written == olds.size, (rc, written)
 
-
-def decode_index(stream: np.ndarray, index_codec: str, count: int, num_changed: int) -> np.ndarray:
-    """Positions (int64) of an index stream; for undo logs, not the hot path."""
-    from sync import codec_np as cnp
-
-    if index_codec == "varint":
-        return cnp.varint_decode(stream, num_changed)
-    return cnp.bitmask_decode(stream, count)

@@ -10,7 +10,7 @@
            now holds, which must be the target
         ─► an engine that refused or failed gets one full retry
         ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
-    finally: wake_up(kv_cache) ─► reset_prefix_cache ─► resume
+    finally: resume_engines: wake_up(kv_cache) if colocated ─► reset_prefix_cache ─► resume
 
 Encoding before the pause is safe: only a push changes an engine's weights or
 version, and the source's weights are read only until the update is encoded
@@ -45,8 +45,7 @@ from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
 from contracts.weights import WeightUpdate
 from sync.metrics import SyncMetrics, SyncResult
-from sync.transport.base import Transport
-from sync.transport.inproc import InProcessTransport
+from sync.transport import Transport, make_transport
 
 
 async def _maybe_await(x: Any) -> Any:
@@ -129,7 +128,7 @@ async def sync_weights(
     either way and none is left on a different version from the others when
     the source can revert (a ``WeightSender``), else ``versions`` says where each is.
     """
-    transport = transport or InProcessTransport()
+    transport = transport or make_transport("inproc")
     src = _Source(source, weights, version, released)
     t0 = time.perf_counter()
     staged: _Staged | None = None
@@ -172,15 +171,22 @@ async def sync_weights(
         metrics.sender_encode_ms = update.manifest.encode_ms
         metrics.device_plan = bool(update.manifest.layout)
     finally:
-        # whatever happened, engines must run again, and never on caches of other weights
-        if colocated:
-            await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
-        await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
-        await asyncio.gather(*(e.resume() for e in engines))
+        await resume_engines(engines, colocated=colocated)
     metrics.paused_ms = (time.perf_counter() - t_pause) * 1e3
     await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     metrics.total_ms = (time.perf_counter() - t0) * 1e3
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
+
+
+async def resume_engines(engines: list[Any], *, colocated: bool) -> None:
+    """The end of every push, whatever became of it: engines run again, and
+    never on caches of other weights. ``wake_up(kv_cache)`` when ``colocated``
+    (the push freed it), ``reset_prefix_cache``, ``resume``; each step on every
+    engine at once."""
+    if colocated:
+        await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
+    await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
+    await asyncio.gather(*(e.resume() for e in engines))
 
 
 async def _prepare(engines: list[Any], src: _Source) -> tuple[list[int], WeightUpdate]:
@@ -262,4 +268,4 @@ async def _revert(engines: list[Any], before: list[int], src: _Source, transport
                                                             transfer_ms=0.0, apply_ms=0.0))
 
 
-__all__ = ["BaseVersionMismatch", "engine_version", "sync_weights"]
+__all__ = ["BaseVersionMismatch", "engine_version", "resume_engines", "sync_weights"]

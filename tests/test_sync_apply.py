@@ -99,7 +99,7 @@ def test_wrong_target_checksum_rolls_back_pieces_already_written() -> None:
     last = update.manifest.entries[-1]
     assert last.encoding == "sparse" and len(update.manifest.entries) > 2
     # make the receiver's base wrong exactly where the last piece changes something
-    from sync.codec import decode_sparse
+    from sync.streams import decode_sparse
     from contracts.weights import dtype_from_name
 
     blob = bucket_tensor(update.buckets[last.bucket])[last.offset : last.offset + last.nbytes]
@@ -247,43 +247,49 @@ def test_auto_mode_without_reports_estimates_from_bytes() -> None:
     assert sender.policy.cost_ms["full"] > 10 * sender.policy.cost_ms["delta"]
 
 
-@pytest.mark.parametrize("chunk", [7, 1 << 16])
+@pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("which", [0, 1, -1])
 @pytest.mark.parametrize("forge", ["checksum", "count"])
-def test_fused_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(chunk: int, which: int, forge: str) -> None:
-    """On CPU sparse pieces are written, all at once on the pool, in the same
-    pass that sums them; a target checksum that does not match (or a count
-    the stream does not hold) in any one piece must still leave every tensor
-    as it was, and an intact update is bit-exact."""
+def test_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(path: str, which: int, forge: str,
+                                                                     monkeypatch) -> None:
+    """Sparse pieces are written before they are checked (on CPU by the C
+    kernels, all at once on the pool, in the pass that sums them; by torch
+    without them); a target checksum that does not match (or a count the
+    stream does not hold) in any one piece must still leave every tensor as
+    it was, and an intact update is bit-exact."""
     import msgspec
 
-    from sync import codec_np
+    from sync import codec, native, pool
 
-    saved, codec_np.APPLY_CHUNK = codec_np.APPLY_CHUNK, chunk
-    saved_threads, codec_np.NUM_THREADS = codec_np.NUM_THREADS, 2
-    try:
-        w, sender = _model(), WeightSender(mode="delta", bucket_bytes=4096)
-        engine = _engine(w)
-        apply_update(engine, sender.encode(w, 1), 0)
-        _step(w, frac=0.1)
-        update = sender.encode(w, 2)
-        sparse = [i for i, e in enumerate(update.manifest.entries) if e.encoding == "sparse"]
-        assert sparse
-        entries = list(update.manifest.entries)
-        assert len(sparse) > 2
-        bad = entries[sparse[which]]
-        entries[sparse[which]] = (
-            msgspec.structs.replace(bad, checksum=(bad.checksum[0] ^ 1, bad.checksum[1])) if forge == "checksum"
-            else msgspec.structs.replace(bad, num_changed=bad.num_changed - 1))
-        forged = type(update)(manifest=msgspec.structs.replace(update.manifest, entries=entries), buckets=update.buckets)
-        before = _snapshot(engine)
-        with pytest.raises(ChecksumError):
-            apply_update(engine, forged, 1)
-        assert _same(engine, before)
-        assert apply_update(engine, update, 1, verify="full") == 2
-        assert _same(engine, {k: v.bfloat16() for k, v in w.items()})
-    finally:
-        codec_np.APPLY_CHUNK, codec_np.NUM_THREADS = saved, saved_threads
+    if path == "c":
+        if not native.available():
+            pytest.skip("no C compiler")
+        monkeypatch.setattr(pool, "NUM_THREADS", 2)
+        monkeypatch.setattr(pool, "MIN_PART", 7)
+    else:
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_lib_error", "disabled for this test")
+    assert codec.choose("cpu", 2) == path
+    w, sender = _model(), WeightSender(mode="delta", bucket_bytes=4096)
+    engine = _engine(w)
+    apply_update(engine, sender.encode(w, 1), 0)
+    _step(w, frac=0.1)
+    update = sender.encode(w, 2)
+    sparse = [i for i, e in enumerate(update.manifest.entries) if e.encoding == "sparse"]
+    assert sparse
+    entries = list(update.manifest.entries)
+    assert len(sparse) > 2
+    bad = entries[sparse[which]]
+    entries[sparse[which]] = (
+        msgspec.structs.replace(bad, checksum=(bad.checksum[0] ^ 1, bad.checksum[1])) if forge == "checksum"
+        else msgspec.structs.replace(bad, num_changed=bad.num_changed - 1))
+    forged = type(update)(manifest=msgspec.structs.replace(update.manifest, entries=entries), buckets=update.buckets)
+    before = _snapshot(engine)
+    with pytest.raises(ChecksumError):
+        apply_update(engine, forged, 1)
+    assert _same(engine, before)
+    assert apply_update(engine, update, 1, verify="full") == 2
+    assert _same(engine, {k: v.bfloat16() for k, v in w.items()})
 
 
 _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import msgspec
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hypothesis import strategies as st
 
 from sync import WeightSender, apply_update
 from sync.checksum import int_view, region_checksum
-from sync.codec import bitmask_decode, bitmask_encode, varint_decode, varint_encode
+from sync.streams import bitmask_decode, bitmask_encode, varint_decode, varint_encode
 from contracts.weights import Manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,54 +113,55 @@ def test_checksum_is_additive_over_pieces() -> None:
         assert region_checksum(y, 0) != whole
 
 
+def _leb128(gaps: list[int]) -> bytes:
+    out = bytearray()
+    for g in gaps:
+        while g >= 128:
+            out.append((g & 127) | 128)
+            g >>= 7
+        out.append(g)
+    return bytes(out)
+
+
 @settings(max_examples=60, deadline=None)
 @given(gaps=st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**40)), max_size=300),
        n_extra=st.integers(1, 100))
-def test_numpy_and_torch_index_codecs_write_the_same_bytes(gaps: list[int], n_extra: int) -> None:
-    import numpy as np
-
-    from sync import codec_np as cnp
-    from sync.codec import varint_size
+def test_index_codecs_write_the_wire_format(gaps: list[int], n_extra: int) -> None:
+    """varint: LEB128 of the gaps minus one; bitmask: bit i % 8 of byte i // 8
+    (written out here by hand, so no implementation defines the format alone)."""
+    from sync.streams import varint_size
 
     idx = torch.cumsum(torch.tensor(gaps, dtype=torch.int64) + 1, 0) - 1
-    plan = cnp.VarintPlan(cnp.gaps_of(idx.numpy()))
-    stream = cnp.varint_encode(cnp.gaps_of(idx.numpy()), plan)
-    assert np.array_equal(stream, varint_encode(idx).numpy()) and plan.size == varint_size(idx) == stream.size
-    assert np.array_equal(cnp.varint_decode(stream, idx.numel()), idx.numpy())
+    stream = varint_encode(idx)
+    assert bytes(stream.tolist()) == _leb128(gaps) and varint_size(idx) == stream.numel()
+    assert torch.equal(varint_decode(stream, idx.numel()), idx)
     if gaps and idx[-1] < 10**6:
         n = int(idx[-1]) + n_extra
-        assert np.array_equal(cnp.bitmask_encode(idx.numpy(), n), bitmask_encode(idx, n).numpy())
+        want = bytearray((n + 7) // 8)
+        for i in idx.tolist():
+            want[i // 8] |= 1 << (i % 8)
+        assert bytes(bitmask_encode(idx, n).tolist()) == bytes(want)
 
 
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), frac=st.floats(0, 1), seed=st.integers(0, 2**31))
-def test_torch_path_matches_numpy_path(dtype, n: int, frac: float, seed: int) -> None:
-    """The CUDA code path (torch ops) run on CPU writes what the CPU path writes."""
-    from sync.codec import _decode_sparse_np, _decode_sparse_torch, _encode_sparse_np, _encode_sparse_torch
+def test_torch_streams_decode_to_what_they_encode(dtype, n: int, frac: float, seed: int) -> None:
+    """The reference path (torch: any device) decodes its own streams back to
+    the changed positions and values, whichever codecs it picked."""
+    from sync.streams import decode_sparse, encode_sparse
 
     old = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
     new = _perturb(old, frac, 3, seed)
-    a_idx, a_old, a_vals, a_plan, a_sums = _encode_sparse_np(old, new)
-    b_idx, b_old, b_vals, b_plan, _ = _encode_sparse_torch(old, new)
-    if a_idx.numel():
-        from sync.checksum import shift_sums, sparse_checksum
-
-        assert shift_sums(a_sums[0], None, 0) == sparse_checksum(a_old, a_idx, None, 0)
-        assert shift_sums(a_sums[1], None, 0) == sparse_checksum(a_vals, a_idx, None, 0)
-    assert torch.equal(a_idx, b_idx) and torch.equal(int_view(a_vals), int_view(b_vals))
-    assert torch.equal(int_view(a_old), int_view(b_old)) and torch.equal(int_view(a_old), int_view(old[a_idx]))
-    assert (a_plan is None) == (b_plan is None)
-    if a_plan is None:
+    idx, old_vals, new_vals, codecs, streams = encode_sparse(old, new)
+    want = torch.nonzero(int_view(old) != int_view(new)).view(-1)
+    assert torch.equal(idx, want) and torch.equal(int_view(new_vals), int_view(new[idx]))
+    assert torch.equal(int_view(old_vals), int_view(old[idx]))
+    if codecs is None:
         return
-    assert a_plan[:2] == b_plan[:2]
-    assert all(torch.equal(x, y) for x, y in zip(a_plan[2], b_plan[2]))
-    blob = torch.cat(a_plan[2])
-    a, b = a_plan[2][0].numel(), a_plan[2][0].numel() + a_plan[2][1].numel()
-    args = (a, b, a_plan[0], a_plan[1], n, a_idx.numel(), lambda i: old[i], dtype)
-    got_np = _decode_sparse_np(blob.numpy(), *args)
-    got_torch = _decode_sparse_torch(blob, *args)
-    for idx, vals, _ in (got_np, got_torch):
-        assert torch.equal(idx, a_idx) and torch.equal(int_view(vals), int_view(new[a_idx]))
+    blob = torch.cat(streams)
+    parts = tuple(s.numel() for s in streams)
+    got_idx, got_vals, _ = decode_sparse(blob, parts, codecs[0], codecs[1], n, idx.numel(), lambda i: old[i], dtype)
+    assert torch.equal(got_idx, idx) and torch.equal(int_view(got_vals), int_view(new[idx]))
 
 
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 70_001])
@@ -180,69 +179,22 @@ def test_torch_and_numpy_checksums_agree(n: int) -> None:
         assert _dot_torch(x, idx) == (s0, sj)
 
 
-@settings(max_examples=60, deadline=None)
-@given(itemsize=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 3000), frac=st.floats(0, 1),
-       offset=st.integers(0, 7), chunk=st.sampled_from([1, 5, 64, 1 << 18]), seed=st.integers(0, 2**31))
-def test_word_compare_finds_exactly_the_changed_elements(itemsize, n, frac, offset, chunk, seed) -> None:
-    """The word-at-a-time compare (any alignment, chunking and element size)
-    returns what a plain element compare returns, and with ``write_old``
-    leaves the old array equal to the new one."""
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_delta_over_many_parts_is_bit_exact(path: str, monkeypatch) -> None:
+    """A piece split into parts (run on the pool), or encoded by the torch
+    reference, still encodes and applies bit for bit, from an fp32 master
+    into a bf16 engine."""
+    from sync import codec, native, pool
 
-
-    with _compare_chunk(chunk):
-        _check_word_compare(itemsize, n, frac, offset, seed)
-
-
-def _check_word_compare(itemsize: int, n: int, frac: float, offset: int, seed: int) -> None:
-    import numpy as np
-
-    from sync import codec_np as cnp
-
-    rng = np.random.default_rng(seed)
-    dtype = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]
-    base = rng.integers(-100, 100, n + offset).astype(dtype)
-    new_base = base.copy()
-    flip = rng.random(n + offset) < frac
-    new_base[flip] += 1
-    old, new = base[offset:], new_base[offset:]  # misaligned views on purpose
-    want = np.flatnonzero(old != new)
-    found = cnp.find_changes(old, new)
-    idx, o, v = found.idx, found.old, found.new
-    assert np.array_equal(idx, want) and np.array_equal(o, old[want]) and np.array_equal(v, new[want])
-    mask = 2**64 - 1
-    w64 = want.astype(np.int64)
-    for vals, sums in ((o, found.old_sums), (v, found.new_sums)):
-        x = vals.astype(np.int64)
-        assert sums == (int(x.sum()) & mask, int(np.dot(x, w64)) & mask)
-    if itemsize > 1:
-        d8, fits = cnp.diff8(o, v)
-        assert np.array_equal(found.d8, d8) and found.num_escapes == int((~fits).sum())
-    idx2, o2, v2 = cnp.find_changes(old, new, write_old=True)[:3]
-    assert np.array_equal(idx2, want) and np.array_equal(o2, o) and np.array_equal(v2, v)
-    assert np.array_equal(old, new)
-
-
-@contextlib.contextmanager
-def _compare_chunk(n: int):
-    """Compare tasks of ``n`` elements on a 2-thread pool, so small tensors exercise it."""
-    from sync import codec_np as cnp
-
-    saved, cnp.COMPARE_CHUNK = cnp.COMPARE_CHUNK, n
-    saved_threads, cnp.NUM_THREADS = cnp.NUM_THREADS, 2  # and through the pool
-    try:
-        yield
-    finally:
-        cnp.COMPARE_CHUNK, cnp.NUM_THREADS = saved, saved_threads
-
-
-def test_delta_over_many_compare_chunks_is_bit_exact() -> None:
-    """A piece split across compare tasks (run on the pool) still encodes
-    and applies bit for bit, from an fp32 master into a bf16 engine."""
-    with _compare_chunk(1000):
-        _check_many_chunks()
-
-
-def _check_many_chunks() -> None:
+    if path == "c":
+        if not native.available():
+            pytest.skip("no C compiler")
+        monkeypatch.setattr(pool, "NUM_THREADS", 2)
+        monkeypatch.setattr(pool, "MIN_PART", 1000)
+    else:
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_lib_error", "disabled for this test")
+    assert codec.choose("cpu", 2) == path
     torch.manual_seed(1)
     master = {"w": torch.randn(40_003) * 0.02, "v": torch.randn(7, 13)}
     sender = WeightSender(mode="delta", dtype=torch.bfloat16, bucket_bytes=32 << 10)
@@ -261,28 +213,28 @@ def _check_many_chunks() -> None:
 @settings(max_examples=100, deadline=None)
 @given(data=st.lists(st.one_of(st.integers(0, 127), st.integers(128, 255)), max_size=200),
        count_delta=st.integers(-2, 2))
-def test_numpy_varint_decoder_agrees_with_torch_or_refuses(data: list[int], count_delta: int) -> None:
-    """Any byte stream (runs of continuation bytes capped so values fit in
-    63 bits): the numpy decoder returns what the torch decoder returns, or
-    raises ValueError when the stream does not hold ``count`` values."""
-    import numpy as np
-
-    from sync import codec_np as cnp
-
-    buf = np.array(data, dtype=np.uint8)
-    run = 0
-    for i, b in enumerate(buf):  # at most 8 continuation bytes in a row
-        run = run + 1 if b >= 0x80 else 0
-        if run > 8:
-            buf[i] &= 0x7F
-            run = 0
-    count = int((buf < 0x80).sum()) + count_delta
+def test_varint_decoder_reads_leb128_or_refuses(data: list[int], count_delta: int) -> None:
+    """Any byte stream: the decoder returns the positions its LEB128 gaps say
+    (decoded here by hand), or raises ValueError when the stream does not hold
+    ``count`` values or a value is longer than 63 bits."""
+    gaps, value, shift, too_long = [], 0, 0, False
+    for b in data:
+        value |= (b & 0x7F) << shift
+        too_long |= shift > 56
+        shift += 7
+        if b < 0x80:
+            gaps.append(value)
+            value, shift = 0, 0
+    count = len(gaps) + count_delta
+    buf = torch.tensor(data, dtype=torch.uint8)
     try:
-        got = cnp.varint_decode(buf, count)
+        got = varint_decode(buf, count)
     except ValueError:
-        assert count_delta != 0 or (buf.size and buf[-1] >= 0x80)
+        assert count_delta != 0 or (data and data[-1] >= 0x80) or too_long
         return
-    assert torch.equal(torch.from_numpy(got), varint_decode(torch.from_numpy(buf.copy()), count))
+    assert count_delta == 0 and not too_long and not (data and data[-1] >= 0x80)
+    wrap = lambda x: (x + 2**63) % 2**64 - 2**63  # noqa: E731 - int64 positions wrap like the decoder's sums
+    assert got.tolist() == [wrap(sum(gaps[: i + 1]) + i) for i in range(len(gaps))]
 
 
 @pytest.mark.parametrize("shard", [None, "contiguous", "strided"])

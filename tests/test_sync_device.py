@@ -14,7 +14,7 @@ import torch
 from contracts.weights import ShardSpec
 from sync import WeightSender, apply_update
 from sync import apply as sync_apply
-from sync import device
+from sync import codec, device
 from sync.errors import ChecksumError
 
 
@@ -261,7 +261,7 @@ def _ipc_receiver(shapes: dict, conn) -> None:
             keys = [(e.name, e.shard, e.start, e.count) for e in m.entries]
             planned = (staged and any(p.still_valid(recv) for p in sync_apply._PLANS.get(m.layout, []))
                        if m.kind == "full"
-                       else any(p.find(recv, keys) is not None for p in sync_apply._DELTA_PLANS.get(m.layout, [])))
+                       else any(p.find(recv, keys) is not None for p in codec._DELTA_PLANS.get(m.layout, [])))
             conn.send((version if planned else -1, {k: v.cpu().view(torch.int16).numpy() for k, v in recv.items()}))
         except Exception as exc:  # noqa: BLE001 - reported to the test
             conn.send((version, repr(exc)))
@@ -325,14 +325,14 @@ def test_planned_delta_receiver_kernels_check_everything_before_writing() -> Non
         update = sender.encode(w, version)
         assert apply_update(recv, update, version - 1) == version and _exact(recv, w)
         keys = [(e.name, e.shard, e.start, e.count) for e in update.manifest.entries]
-        assert any(p.find(recv, keys) is not None for p in sync_apply._DELTA_PLANS[update.manifest.layout])
+        assert any(p.find(recv, keys) is not None for p in codec._DELTA_PLANS[update.manifest.layout])
     with torch.no_grad():  # a delta that leaves pieces out: the same plan covers it
         w["proj"][0, 0] += 1.0
-    plans = list(sync_apply._DELTA_PLANS[update.manifest.layout])
+    plans = list(codec._DELTA_PLANS[update.manifest.layout])
     update = sender.encode(w, 4)
     assert [e.name for e in update.manifest.entries] == ["proj"]
     apply_update(recv, update, 3)
-    assert _exact(recv, w) and sync_apply._DELTA_PLANS[update.manifest.layout] == plans
+    assert _exact(recv, w) and codec._DELTA_PLANS[update.manifest.layout] == plans
     sender.revert_update()  # (engines would apply it; here the sender just goes back to version 3)
     with torch.no_grad():
         w["proj"][0, 0] -= 1.0

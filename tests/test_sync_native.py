@@ -1,10 +1,12 @@
-"""The fused C kernels write the same bytes as the numpy path, cast exactly as
-torch does, refuse malformed streams without writing, and undo exactly."""
+"""The fused C kernels write the same bytes as the torch reference
+(sync.streams), cast exactly as torch does, refuse malformed streams without
+writing, and undo exactly."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -12,24 +14,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sync import WeightSender, apply_update, native
-from sync import codec_np as cnp
+from sync import WeightSender, apply_update, native, pool
 from sync.checksum import int_view
+from sync.streams import ESCAPE, bitmask_encode, decode_index, diff8_encode, varint_encode
 from contracts.weights import ShardSpec
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not native.available(), reason="no C compiler: the numpy path is used")]
+              pytest.mark.skipif(not native.available(), reason="no C compiler: the torch path is used")]
 
 
 @contextlib.contextmanager
 def _parts(num_threads: int, min_part: int = 8):
     """Split even tiny pieces into ``num_threads`` parts (on the pool)."""
-    saved = native.NUM_THREADS, native.MIN_PART
-    native.NUM_THREADS, native.MIN_PART = num_threads, min_part
+    saved = pool.NUM_THREADS, pool.MIN_PART
+    pool.NUM_THREADS, pool.MIN_PART = num_threads, min_part
     try:
         yield
     finally:
-        native.NUM_THREADS, native.MIN_PART = saved
+        pool.NUM_THREADS, pool.MIN_PART = saved
 
 
 def _pair(dtype: torch.dtype, n: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +48,38 @@ def _cat(chunks: list[np.ndarray], dtype=np.uint8) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.empty(0, dtype)
 
 
-def _check_against_numpy(dtype: torch.dtype, n: int, frac: float, seed: int) -> None:
+class _Want(NamedTuple):
+    """What the torch reference makes of a piece: positions, old and new values
+    there (integer views), their (sum, index-weighted sum), diff8 stream and escapes."""
+
+    idx: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+    old_sums: tuple[int, int]
+    new_sums: tuple[int, int]
+    d8: np.ndarray
+    escapes: np.ndarray
+    bitmask: np.ndarray
+    varint: np.ndarray
+
+
+def _reference(old: torch.Tensor, new: torch.Tensor) -> _Want:
+    o, v = int_view(old), int_view(new)
+    idx = torch.nonzero(o != v).view(-1)
+    ov, nv = o[idx], v[idx]
+    d8, escapes = diff8_encode(ov, nv)
+
+    def sums(x: torch.Tensor) -> tuple[int, int]:
+        x = x.to(torch.int64)
+        return int(x.sum()) & (2**64 - 1), int((x * idx).sum()) & (2**64 - 1)
+
+    return _Want(idx.numpy(), ov.numpy(), nv.numpy(), sums(ov), sums(nv), d8.numpy(), escapes.numpy(),
+                 bitmask_encode(idx, o.numel()).numpy(), varint_encode(idx).numpy())
+
+
+def _check_against_torch(dtype: torch.dtype, n: int, frac: float, seed: int) -> None:
     old, new = _pair(dtype, n, frac, seed)
-    want = cnp.find_changes(int_view(old).numpy().copy(), int_view(new).numpy())
+    want = _reference(old, new)
     mine = old.clone()
     d = native.encode_piece(mine, new, True, native.EncodeScratch())
     assert torch.equal(int_view(mine), int_view(new)), "last-sent copy not updated"
@@ -58,18 +89,17 @@ def _check_against_numpy(dtype: torch.dtype, n: int, frac: float, seed: int) -> 
             _check_apply(old, new, d, codec, value_codec)
 
 
-def _assert_same_streams(d: native.NativeDelta, want, n: int) -> None:
-    """The kernel's counts, sums and streams are the numpy encoder's."""
-    assert d.num_changed == want.idx.size and d.num_escapes == want.num_escapes
+def _assert_same_streams(d: native.NativeDelta, want: _Want, n: int) -> None:
+    """The kernel's counts, sums and streams are the torch reference's."""
+    assert d.num_changed == want.idx.size and d.num_escapes == want.escapes.size
     assert (d.old_sums, d.new_sums) == (want.old_sums, want.new_sums)
     assert np.array_equal(_cat(d.d8, np.int8), want.d8)
     assert np.array_equal(_cat(d.olds).view(want.old.dtype), want.old)
     assert np.array_equal(_cat(d.vals).view(want.new.dtype), want.new)
-    assert np.array_equal(_cat(d.esc).view(want.new.dtype), want.new[want.d8 == cnp.ESCAPE])
-    assert np.array_equal(_cat(d.index["bitmask"]), cnp.bitmask_encode(want.idx, n))
+    assert np.array_equal(_cat(d.esc).view(want.new.dtype), want.escapes)
+    assert np.array_equal(_cat(d.index["bitmask"]), want.bitmask)
     if "varint" in d.index:
-        gaps = cnp.gaps_of(want.idx)
-        assert np.array_equal(_cat(d.index["varint"]), cnp.varint_encode(gaps, cnp.VarintPlan(gaps)))
+        assert np.array_equal(_cat(d.index["varint"]), want.varint)
 
 
 def _check_apply(old: torch.Tensor, new: torch.Tensor, d: native.NativeDelta, codec: str, value_codec: str) -> None:
@@ -93,9 +123,9 @@ def _check_apply(old: torch.Tensor, new: torch.Tensor, d: native.NativeDelta, co
        n=st.one_of(st.integers(1, 3000), st.sampled_from([8192, 8195, 16387, 70_001])),
        frac=st.sampled_from([0.0, 0.001, 0.04, 0.3, 1.0]), threads=st.sampled_from([1, 2, 3]),
        seed=st.integers(0, 2**31))
-def test_kernels_write_the_numpy_paths_bytes(dtype, n, frac, threads, seed) -> None:
+def test_kernels_write_the_torch_paths_bytes(dtype, n, frac, threads, seed) -> None:
     with _parts(threads):
-        _check_against_numpy(dtype, n, frac, seed)
+        _check_against_torch(dtype, n, frac, seed)
 
 
 def test_fused_cast_is_torchs_cast_bit_for_bit() -> None:
@@ -125,7 +155,7 @@ def test_portable_and_vector_builds_agree(tmp_path) -> None:
             for dtype in (torch.bfloat16, torch.float32):
                 for n, frac in ((1000, 0.05), (70_001, 0.3), (8192, 1.0)):
                     with _parts(2):
-                        _check_against_numpy(dtype, n, frac, seed=n)
+                        _check_against_torch(dtype, n, frac, seed=n)
     finally:
         native._lib = saved
 
@@ -148,10 +178,10 @@ def test_malformed_streams_are_refused_before_anything_is_written(codec: str) ->
     k = d.num_changed
     attempt(index, d8[:-1], esc, k - 1)  # one position more than values
     attempt(index[:-1], d8, esc, k)  # stream cut short
-    last = int(native.decode_index(index, codec, flat.size, k)[-1])
+    last = int(decode_index(torch.from_numpy(index), codec, flat.size, k)[-1])
     attempt(index, d8, esc, k, count=last)  # the last position past the piece's end
     bad = d8.copy()
-    bad[np.flatnonzero(bad != cnp.ESCAPE)[0]] = cnp.ESCAPE  # an escape without its value
+    bad[np.flatnonzero(bad != ESCAPE)[0]] = ESCAPE  # an escape without its value
     attempt(index, bad, esc, k)
     if codec == "varint":
         attempt(np.concatenate([index, np.full(10, 0x80, np.uint8), [0]]).astype(np.uint8), d8, esc, k + 1)
@@ -171,7 +201,7 @@ def _adam_like_step(master: dict[str, torch.Tensor], lr: float, seed: int) -> No
 @pytest.mark.parametrize("use_native", [True, False])
 def test_delta_round_trip_and_revert_with_and_without_kernels(use_native: bool, monkeypatch) -> None:
     """fp32 master -> bf16 engine through WeightSender/apply_update, on the
-    kernels and on the numpy path: bit-exact, and revert_update takes the
+    kernels and on the torch path: bit-exact, and revert_update takes the
     engine back to the previous version exactly."""
     if not use_native:
         monkeypatch.setattr(native, "_lib", None)
@@ -225,11 +255,11 @@ def test_non_contiguous_shard_on_the_kernels() -> None:
     assert torch.equal(engine["w"][:, 4:9], shard.bfloat16())
 
 
-@pytest.mark.parametrize("sizes", [None, [10] * 6, [native.MIN_PART] * 6, [1, native.MIN_PART, 1, 1, native.MIN_PART, 5]])
+@pytest.mark.parametrize("sizes", [None, [10] * 6, [pool.MIN_PART] * 6, [1, pool.MIN_PART, 1, 1, pool.MIN_PART, 5]])
 def test_run_each_keeps_order_and_isolates_failures(sizes, monkeypatch) -> None:
     """Small thunks share a task (or run on this thread), large ones get their
     own; either way every result comes back in order, a raise as its exception."""
-    monkeypatch.setattr(native, "NUM_THREADS", 2)
+    monkeypatch.setattr(pool, "NUM_THREADS", 2)
     threads: list[str] = []
 
     def job(i: int):
@@ -240,7 +270,7 @@ def test_run_each_keeps_order_and_isolates_failures(sizes, monkeypatch) -> None:
             return i * i
         return run
 
-    out = native.run_each([job(i) for i in range(6)], sizes)
+    out = pool.run_each([job(i) for i in range(6)], sizes)
     assert [r for i, r in enumerate(out) if i != 3] == [0, 1, 4, 16, 25]
     assert isinstance(out[3], ValueError) and str(out[3]) == "piece 3"
     on_pool = {name for name in threads if name.startswith("sync-native")}
@@ -249,7 +279,7 @@ def test_run_each_keeps_order_and_isolates_failures(sizes, monkeypatch) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 4096 * 8 + 3, 100_003])
 def test_payload_checksum_kernel_is_the_numpy_checksum(n: int) -> None:
-    """bytes_sums and pack_bytes (copy + sum) give sync.checksum's numpy answer."""
+    """bytes_sums, bytes_sums_many and pack_bytes (copy + sum) give sync.checksum's numpy answer."""
     from sync import checksum as cks
 
     buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
@@ -258,7 +288,7 @@ def test_payload_checksum_kernel_is_the_numpy_checksum(n: int) -> None:
         want = cks.add(want, cks.region_checksum(region, first))
     assert native.bytes_sums(buf) == want
     assert cks.bytes_checksum(torch.from_numpy(buf)) == want
-    assert native.bytes_sums_many([torch.from_numpy(buf), torch.from_numpy(buf[: n // 2])]) == [
+    assert cks.bytes_checksums([torch.from_numpy(buf), torch.from_numpy(buf[: n // 2])]) == [
         want, cks.bytes_checksum(torch.from_numpy(buf[: n // 2]))]
     dst = np.full(n, 0xAB, np.uint8)
     assert native.pack_bytes(dst, [buf[: n // 3], buf[n // 3 : n // 2], buf[n // 2 :]]) == want
@@ -267,10 +297,10 @@ def test_payload_checksum_kernel_is_the_numpy_checksum(n: int) -> None:
 
 @pytest.mark.parametrize("frac", [0.0005, 0.04, 0.2, 1.0])
 @pytest.mark.parametrize("fp32_new", [False, True])
-def test_encode_matches_numpy_for_optimizer_like_steps(frac: float, fp32_new: bool) -> None:
+def test_encode_matches_torch_for_optimizer_like_steps(frac: float, fp32_new: bool) -> None:
     """Changes of a unit or two in the last place (an optimizer step) with a
     few large jumps, every density the codecs switch at, the new values in
-    bf16 or in fp32 cast by the kernel: the same streams and sums as numpy."""
+    bf16 or in fp32 cast by the kernel: the same streams and sums as torch."""
     n = 3 * 8192 + 77
     g = torch.Generator().manual_seed(int(frac * 1e4) + fp32_new)
     new32 = torch.randn(n, generator=g)
@@ -281,7 +311,7 @@ def test_encode_matches_numpy_for_optimizer_like_steps(frac: float, fp32_new: bo
     step[torch.rand(n, generator=g) < 0.05] = 1000  # escapes
     bits[mask] -= step[mask].to(bits.dtype)
     new = new32.to(torch.bfloat16)
-    want = cnp.find_changes(int_view(old).numpy().copy(), int_view(new).numpy())
+    want = _reference(old, new)
     for threads in (1, 2):
         with _parts(threads):
             mine = old.clone()
@@ -289,3 +319,35 @@ def test_encode_matches_numpy_for_optimizer_like_steps(frac: float, fp32_new: bo
                                     native.EncodeScratch())
         assert torch.equal(int_view(mine), int_view(new))
         _assert_same_streams(d, want, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_and_the_torch_path_send_the_same_updates(dtype: torch.dtype, monkeypatch) -> None:
+    """``sync.codec.choose`` only changes who writes the bytes: every update of
+    a run (deltas at several densities, a column shard, the undo of the last)
+    is the same manifest over the same payload either way."""
+    import msgspec
+
+    def run() -> list:
+        master = _master(2)
+        spec = ShardSpec(full_shape=(300, 70), dim=1, offset=10, length=30)
+        sender = WeightSender(mode="delta", dtype=dtype, bucket_bytes=64 << 10)
+
+        def named():
+            return [("w", master["w"][:, 10:40].contiguous(), spec), ("v", master["v"], None)]
+
+        updates = [sender.encode(named(), 1)]
+        g = torch.Generator().manual_seed(3)
+        for step, frac in enumerate((0.001, 0.05, 0.3, 1.0)):  # the share of elements a step moves
+            for t in master.values():
+                moved = torch.rand(t.shape, generator=g) < frac
+                t[moved] -= 1e-3 * torch.sign(torch.randn(t.shape, generator=g))[moved]
+            updates.append(sender.encode(named(), step + 2))
+        updates.append(sender.revert_update())
+        return [(msgspec.structs.replace(u.manifest, encode_ms=0.0), [bytes(b.numpy()) for b in u.buckets])
+                for u in updates]
+
+    with_kernels = run()
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_lib_error", "disabled for this test")
+    assert run() == with_kernels

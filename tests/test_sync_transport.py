@@ -4,7 +4,6 @@ gives the receiver exactly what an unsharded trainer gives it."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 from sync import ShardSpec, WeightSender, apply_update, merge_updates
 from sync.transport import make_transport
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -65,15 +65,13 @@ def test_inproc_round_trip() -> None:
 def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from sync.transport.dist import BroadcastTransport
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         w = _model(0)  # every rank builds the same model; it trains only its shard
         sender = WeightSender(mode="delta", bucket_bytes=256)
-        transports = [BroadcastTransport(src=r) for r in range(world)]
+        transports = [make_transport("dist", src=r) for r in range(world)]
         engine = _engine(w)
         version = 0
         for v in (1, 2, 3):
@@ -89,14 +87,8 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sharded_trainer_over_gloo_matches_unsharded(tmp_path) -> None:
-    mp.spawn(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gloo_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     # the unsharded reference, in this process
     w = _model(0)
     sender, engine, version = WeightSender(mode="delta"), _engine(_model(0)), 0
@@ -108,17 +100,6 @@ def test_sharded_trainer_over_gloo_matches_unsharded(tmp_path) -> None:
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for k in w:
             assert torch.equal(got[k], engine[k].view(torch.int16)), (rank, k)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def _apply_remote(handle, shapes: dict[str, tuple[int, ...]], version: int, base: dict | None = None):

@@ -1,8 +1,9 @@
-"""Transports behind one interface, picked by name with :func:`make_transport`.
+"""Transports behind one interface, built by one factory: :func:`make_transport`.
 
 ``inproc``: same process. ``ray``: buckets through the Ray object store.
-``dist``: ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU).
-``cuda_ipc``: CUDA IPC handles for a trainer and engine sharing a GPU.
+``dist``: a ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU; what
+the config calls ``broadcast``). ``cuda_ipc``: CUDA IPC handles for a trainer
+and engines on GPUs of one host.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def transport_class(name: str) -> type[Transport]:
 
         return RayObjectStoreTransport
     if name == "dist":
-        from sync.transport.dist import BroadcastTransport
+        from sync.transport.broadcast import BroadcastTransport
 
         return BroadcastTransport
     if name == "cuda_ipc":
@@ -35,6 +36,19 @@ def transport_class(name: str) -> type[Transport]:
     raise ValueError(f"unknown transport {name!r}; expected one of 'inproc', 'ray', 'dist', 'cuda_ipc'")
 
 
-def make_transport(name: str, **kwargs: Any) -> Transport:
-    """Build the transport called ``name`` (see :func:`transport_class`)."""
-    return transport_class(name)(**kwargs)
+def make_transport(name: str, *, device: Any = None, src: int = 0, group: Any = None, pg: Any = None) -> Transport:
+    """The transport called ``name`` (see :func:`transport_class`), for one side
+    of a push: the one place a transport is built. ``device``: for
+    ``cuda_ipc`` the GPU the buckets live on (the trainer's; default ``cuda``),
+    for ``dist`` where buckets travel (default by backend); ``src``, ``group``,
+    ``pg``: a broadcast's sending rank and process group
+    (:class:`~sync.transport.broadcast.BroadcastTransport`)."""
+    cls: Any = transport_class(name)
+    if name == "cuda_ipc":
+        device = "cuda" if device is None else device
+        if getattr(device, "type", str(device).split(":")[0]) != "cuda":
+            raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {device}")
+        return cls(device)
+    if name == "dist":
+        return cls(src=src, group=group, device=device, pg=pg)
+    return cls()
