@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -98,6 +99,7 @@ class _StopOnSignals:
         self.run: Run | None = None  # set once the run is set up
         self.closing = False
         self.first: int | None = None  # the first signal's number
+        self.forced: _StopNow | None = None  # a stop at once that cancelled the training task
         self._expired = False
         self._timer: threading.Timer | None = None
         self._old: dict[int, Any] = {}
@@ -116,8 +118,16 @@ class _StopOnSignals:
             self._say(f"stopped by {name} while closing")
             os._exit(128 + signum)
         if self.first is not None:
-            raise _StopNow(self.first, f"(no step boundary within {self.grace_s:g} s, run.stop_grace_s)"
-                           if self._expired else f"and then {name} again")
+            stop = _StopNow(self.first, f"(no step boundary within {self.grace_s:g} s, run.stop_grace_s)"
+                            if self._expired else f"and then {name} again")
+            call = self.run._train_call if self.run is not None else None
+            if call is None or call.task is None:
+                raise stop  # no training to stop (setup): the exception ends what runs now
+            # training: its task is cancelled, not interrupted wherever the handler lands
+            # (inside a coroutine's step, a KeyboardInterrupt would tear that task alone)
+            self.forced = stop
+            call.task.get_loop().call_soon_threadsafe(call.task.cancel)
+            return
         self.first = signum
         when = ("once the run is set up, before its first step" if self.run is None
                 else f"after step {self.run.policy.step + 1} with a checkpoint")
@@ -190,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(str(err), file=sys.stderr)
                     run.stop_reason = str(err)
                     return 128 + err.signum
-                except _StopNow as err:
+                except (_StopNow, asyncio.CancelledError) as cancelled:
+                    if signals.forced is None and not isinstance(cancelled, _StopNow):
+                        raise
+                    err = signals.forced or cancelled
                     logging.getLogger("asyncio").disabled = True  # the tasks it abandons: no "never retrieved"
                     last = f"; the last checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
                     print(f"{err}{last}", file=sys.stderr)

@@ -40,9 +40,11 @@ def _endpoints(protocol: type) -> list[str]:
 
 
 def _signature(fn: typing.Any) -> tuple:
-    """Parameters (name, kind, default) and resolved annotations of ``fn``, ``self`` left out."""
-    params = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()][1:]
-    return params, typing.get_type_hints(fn)
+    """Parameters (name, kind, default) and resolved annotations of ``fn``, ``self`` left out,
+    and Ray's ``_ray_trace_ctx`` too (added to an actor class's methods once Ray wraps it)."""
+    params = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()
+              if p.name != "_ray_trace_ctx"][1:]
+    return params, {k: v for k, v in typing.get_type_hints(fn).items() if k != "_ray_trace_ctx"}
 
 
 @pytest.mark.parametrize(("cls", "protocol"), [
