@@ -264,6 +264,10 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             f"transfer_queue.capacity: {cfg.transfer_queue.capacity} is below the admission window "
             f"of {budget} samples (policy.staleness_threshold etc.); raise it to at least {budget}")
+    try:
+        cfg.sync.in_flight_for(cfg.rollout.engine.type)
+    except ValueError as err:
+        raise ConfigError(f"sync.in_flight: {err}") from None
     if cfg.sync.transport not in ("auto", "inproc") and cfg.runtime.type == "local":
         raise ConfigError(f"sync.transport: {cfg.sync.transport!r} needs one process per actor "
                           "(runtime.type=process or ray)")

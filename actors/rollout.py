@@ -8,8 +8,11 @@ Endpoints (all async):
     generate_group(group)      n samples of one prompt: generated, resumed across weight
                                syncs, scored and queued; returns a GroupReport (counts only)
     evaluate(prompts)          one greedy response per held-out prompt, scored (rewards only)
+    stage_weights/swap_weights the weight swap, as the sync sequence drives it: the
+                               payload checked while generating, then swapped in by the engine
+                               (``prepare_swap`` first when the push frees the KV cache)
     pause/abort/sleep/wake_up/update_weights/reset_prefix_cache/resume/get_version
-                               the engine surface the weight-sync sequence drives
+                               the engine's verbs, for recovery and tests
     placement/join_weight_group   where it runs; the broadcast group (``sync.link``)
     weight_link()              how it joined that group (the policy re-forms it without a dead actor)
 
@@ -46,7 +49,8 @@ import torch
 from actors.engines import EngineConfig, RolloutEngine, make_engine
 from actors.runtime import Actor, quiet_transformers
 from contracts.placement import Placement, placement as placement_of
-from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, RolloutCounts, SamplingParams
+from contracts.rollout import (GenerateOutput, GroupReport, GroupRequest, InFlight, RolloutCounts, SamplingParams,
+                               SwapReport)
 from contracts.sample import Sample, pack_tokens
 from sync.link import EngineLink, digest_named
 from transfer_queue.client import TransferQueue
@@ -230,10 +234,41 @@ class RolloutActor(Actor):
 
     async def update_weights(self, handle: Any) -> int:
         """Apply the update behind ``handle`` (fetched through the weight link)."""
+        return await self.engine.update_weights(await self._receive(handle))
+
+    async def prepare_swap(self, in_flight: InFlight = "abort") -> int:
+        """The engine's ``prepare_swap`` (pause, abort in ``abort`` mode, ``sleep(1)``);
+        the aborted generations wait here for :meth:`swap_weights`. Returns their number."""
+        self._running.clear()
+        try:
+            num = len(await self.engine.prepare_swap(in_flight))
+        except BaseException:
+            self._running.set()
+            raise
+        self.num_aborted += num
+        return num
+
+    async def swap_weights(self, handle: Any, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+        """Receive the update behind ``handle`` (over a broadcast link: while the
+        engine still generates) and let the engine swap it in (its
+        ``swap_weights``). Aborted generations (``abort`` mode) keep their partial
+        tokens here and go on from them on the new weights, all submitted at once.
+        Returns the engine's report, with the number aborted."""
+        update = await self._receive(handle)
+        if in_flight == "abort":
+            self._running.clear()  # the aborted wait, to resubmit together on the new weights
+        try:
+            report = await self.engine.swap_weights(update, in_flight, asleep)
+        finally:
+            self._running.set()
+        self.num_aborted += report.num_aborted
+        report.aborted = report.num_aborted
+        return report
+
+    async def _receive(self, handle: Any) -> Any:
         if self._link is None:
-            raise RuntimeError("update_weights() before open_weight_link()")
-        update = await self.blocking(self._link.receive, handle) if self._link.kind == "dist" else handle
-        return await self.engine.update_weights(update)
+            raise RuntimeError("a weight update before open_weight_link()")
+        return await self.blocking(self._link.receive, handle) if self._link.kind == "dist" else handle
 
     async def stage_weights(self, handle: Any) -> bool:
         """Check the update behind ``handle`` ahead of :meth:`update_weights`

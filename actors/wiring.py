@@ -100,7 +100,8 @@ class Wiring:
             await new.open_weight_link(self.weight_transport)
             return new
 
-        weight_sync = weight_sync_fn(self.weight_transport, cfg.sync.colocated)
+        weight_sync = weight_sync_fn(self.weight_transport, cfg.sync.colocated,
+                                     cfg.sync.in_flight_for(cfg.rollout.engine.type))
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=weight_sync,
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)

@@ -38,10 +38,12 @@ choose from the medians.
                 (``stage_update``), wall time until it answers; 0 elsewhere
       transfer: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
                 measured as receiver-acknowledged wall time minus its apply time
-      apply:    apply_update on the receiver (payload checks, decode, write,
-                verify; a staged payload: the copy alone)
-    paused_ms_*:      transfer + apply of the same repeat, what the engines wait
-                      through: the encode and the stage run while they still generate
+      apply:    receive + apply_update on the receiver (payload checks, decode,
+                write, verify; a staged payload: the copy alone)
+    paused_ms_*:      the apply of the same repeat (with the receive of the payload,
+                      gloo's broadcast aside): what an engine's swap holds it for,
+                      one step between two decode steps; the encode, the stage and
+                      the control messages run while it still generates
 """
 
 from __future__ import annotations
@@ -125,14 +127,13 @@ class InProcessReceiver:
     def push(self, update: WeightUpdate) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         handle = self.transport.send(update)
+        t1 = time.perf_counter()
         if stageable(update.manifest):
             stage_update(self.weights, self.transport.receive(handle))
-        t1 = time.perf_counter()
-        got = self.transport.receive(handle)
-        t2 = time.perf_counter()
-        self.version = apply_update(self.weights, got, self.version)
+        t2 = time.perf_counter()  # the engine's swap: receive and apply
+        self.version = apply_update(self.weights, self.transport.receive(handle), self.version)
         _sync(self.device)
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3
+        return (t2 - t1) * 1e3, (t1 - t0) * 1e3, (time.perf_counter() - t2) * 1e3
 
     def close(self) -> None:
         pass
@@ -206,13 +207,15 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, conn: An
             if msg is None:
                 break
             op, handle = msg
+            t0 = time.perf_counter()  # the engine's swap: receive (IPC open) and apply
             update = transport.receive(handle) if transport is not None else handle
             if op == "stage":
                 stage_update(weights, update)
                 del update
                 conn.send("staged")
                 continue
-        t0 = time.perf_counter()
+        if kind == "gloo":  # the broadcast is received while the engine still generates
+            t0 = time.perf_counter()
         version = apply_update(weights, update, version)
         _sync(device)
         del update
@@ -332,7 +335,7 @@ def push_figures(repeats: list[tuple[float, ...]]) -> dict[str, Any]:
     push need have reached."""
     assert repeats, "at least one repeat"
     wholes = [t[4] for t in repeats]
-    paused = [t[2] + t[3] for t in repeats]  # transfer + apply: what the engines wait through
+    paused = [t[3] for t in repeats]  # the engine's one-step swap: receive + apply
     minima = {name: min(t[i] for t in repeats) for i, name in enumerate(COMPONENTS)}
     return {
         "push_ms_median": round(statistics.median_low(wholes), 2),
@@ -340,7 +343,7 @@ def push_figures(repeats: list[tuple[float, ...]]) -> dict[str, Any]:
         "push_ms_repeats": [round(w, 2) for w in wholes],
         "component_min_ms": {name: round(v, 2) for name, v in minima.items()},
         "sum_of_component_minima_ms": round(sum(minima.values()), 2),
-        # the encode and the stage run before the engines pause: paused is transfer + apply
+        # the encode, the stage and the control messages run while the engines generate
         "paused_ms_median": round(statistics.median_low(paused), 2),
         "paused_ms_min_max": [round(min(paused), 2), round(max(paused), 2)],
     }
@@ -505,8 +508,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                    "pause, then the delta taken back untimed. push_ms_median: the median whole push over "
                    "the repeats (median_low: a measured push), with push_ms_min / push_ms_max; "
                    "component_min_ms: each component's fastest repeat (not one push), and "
-                   "sum_of_component_minima_ms their sum, a composite lower bound; paused_ms_*: transfer + "
-                   "apply of the same repeat; delta_over_full and auto_choice from the push medians"),
+                   "sum_of_component_minima_ms their sum, a composite lower bound; paused_ms_*: the "
+                   "receive + apply of the same repeat, the engine's one-step swap; delta_over_full and auto_choice from the push medians"),
         "settle_s": settle_s,
         "settle": ("pause before every timed encode and push, full and delta alike: Ray frees the previous "
                    "push's objects in the background, which otherwise lands on the next timed step"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from contracts.placement import Placement
-from contracts.rollout import GroupReport, GroupRequest
+from contracts.rollout import GroupReport, GroupRequest, InFlight, SwapReport
 from contracts.training import BatchRequest, StepReport
 from contracts.weights import ShardSpec, WeightUpdate
 
@@ -54,6 +54,14 @@ class RolloutHandle(Protocol):
         ...
 
     async def stage_weights(self, handle: Any) -> bool: ...
+
+    async def prepare_swap(self, in_flight: InFlight = "abort") -> int:
+        """Pause, abort (``abort`` mode), ``sleep(1)``: before a push that frees the KV cache."""
+        ...
+
+    async def swap_weights(self, handle: Any, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+        """The engine's whole swap of the update behind ``handle``; it generates again after."""
+        ...
 
     async def reset_prefix_cache(self) -> None: ...
 

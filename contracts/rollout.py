@@ -12,7 +12,8 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["GenerateOutput", "GenerateRequest", "GroupReport", "GroupRequest", "RolloutCounts", "SamplingParams"]
+__all__ = ["IN_FLIGHT_MODES", "GenerateOutput", "GenerateRequest", "GroupReport", "GroupRequest", "InFlight",
+           "RolloutCounts", "SamplingParams", "SwapReport"]
 
 
 class GroupRequest(msgspec.Struct, kw_only=True):
@@ -91,3 +92,31 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     raw_logprobs: list[float] = msgspec.field(default_factory=list)
     token_versions: list[int] = msgspec.field(default_factory=list)
     finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+#: What a weight swap does to the generations running on the engine (``sync.in_flight``):
+#: ``abort`` ends them with their partial output (resumed by their owner on the new
+#: weights; what HTTP engines do), ``keep`` lets them continue on their cached KV under
+#: the new weights, ``recompute`` rebuilds their KV with the new weights, keeping their
+#: place. Every token records the version that sampled it, whatever the mode.
+InFlight = Literal["abort", "keep", "recompute"]
+IN_FLIGHT_MODES: tuple[str, ...] = ("abort", "keep", "recompute")
+
+
+class SwapReport(msgspec.Struct, kw_only=True):
+    """What one engine-side weight swap did (``RolloutEngine.swap_weights``).
+
+    ``version``: the version the engine holds after it; ``aborted``: the
+    partial outputs of the generations it aborted (``abort`` mode; a rollout
+    actor keeps those and reports their number); ``paused_ms``: how long the
+    engine did not generate, measured on the engine; ``apply_ms``: the apply
+    within that."""
+
+    version: int
+    aborted: list[GenerateOutput] | int = msgspec.field(default_factory=list)
+    paused_ms: float = 0.0
+    apply_ms: float = 0.0
+
+    @property
+    def num_aborted(self) -> int:
+        return self.aborted if isinstance(self.aborted, int) else len(self.aborted)

@@ -34,6 +34,32 @@ class SyncConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rendezvous on the trainer's node). ``ray``: buckets through Ray's object
     store. Any but ``auto`` and ``inproc`` needs one process per actor
     (``runtime.type`` ``process`` or ``ray``)."""
+    in_flight: Literal["auto", "abort", "keep", "recompute"] = "auto"
+    """What a push does to the generations running on an engine: ``abort`` (they
+    end with their partial tokens and are resumed on the new weights with what is
+    left of their budget; the only choice for vLLM and SGLang), ``keep`` (they
+    continue on their cached KV under the new weights: no re-prefill, the KV of
+    tokens before the push stays the old weights'), ``recompute`` (their KV is
+    rebuilt with the new weights, their place kept). ``auto``: ``keep`` for the
+    built-in engine (``recompute`` when ``colocated`` frees the KV cache), else
+    ``abort``. Every token records the version that sampled it."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the broadcast; ``auto``: NCCL when the
     trainer and every engine are on GPUs, else gloo."""
+
+    def in_flight_for(self, engine_type: str) -> str:
+        """The in-flight mode of a run whose engines are ``engine_type``
+        (``auto`` resolved). Raises ValueError, one line, for a mode that engine
+        or this ``colocated`` setting cannot do."""
+        built_in = engine_type == "torch"
+        mode = self.in_flight
+        if mode == "auto":
+            return ("recompute" if self.colocated else "keep") if built_in else "abort"
+        if mode != "abort" and not built_in:
+            raise ValueError(f"{mode!r} needs the built-in engine (rollout.engine.type=torch); "
+                             f"a {engine_type} engine aborts its generations at a push: use 'abort'")
+        if mode == "keep" and self.colocated:
+            raise ValueError("'keep' needs the KV cache kept through a push, and sync.colocated=true frees it: "
+                             "use 'recompute' or 'abort'")
+        return mode
+

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import msgspec
 
 from contracts.placement import Placement, node_address
+from contracts.rollout import InFlight
 from contracts.weights import WeightUpdate, merge_updates
 from sync.config import SyncConfig
 from sync.sequence import sync_weights
@@ -270,12 +271,12 @@ async def _form_weight_link(trainer: Any, engines: list[Any], kind: Kind, backen
 
 
 async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None, *,
-                       kind: Kind, colocated: bool) -> Any:
+                       kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> Any:
     """One weight sync, driven from the policy with control messages only
     (:func:`sync.sequence.sync_weights` over the actors' handles)."""
     transport = _ActorPush(trainer, kind)
     try:
-        return await sync_weights(rollouts, trainer, colocated=colocated, transport=transport,
+        return await sync_weights(rollouts, trainer, colocated=colocated, in_flight=in_flight, transport=transport,
                                   released=None if kind == "dist" else released)
     finally:
         try:
@@ -286,6 +287,6 @@ async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Even
                 released.set()
 
 
-def weight_sync_fn(kind: Kind, colocated: bool) -> Any:
+def weight_sync_fn(kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> Any:
     """``push_weights`` bound to a transport kind: the policy's ``weight_sync``."""
-    return functools.partial(push_weights, kind=kind, colocated=colocated)
+    return functools.partial(push_weights, kind=kind, colocated=colocated, in_flight=in_flight)

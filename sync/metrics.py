@@ -13,9 +13,10 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     from the base version (1.0 for full). Times in milliseconds: ``encode_ms``
     on the trainer, ``transfer_ms`` publishing through the transport,
     ``apply_ms`` the slowest engine's receive + apply, ``total_ms`` the whole
-    sequence, ``paused_ms`` the part of it the engines did not generate (pause to
-    resume: without ``colocated`` the encode runs before the pause), ``pause_ms``
-    the first part of that: until every engine has stopped and aborted its requests.
+    sequence, ``paused_ms`` the longest time an engine did not generate, as the
+    engine measured its swap (colocated: from ``prepare_swap`` to the swap's end is
+    longer, the encode runs in between), ``engine_apply_ms`` the longest apply within
+    a swap.
     ``sender_encode_ms``: the encode as the sender timed it, without the call
     that fetched it; ``stage_ms``: the engines' check of a published payload
     before the pause, while they still generate (``stage_weights``);
@@ -30,13 +31,13 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     apply_ms: float
     total_ms: float = 0.0
     paused_ms: float = 0.0
-    pause_ms: float = 0.0
     num_engines: int = 0
     num_full_retries: int = 0
     num_aborted: int = 0
     sender_encode_ms: float = 0.0
     device_plan: bool = False
     stage_ms: float = 0.0
+    engine_apply_ms: float = 0.0
 
 
 class SyncResult(msgspec.Struct, kw_only=True):

@@ -1,16 +1,21 @@
-"""The weight-sync sequence, driven by the policy on the global loop.
+"""The weight-sync sequence, driven by the policy on the global loop. The
+driver orders a push and compares versions; each engine runs its own swap.
 
-    [not colocated: versions + encode while the engines still generate,
-     then publish + each engine checks the payload (stage_weights), still generating]
-    pause all ─► abort in-flight (keep partials) ─► sleep(1) if colocated
-        ─► [colocated: versions + encode now, with the KV cache freed]
-        ─► versions check: a delta only goes to engines at its base, others refuse ─► full
-        ─► push to every engine concurrently, each verifies checksums in apply_update
-           (a full payload it staged: copied at once) and reports the version it
-           now holds, which must be the target
-        ─► an engine that refused or failed gets one full retry
-        ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
-    finally: resume_engines: wake_up(kv_cache) if colocated ─► reset_prefix_cache ─► resume
+    versions: as each engine's last swap reported them (asked only of new engines)
+    ─► encode (a delta only when every engine holds its base, else full for all),
+       while the engines still generate
+    ─► round 1 [a transport that publishes ahead]: publish; each engine checks the
+       payload (stage_weights), still generating
+    ─► round 2: swap_weights on every engine at once; each, between two decode
+       steps: abort | keep | recompute its running generations (``in_flight``),
+       apply (checksums verified; a staged payload only copied), drop prefix
+       caches, generate again; it reports the version it now holds (the target)
+    ─► an engine that refused or failed gets one full retry (its own swap again)
+    ─► still failing: engines already moved are reverted (when the source can) ─► SyncFailed
+
+Colocated (the KV cache is freed for the push), round 1 is ``prepare_swap``
+(pause, abort in ``abort`` mode, ``sleep(1)``), the encode runs after it, and
+the swap (``asleep=True``) wakes the KV cache again.
 
 Encoding before the pause is safe: only a push changes an engine's weights or
 version, and the source's weights are read only until the update is encoded
@@ -18,10 +23,10 @@ version, and the source's weights are read only until the update is encoded
 colocated, the encode waits for ``sleep(1)`` so its payload never shares the
 device with the KV cache.
 
-An engine here is anything with the ``RolloutEngine`` surface (``pause``,
-``resume``, ``abort``, ``sleep``, ``wake_up``, ``update_weights``,
-``reset_prefix_cache``, and ``version`` or ``async get_version()``) — the
-engine itself or a rollout actor's handle.
+An engine here is anything with the ``RolloutEngine`` surface
+(``swap_weights``, ``prepare_swap``, ``stage_weights``, and ``version`` or
+``async get_version()``; ``wake_up``, ``reset_prefix_cache``, ``resume`` for
+:func:`resume_engines`) — the engine itself or a rollout actor's handle.
 
 A source is a :class:`WeightUpdate` (fixed; no retry possible), a
 :class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or an
@@ -33,8 +38,10 @@ object with ``weight_update()`` and optionally ``weights_refused()``,
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +50,7 @@ import msgspec
 from sync.apply import stageable
 from sync.encode import WeightSender
 from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
+from contracts.rollout import InFlight
 from contracts.weights import WeightUpdate
 from sync.metrics import SyncMetrics, SyncResult
 from sync.transport import Transport, make_transport
@@ -52,8 +60,28 @@ async def _maybe_await(x: Any) -> Any:
     return await x if inspect.isawaitable(x) else x
 
 
-async def engine_version(engine: Any) -> int:
-    """The version an engine (``.version``) or actor handle (``get_version()``) holds."""
+#: The version each engine (or actor handle) reported at its last swap. A push
+#: asks only the engines it has not heard from (a joining actor, a first push),
+#: so that it costs each engine at most two control rounds: the check of the
+#: published payload and the swap. Forgotten when a swap fails.
+_KNOWN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _known(engine: Any, version: int) -> None:
+    try:
+        _KNOWN[engine] = int(version)
+    except TypeError:  # an engine that cannot be weakly referenced is asked every time
+        pass
+
+
+async def engine_version(engine: Any, *, fresh: bool = False) -> int:
+    """The version an engine (``.version``) or actor handle (``get_version()``)
+    holds: as its last swap reported it, unless ``fresh`` or none is known."""
+    if not fresh:
+        try:
+            return _KNOWN[engine]
+        except (KeyError, TypeError):
+            pass
     if hasattr(engine, "get_version"):
         return int(await _maybe_await(engine.get_version()))
     return int(engine.version)
@@ -109,6 +137,7 @@ async def sync_weights(
     source: Any,
     *,
     colocated: bool,
+    in_flight: InFlight = "abort",
     weights: Any = None,
     version: int | None = None,
     transport: Transport | None = None,
@@ -116,73 +145,66 @@ async def sync_weights(
 ) -> SyncResult:
     """Bring every engine to the source's next version, safely.
 
-    ``released`` is set as soon as the update is encoded: from then on the
-    source's weights are not read again, so a trainer may take its next step
-    while the push runs. A failed push is then not retried with a fresh full
-    encode (it would read the newer weights); engines are reverted instead.
+    ``in_flight``: what each engine's swap does to the generations running on it
+    (``contracts.rollout.InFlight``). ``released`` is set as soon as the update
+    is encoded: from then on the source's weights are not read again, so a
+    trainer may take its next step while the push runs. A failed push is then
+    not retried with a fresh full encode (it would read the newer weights);
+    engines are reverted instead.
 
-    Returns a :class:`SyncResult` with what each engine's ``abort`` returned
-    (an engine: the partial outputs; a rollout actor keeps those and returns
-    their count) and the :class:`SyncMetrics`. On failure raises
-    :class:`~sync.errors.SyncFailed` naming the engine; engines are resumed
-    either way and none is left on a different version from the others when
-    the source can revert (a ``WeightSender``), else ``versions`` says where each is.
+    Returns a :class:`SyncResult` with what each engine aborted (an engine: the
+    partial outputs; a rollout actor keeps those and returns their count) and
+    the :class:`SyncMetrics`. On failure raises :class:`~sync.errors.SyncFailed`
+    naming the engine; engines generate again either way and none is left on a
+    different version from the others when the source can revert (a
+    ``WeightSender``), else ``versions`` says where each is.
     """
     transport = transport or make_transport("inproc")
     src = _Source(source, weights, version, released)
     t0 = time.perf_counter()
     staged: _Staged | None = None
-    if not colocated:
+    aborted: list[Any] = [[] for _ in engines]
+    if colocated:  # the KV cache is freed before the encode: the payload never shares the device with it
+        aborted = list(await asyncio.gather(*(e.prepare_swap(in_flight) for e in engines)))
+        try:
+            before, update = await _prepare(engines, src)
+        except BaseException:
+            await resume_engines(engines, colocated=True)
+            raise
+    else:
         before, update = await _prepare(engines, src)
         staged = await _stage(engines, update, transport)
-    t_pause = time.perf_counter()
-    try:
-        await asyncio.gather(*(e.pause() for e in engines))
-    except BaseException:
-        if staged is not None:
-            transport.release(staged.handle)
-        raise
-    try:
-        aborted = list(await asyncio.gather(*(e.abort(None) for e in engines)))
-        t_stopped = time.perf_counter()
-        if colocated:
-            await asyncio.gather(*(e.sleep(1) for e in engines))
-            before, update = await _prepare(engines, src)
-        target = update.manifest.version
-        metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
-                              changed_fraction=update.manifest.changed_fraction, encode_ms=0.0,
-                              transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines),
-                              num_aborted=sum(a if isinstance(a, int) else len(a) for a in aborted),
-                              pause_ms=(t_stopped - t_pause) * 1e3)
-        if staged is not None:
-            metrics.transfer_ms, metrics.stage_ms = staged.send_ms, staged.stage_ms
-        errors = await _push(engines, list(range(len(engines))), update, transport, metrics,
-                             handle=None if staged is None else staged.handle)
-        if errors and src.can_retry:
-            metrics.num_full_retries = 1
-            full = await src.update(full=True)
-            errors = await _push(engines, sorted(errors), full, transport, metrics)
-        if errors:
-            await _revert(engines, before, src, transport)
-            i, err = min(errors.items())
-            versions = list(await asyncio.gather(*(engine_version(e) for e in engines)))
-            raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
-        metrics.encode_ms = src.encode_ms
-        metrics.sender_encode_ms = update.manifest.encode_ms
-        metrics.device_plan = bool(update.manifest.layout)
-    finally:
-        await resume_engines(engines, colocated=colocated)
-    metrics.paused_ms = (time.perf_counter() - t_pause) * 1e3
+    target = update.manifest.version
+    metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
+                          changed_fraction=update.manifest.changed_fraction, encode_ms=src.encode_ms,
+                          transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines))
+    if staged is not None:
+        metrics.transfer_ms, metrics.stage_ms = staged.send_ms, staged.stage_ms
+    swap = functools.partial(_swap, engines, transport=transport, metrics=metrics, in_flight=in_flight)
+    errors = await swap(range(len(engines)), update, asleep=colocated, aborted=aborted,
+                        handle=None if staged is None else staged.handle)
+    if errors and src.can_retry:
+        metrics.num_full_retries = 1
+        errors = await swap(sorted(errors), await src.update(full=True), aborted=aborted)
+    if errors:
+        await _revert(engines, before, target, src, swap)
+        i, err = min(errors.items())
+        versions = list(await asyncio.gather(*(engine_version(e, fresh=True) for e in engines)))
+        raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
+    metrics.encode_ms = src.encode_ms
+    metrics.sender_encode_ms = update.manifest.encode_ms
+    metrics.device_plan = bool(update.manifest.layout)
+    metrics.num_aborted = sum(a if isinstance(a, int) else len(a) for a in aborted)
     await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     metrics.total_ms = (time.perf_counter() - t0) * 1e3
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
 
 
 async def resume_engines(engines: list[Any], *, colocated: bool) -> None:
-    """The end of every push, whatever became of it: engines run again, and
-    never on caches of other weights. ``wake_up(kv_cache)`` when ``colocated``
-    (the push freed it), ``reset_prefix_cache``, ``resume``; each step on every
-    engine at once."""
+    """Engines run again, and never on caches of other weights, whatever became
+    of a push that stopped them: ``wake_up(kv_cache)`` when ``colocated`` (the
+    push freed it), ``reset_prefix_cache``, ``resume``; each step on every
+    engine at once. (A swap that ran ends this way by itself.)"""
     if colocated:
         await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
     await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
@@ -228,15 +250,21 @@ async def _stage(engines: list[Any], update: WeightUpdate, transport: Transport)
     return _Staged(handle, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
 
 
-async def _push(engines: list[Any], which: list[int], update: WeightUpdate, transport: Transport,
-                metrics: SyncMetrics, handle: Any = None) -> dict[int, BaseException]:
-    """Push ``update`` to ``engines[i]`` for i in ``which`` (through ``handle``
-    when :func:`_stage` published it already); return the failures."""
+async def _swap(engines: list[Any], which: Any, update: WeightUpdate, *, transport: Transport, metrics: SyncMetrics,
+                in_flight: InFlight, aborted: list[Any], asleep: bool = False,
+                handle: Any = None) -> dict[int, BaseException]:
+    """Swap ``update`` into ``engines[i]`` for i in ``which`` (through ``handle``
+    when :func:`_stage` published it already): one ``swap_weights`` call each,
+    which ends with the engine generating again; return the failures. What an
+    engine aborted goes into ``aborted[i]``; the version it reports, into the
+    versions known for the next push."""
+    which = list(which)
     t0 = time.perf_counter()
     if handle is None:
         handle = transport.send(update)
     t1 = time.perf_counter()
-    results = await asyncio.gather(*(engines[i].update_weights(handle) for i in which), return_exceptions=True)
+    results = await asyncio.gather(*(engines[i].swap_weights(handle, in_flight, asleep) for i in which),
+                                   return_exceptions=True)
     t2 = time.perf_counter()
     transport.release(handle)
     metrics.kind = update.manifest.kind
@@ -249,23 +277,29 @@ async def _push(engines: list[Any], which: list[int], update: WeightUpdate, tran
         if isinstance(r, BaseException):
             if not isinstance(r, Exception):
                 raise r  # cancellation and the like are not push failures
+            _KNOWN.pop(engines[i], None)
             errors[i] = r
-        elif r != update.manifest.version:
-            errors[i] = WeightSyncError(f"engine returned version {r}, expected {update.manifest.version}")
+            continue
+        _known(engines[i], r.version)
+        metrics.paused_ms = max(metrics.paused_ms, r.paused_ms)
+        metrics.engine_apply_ms = max(metrics.engine_apply_ms, r.apply_ms)
+        if r.aborted:
+            aborted[i] = r.aborted
+        if r.version != update.manifest.version:
+            errors[i] = WeightSyncError(f"engine returned version {r.version}, expected {update.manifest.version}")
     return errors
 
 
-async def _revert(engines: list[Any], before: list[int], src: _Source, transport: Transport) -> None:
-    """Put engines that already moved back on their previous version."""
-    moved = [i for i, e in enumerate(engines) if await engine_version(e) != before[i]]
+async def _revert(engines: list[Any], before: list[int], target: int, src: _Source, swap: Any) -> None:
+    """Put engines that already moved to ``target`` back on their previous version."""
+    now = await asyncio.gather(*(engine_version(e, fresh=True) for e in engines))
+    moved = [i for i, v in enumerate(now) if v != before[i]]
     if not moved:
         return
     undo = await src.revert()
     if undo is None:
         return  # cannot: SyncFailed.versions will show the split
-    await _push(engines, moved, undo, transport, SyncMetrics(version=undo.manifest.version, kind=undo.manifest.kind,
-                                                            bytes_sent=0, changed_fraction=0.0, encode_ms=0.0,
-                                                            transfer_ms=0.0, apply_ms=0.0))
+    await swap(moved, undo, aborted=[[] for _ in engines])
 
 
 __all__ = ["BaseVersionMismatch", "engine_version", "resume_engines", "sync_weights"]

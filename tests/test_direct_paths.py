@@ -244,7 +244,7 @@ def test_process_runtime_driver_carries_control_only(process_run: _Outcome) -> N
     assert out.run.weight_transport == "dist"  # CPU processes: a gloo broadcast from the trainer
     assert out.training.messages["process:trainer.train_step (sent)"] == 3
     assert out.training.messages["process:trainer.train_step (received)"] == 3
-    assert out.training.messages["process:rollout-0.update_weights (sent)"] == 3  # a DistPush each: control
+    assert out.training.messages["process:rollout-0.swap_weights (sent)"] == 3  # a DistPush each: control
     assert out.training.messages["queue:call.statistics (received)"] > 0  # the queue's counters
     assert out.training.wire_bytes["pipe"] > 0 and out.training.wire_bytes["socket"] > 0
 
@@ -329,8 +329,8 @@ def test_a_trainer_that_hands_the_driver_its_update_in_band_fails_the_check(
     with pytest.raises(AssertionError, match="payload through the driver"):
         _assert_control_only(out.training)
     weights = out.training.bytes_of(WEIGHT)
-    assert weights.keys() == {"local:trainer.weight_update (received)", "local:rollout-0.update_weights (sent)"}
-    assert weights["local:trainer.weight_update (received)"] == weights["local:rollout-0.update_weights (sent)"] > 0
+    assert weights.keys() == {"local:trainer.weight_update (received)", "local:rollout-0.swap_weights (sent)"}
+    assert weights["local:trainer.weight_update (received)"] == weights["local:rollout-0.swap_weights (sent)"] > 0
 
 
 def test_a_failed_train_step_hands_its_batch_back_to_the_queue(tmp_path: pathlib.Path,

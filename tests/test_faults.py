@@ -221,11 +221,11 @@ def test_a_replacement_that_cannot_be_set_up_for_the_last_actor_stops_the_run_in
 
 
 def _fail_after_the_first_engine_applied(policy: Any, calls: list[int]) -> Any:
-    """``update_weights`` of the second engine: waits until the first engine holds the
+    """``swap_weights`` of the second engine: waits until the first engine holds the
     update's version, then raises (a link that broke half way through a push)."""
     first = policy.rollouts[0]
 
-    async def update_weights(handle: Any) -> int:
+    async def swap_weights(handle: Any, in_flight: str = "abort", asleep: bool = False) -> Any:
         target = handle.manifest.version
         calls.append(target)
         for _ in range(500):
@@ -234,7 +234,7 @@ def _fail_after_the_first_engine_applied(policy: Any, calls: list[int]) -> Any:
             await asyncio.sleep(0.01)
         raise ConnectionError(f"injected: the link to rollout-1 broke after rollout-0 applied version {target}")
 
-    return update_weights
+    return swap_weights
 
 
 def test_a_weight_push_that_fails_half_way_leaves_the_engines_on_the_old_version_and_training_goes_on(tmp_path):
@@ -244,7 +244,7 @@ def test_a_weight_push_that_fails_half_way_leaves_the_engines_on_the_old_version
         run.train(steps=1)
         second = policy.rollouts[1].actor  # local runtime: the actor object itself
         calls: list[int] = []
-        second.update_weights = _fail_after_the_first_engine_applied(policy, calls)
+        second.swap_weights = _fail_after_the_first_engine_applied(policy, calls)
         (failed,) = run.train(steps=1)
         assert calls == [2, 2]  # the push, and its one full retry
         assert failed["sync/failed"] == 1 and "injected" in failed["sync/error"]
@@ -253,7 +253,7 @@ def test_a_weight_push_that_fails_half_way_leaves_the_engines_on_the_old_version
         assert [loop.run(h.get_version()) for h in policy.rollouts] == [1, 1]
         assert loop.run(policy.trainer.get_version()) == 2
 
-        del second.update_weights  # the link is back
+        del second.swap_weights  # the link is back
         records = run.train(steps=2)
         assert [m["sync/version"] for m in records] == [3, 4] and all("sync/failed" not in m for m in records)
         assert [loop.run(h.get_version()) for h in policy.rollouts] == [4, 4]
@@ -271,7 +271,7 @@ def test_weight_pushes_that_keep_failing_stop_the_run_with_the_last_error(tmp_pa
         policy = run.policy
         run.train(steps=1)
         calls: list[int] = []
-        policy.rollouts[1].actor.update_weights = _fail_after_the_first_engine_applied(policy, calls)
+        policy.rollouts[1].actor.swap_weights = _fail_after_the_first_engine_applied(policy, calls)
         with pytest.raises(SyncFailed, match="injected"):
             run.train(steps=MAX_FAILED_PUSHES + 2)
         assert policy.num_failed_pushes == MAX_FAILED_PUSHES and policy.step == 1 + MAX_FAILED_PUSHES

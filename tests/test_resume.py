@@ -59,7 +59,7 @@ def _cli(tmp_path: pathlib.Path, *args: str, new_session: bool = False,
 def main_with_a_stalled_push(argv: list[str]) -> int:
     """The command line (``argv``: ``<step> <marker path>``, then its arguments) in
     a driver whose push of trainer step ``<step>`` stalls with the engines paused
-    and the update published: the first ``update_weights`` creates the marker file
+    and the update published: the first ``swap_weights`` creates the marker file
     and never returns, so a test can kill the driver there. The push is wrapped
     where the run is wired (``actors.wiring.weight_sync_fn``), in the driver's
     process, which is why this runs there (``_cli(stall_push=...)``)."""
@@ -73,7 +73,7 @@ def main_with_a_stalled_push(argv: list[str]) -> int:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._handle, name)
 
-        async def update_weights(self, update: Any) -> int:
+        async def swap_weights(self, update: Any, *args: Any) -> Any:
             pathlib.Path(marker).touch()
             await asyncio.Event().wait()  # forever: the test kills this process here
             raise AssertionError("unreachable")

@@ -109,16 +109,26 @@ async def _scenario(seed: int) -> None:
     model = load_causal_lm(BUILTIN_MODEL_DIR)  # the trainer's copy
     sender = WeightSender(mode="delta", dtype=torch.float32)
     hits: dict[str, list[tuple[str, int, int]]] = defaultdict(list)  # uid -> (request id, tokens, version)
-    engine_abort = actor.engine.abort
+    engine_prepare, engine_swap = actor.engine.prepare_swap, actor.engine.swap_weights
 
-    async def recording_abort(request_ids: list[str] | None = None) -> list[Any]:
-        outs = await engine_abort(request_ids)
+    def record(outs: list[Any], version: int) -> None:
         for out in outs:
-            assert set(out.token_versions) <= {actor.engine.version}
-            hits[out.request_id.split("/")[0]].append((out.request_id, len(out.token_ids), actor.engine.version))
+            assert set(out.token_versions) <= {version}
+            hits[out.request_id.split("/")[0]].append((out.request_id, len(out.token_ids), version))
+
+    async def recording_prepare(in_flight: str = "abort") -> list[Any]:
+        version = actor.engine.version
+        outs = await engine_prepare(in_flight)
+        record(outs, version)
         return outs
 
-    actor.engine.abort = recording_abort
+    async def recording_swap(update: Any, in_flight: str = "abort", asleep: bool = False) -> Any:
+        version = actor.engine.version
+        report = await engine_swap(update, in_flight, asleep)
+        record(report.aborted, version)
+        return report
+
+    actor.engine.prepare_swap, actor.engine.swap_weights = recording_prepare, recording_swap
     try:
         prompts = {"short": [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 3))],
                    "long": [rng.randrange(4, VOCAB) for _ in range(rng.randint(40, 80))]}

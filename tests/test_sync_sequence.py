@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from actors.engines.base import RolloutEngine
 from contracts.rollout import GenerateOutput
 from sync import ChecksumError, SyncFailed, WeightSender, apply_update
 from contracts.weights import WeightUpdate, bucket_tensor
@@ -18,7 +19,11 @@ pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]
 
 
 class FakeEngine:
-    """Holds bf16 weights by HF name and logs every call of the engine surface."""
+    """Holds bf16 weights by HF name and logs every call of the engine surface;
+    its swap is the protocol's default, composed of those calls."""
+
+    prepare_swap = RolloutEngine.prepare_swap
+    swap_weights = RolloutEngine.swap_weights
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], log: list[str], idx: int, corrupt: bool = False) -> None:
         self.weights = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
@@ -290,7 +295,8 @@ async def test_a_planned_full_payload_is_checked_before_the_pause_the_apply_afte
     sender = WeightSender(mode="full", device_plan="always")
     checks: list[str] = []
     real = device.ReceiverPlan.check
-    monkeypatch.setattr(device.ReceiverPlan, "check", lambda self, m, r: checks.append(log[-1]) or real(self, m, r))
+    monkeypatch.setattr(device.ReceiverPlan, "check", lambda self, m, r: checks.append(
+        [x for x in log if x.startswith(("stage", "update"))][-1]) or real(self, m, r))
     result = await sync_weights(engines, sender, weights=w, version=1, colocated=False,
                                 transport=InProcessTransport())
     steps = [entry.split(":")[0] for entry in log]
@@ -313,3 +319,43 @@ async def test_nothing_is_staged_over_a_transport_that_cannot_publish_ahead() ->
                                 colocated=False, transport=Collective())
     assert not any(x.startswith("stage") for x in log) and result.metrics.stage_ms == 0
     assert all(e.version == 1 and _holds(e, w) for e in engines)
+
+
+class _Rounds:
+    """An engine seen from the driver: counts the calls that cross to it."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.engine, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+    async def get_version(self) -> int:
+        self.calls.append("get_version")
+        return self.engine.version
+
+
+async def test_a_push_costs_each_engine_at_most_two_control_rounds() -> None:
+    """The driver orders and compares versions; each engine runs its own swap.
+    The first push asks each engine its version; later ones know it from the
+    last swap. A planned full payload is checked ahead (round 1), then swapped (round 2)."""
+    w, log = _trainer(), []
+    engines = [_Rounds(StagingEngine({k: tuple(v.shape) for k, v in w.items()}, log, i)) for i in range(2)]
+    sender = WeightSender(mode="full", device_plan="always")
+    for version in (1, 2, 3):
+        for e in engines:
+            e.calls.clear()
+        _step(w, version)
+        await sync_weights(engines, sender, weights=w, version=version, colocated=False,
+                           transport=InProcessTransport())
+        first = ["get_version"] if version == 1 else []
+        assert all(e.calls == first + ["stage_weights", "swap_weights"] for e in engines), [e.calls for e in engines]
+        assert all(e.engine.version == version and _holds(e.engine, w) for e in engines)

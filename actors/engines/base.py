@@ -22,16 +22,22 @@ callers use sit on: ``_set_paused`` (``pause``/``resume``) and ``_set_memory``
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from contracts.rollout import GenerateOutput, GenerateRequest, SamplingParams
+from contracts.rollout import IN_FLIGHT_MODES, GenerateOutput, GenerateRequest, InFlight, SamplingParams, SwapReport
 
 __all__ = ["MEMORY_TAGS", "EngineAsleepError", "GenerateOutput", "GenerateRequest", "RolloutEngine",
-           "SamplingParams", "copy_output"]
+           "SamplingParams", "SwapReport", "check_in_flight", "copy_output"]
 
 #: What ``sleep`` frees and ``wake_up`` restores, by name (``wake_up(None)``: both).
 MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def check_in_flight(mode: str) -> None:
+    if mode not in IN_FLIGHT_MODES:
+        raise ValueError(f"in_flight={mode!r} is not one of {list(IN_FLIGHT_MODES)}")
 
 
 class EngineAsleepError(RuntimeError):
@@ -109,6 +115,47 @@ class RolloutEngine(abc.ABC):
         if unknown:
             raise ValueError(f"wake_up tags {sorted(unknown)} unknown (use 'weights', 'kv_cache')")
         await self._set_memory(tags, resident=True)
+
+    async def prepare_swap(self, in_flight: InFlight = "abort") -> list[GenerateOutput]:
+        """The first half of a swap that frees the KV cache (colocated with the
+        trainer): pause, abort the running generations (``abort`` mode; the
+        others are preempted by the sleep and recomputed after), ``sleep(1)``.
+        Returns what was aborted; :meth:`swap_weights` with ``asleep=True`` ends it."""
+        check_in_flight(in_flight)
+        await self.pause()
+        aborted = await self.abort(None) if in_flight == "abort" else []
+        await self.sleep(1)
+        return aborted
+
+    async def swap_weights(self, update: object, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+        """The whole weight swap, run by the engine: stop generating, deal with
+        the running generations as ``in_flight`` says, apply ``update``
+        (:meth:`update_weights`), [``asleep``: after :meth:`prepare_swap`, wake
+        the KV cache], drop prefix caches, go on. Whatever becomes of the apply,
+        the engine generates again when this returns or raises. This default
+        composes the verbs (an HTTP engine: ``abort`` only, its ``update_weights``
+        drops every running request's KV); the built-in engine runs it as one
+        step of its own between two decode steps."""
+        check_in_flight(in_flight)
+        if in_flight != "abort" and not asleep:
+            raise ValueError(f"{type(self).__name__} cannot keep generations running across a weight update "
+                             f"(sync.in_flight={in_flight!r}); use 'abort'")
+        t0 = time.perf_counter()
+        aborted: list[GenerateOutput] = []
+        try:
+            if not asleep:
+                await self.pause()
+                aborted = await self.abort(None)
+            t1 = time.perf_counter()
+            version = await self.update_weights(update)
+            apply_ms = (time.perf_counter() - t1) * 1e3
+        finally:
+            if asleep:
+                await self.wake_up(["kv_cache"])
+            await self.reset_prefix_cache()
+            await self.resume()
+        return SwapReport(version=version, aborted=aborted, paused_ms=(time.perf_counter() - t0) * 1e3,
+                          apply_ms=apply_ms)
 
     async def stage_weights(self, update: object) -> bool:
         """Check ``update`` ahead of :meth:`update_weights`, writing nothing,

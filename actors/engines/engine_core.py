@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -194,6 +195,33 @@ class EngineCore(Scheduler):
     def _cmd_update(self, update: object) -> int:
         return self._on_update_tensors(self._apply_update, update)
 
+    def _cmd_swap(self, update: object, in_flight: str, asleep: bool) -> tuple[int, list[Any], float, float]:
+        """The whole swap as one command, between two decode steps (the step in
+        flight was drained before it): ``abort`` ends every request with its
+        partial tokens (posted before the apply, so they end even if it fails);
+        ``keep`` leaves the running requests on their KV cache, to continue under
+        the new weights; ``recompute`` sends them back to the head of the queue,
+        tokens kept, to be prefilled again with the new weights. ``asleep``
+        (after ``sleep(1)``): the KV cache is allocated again. The engine runs on
+        after it, apply failed or not. Returns (version, the aborted streams,
+        the command's and the apply's milliseconds)."""
+        t0 = time.perf_counter()
+        streams: list[Any] = []
+        if in_flight == "abort":
+            events, streams = self._cmd_abort(None)
+            self._post(events, [])
+        try:
+            t1 = time.perf_counter()
+            self.version = self._on_update_tensors(self._apply_weights, update)
+            apply_ms = (time.perf_counter() - t1) * 1e3
+            if in_flight == "recompute":
+                self._preempt_all()
+        finally:
+            if asleep:
+                self._cmd_wake(["kv_cache"])
+            self.paused = False
+        return self.version, streams, (time.perf_counter() - t0) * 1e3, apply_ms
+
     def _cmd_stage(self, update: object) -> bool:
         """Check ``update`` ahead of its apply, between decode steps (see ``sync.apply.stage_update``)."""
         if isinstance(update, FullWeights):
@@ -211,14 +239,16 @@ class EngineCore(Scheduler):
                 torch.cuda.current_stream().synchronize()
 
     def _apply_update(self, update: object) -> int:
-        if isinstance(update, FullWeights):
-            self.weights.load_full(update.tensors)
-            new_version = int(update.version)
-        else:
-            new_version = apply_update(self._update_targets(update), update, self.version)
-        self.version = new_version
+        self.version = self._apply_weights(update)
         self._preempt_all()  # their KV was computed with the old weights
         return self.version
+
+    def _apply_weights(self, update: object) -> int:
+        """Write ``update`` into the weights; the version it brings."""
+        if isinstance(update, FullWeights):
+            self.weights.load_full(update.tensors)
+            return int(update.version)
+        return apply_update(self._update_targets(update), update, self.version)
 
     def _update_targets(self, update: Any) -> dict[str, torch.Tensor]:
         """The HF-named tensors ``sync.apply`` writes into (a tied head: see ``update_targets``)."""

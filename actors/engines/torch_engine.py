@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import EngineAsleepError, RolloutEngine, copy_output
+from actors.engines.base import EngineAsleepError, RolloutEngine, check_in_flight, copy_output
 from actors.engines.config import EngineConfig
 from actors.engines.engine_core import EngineCore
 from actors.engines.engine_steps import EngineOptions, Event, Seq
 from actors.engines.weights import with_tied_head
-from contracts.rollout import GenerateOutput, GenerateRequest
+from contracts.rollout import GenerateOutput, GenerateRequest, InFlight, SwapReport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULTS = EngineConfig()  # the one set of defaults: the config's
@@ -243,6 +243,19 @@ class TorchEngine(RolloutEngine):
     async def update_weights(self, update: object) -> int:
         self._version = await self._call("update", update)
         return self._version
+
+    async def swap_weights(self, update: object, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+        """The whole swap in one step of the engine's thread, between two decode
+        steps (see ``EngineCore._cmd_swap``): no pause/resume round trips."""
+        check_in_flight(in_flight)
+        try:
+            version, streams, paused_ms, apply_ms = await self._call("swap", update, in_flight, asleep)
+        finally:
+            if asleep:
+                self._asleep = not self._core.awake
+        self._version = version
+        return SwapReport(version=version, aborted=[st.out for st in streams], paused_ms=paused_ms,
+                          apply_ms=apply_ms)
 
     async def stage_weights(self, update: object) -> bool:
         return bool(await self._call("stage", update))
