@@ -8,9 +8,10 @@
                   │                                     │   into the TransferQueue    │   acks; reports counts
                   │                                     │ reports counts; drops →     │ every K steps:
                   ▼                                     ▼   admission.release          ▼
-    weight sync (sync.link → sync.sequence): encode + publish in the trainer → pause rollouts → abort
-        (partials stay in the rollout actors) → [sleep] → engines fetch full|delta from the trainer
-        → verify version → wake → reset caches → resume; admission.open_window
+    weight sync (sync.link → sync.sequence): encode + publish in the trainer → [each engine checks
+        the payload while generating] → each engine swaps it in between two decode steps, its
+        running generations aborted (partials stay in the rollout actors, resumed), kept on their
+        KV, or recomputed (``sync.in_flight``) → versions compared; admission.open_window
         (with overlap_push, a task: the trainer's next step starts once the encode is done)
 
 The policy holds requests, reports and counters; samples go rollout actor →
