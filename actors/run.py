@@ -43,6 +43,9 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         """``resume``: a whole checkpoint (``checkpoint.find``) whose config ``cfg``
         is (``load_resume_config``); ``launch(resume=...)`` finds both. ``task_data``:
         task options no config file can hold (``launch(data=...)``)."""
+        # startup phases, seconds (``Wiring._setup``, ``Training._train``): the clock starts here
+        self.startup: dict[str, float] = {}
+        self._t_startup = time.perf_counter()
         self._task_data = dict(task_data or {})
         from actors.models import resolve_model_path  # ~1.7 s to import (transformers): not for --help
 
@@ -70,12 +73,16 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
         self.initial_eval: dict[str, Any] | None = None  # held-out eval before the first step (policy.eval_every)
         try:
+            self.startup["config_s"] = time.perf_counter() - self._t_startup  # transformers import, run dir
             loop.run(self._setup())
             if resume is not None:
+                t0 = time.perf_counter()
                 loop.run(self._restore(resume))
+                self.startup["restore_s"] = time.perf_counter() - t0
             # metrics.jsonl and the run.loggers mirroring it (actors/loggers.py)
             self._metrics_file = open_metrics_log(self.dir, cfg.run,
                                                   resume_step=None if resume is None else self._resume_step)
+            self._t_constructed = time.perf_counter()
         except BaseException:
             self._discard(made)
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pathlib
 import signal
 import time
@@ -21,6 +22,8 @@ from actors.config import Config, checkpoint_every
 from policies.base import NoProgressError
 
 __all__ = ["RunStopped", "TrainCall", "Training"]
+
+log = logging.getLogger(__name__)
 
 
 class RunStopped(RuntimeError):
@@ -65,6 +68,9 @@ class Training:
     _stop_signal: int | None
     _train_call: TrainCall | None
     _closed: bool
+    startup: dict[str, float]  # startup phases, seconds; closed by the first step (_close_startup)
+    _t_startup: float  # perf_counter at the start of the run's construction
+    _t_constructed: float  # ... and at its end
 
     def train(self, steps: int | None = None) -> notebook.TrainResult:
         """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``;
@@ -151,20 +157,27 @@ class Training:
         self._stop_signal = signum
 
     async def _train(self, steps: int, call: TrainCall) -> list[dict[str, Any]]:
+        t_call = time.perf_counter()
         bar = None
         if self.cfg.run.progress:
             bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
         out: list[dict[str, Any]] = []
         unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
         if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
+            t0 = time.perf_counter()
             self.initial_eval = {"step": 0, **await self.policy.evaluate()}
             self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
+            if "total_s" not in self.startup:
+                self.startup["initial_eval_s"] = time.perf_counter() - t0
         every = checkpoint_every(self.cfg)
         try:
             for _ in range(steps):
                 if call.interrupted:  # a step boundary: nothing of this call runs on after it
                     break
+                t_step = time.perf_counter()
                 (m,) = await self._watched(self.policy.train(1))
+                if "total_s" not in self.startup:
+                    self._close_startup(m, t_call, t_step)
                 if self.resumed_from is not None and m["step"] == self._resume_step + 1:
                     m["resumed_from"] = str(self.resumed_from.relative_to(self.dir))
                 if unwritten is not None:
@@ -192,6 +205,19 @@ class Training:
             if bar is not None:
                 bar.close()
         return out
+
+    def _close_startup(self, record: dict[str, Any], t_call: float, t_step: float) -> None:
+        """The run's first trained step: ``startup`` gets ``before_train_s`` (from the end of
+        construction to the train call that took it: the caller's own work, e.g. an evaluation),
+        ``first_step_s`` (its first batch generated and trained) and ``total_s`` (from the
+        start of construction to now; the phases are disjoint spans of it, so they sum to at
+        most it), and goes into the step's record as ``startup/<phase>``; logged once."""
+        now = time.perf_counter()
+        self.startup.update(before_train_s=t_call - self._t_constructed, first_step_s=now - t_step,
+                            total_s=now - self._t_startup)
+        record.update({f"startup/{k}": round(v, 4) for k, v in self.startup.items()})
+        log.info("startup: %.2f s to the first trained step (%s)", self.startup["total_s"],
+                 ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items() if k != "total_s"))
 
     async def _watched(self, step: Any) -> Any:
         """Await one trainer step; past ``run.watchdog_s`` stop it and raise

@@ -33,6 +33,43 @@ over seeds of trained tokens/s (the headline, ``speedup_X_over_sync``) and of
 steps/s, and seed by seed. ``fully_async`` syncs weights after every trainer
 step like the baselines; ``fully_async_k2`` every second step.
 
+The loop against its parts alone (issue 29; ``bench/pipeline_report.py``,
+whose ``FIELDS`` the JSON carries as ``pipeline_fields``). Before the timed runs
+(after the throw-away run) the bench measures, in its own process, the
+built-in engine alone (``bench.engine.bench_engine``) on the runs' model at each
+policy's concurrency (``engine_concurrency``: ``rollout.engine.max_num_seqs``
+or the samples the policy keeps in flight, one batch for the baselines, the
+admission window for fully-async, whichever is fewer) with responses of the
+throw-away run's mean length, and the trainer alone (``bench.trainer_step``'s
+batches, the runs' ``trainer`` config) on the runs' batch shape: the JSON's
+``standalone``. ``--no-standalone`` skips both. Each run then reports:
+
+- ``engine_tokens_per_s``: generated tokens/s of the rollout engines over the
+  timed window (samples the rollout actors finished in it, from their
+  ``statistics()``, times the mean trained response length, plus in-window
+  evaluations' tokens: the engines count samples and steps, not tokens),
+  ``engine_busy_ratio`` and ``engine_decode_rows_mean`` from the engines'
+  counters, ``engine_standalone_tokens_per_s`` and
+  ``engine_in_loop_over_standalone``;
+- ``trainer_step_ms_median`` (a record's ``train_s``) and ``trainer_mfu``
+  (``train/mfu``; null where the device's peak is unknown) beside
+  ``trainer_standalone_step_ms`` (scaled to the run's tokens per step),
+  ``trainer_standalone_mfu`` and ``trainer_in_loop_over_standalone``;
+- ``sync_total_ms_median`` / ``_max`` and ``sync_paused_ms_median`` / ``_max``
+  over the timed steps' weight syncs (``num_syncs``);
+- ``startup_s``, construction of the run to its first trained step, and
+  ``startup``: its phases (``Run.startup``: config, task, runtime, queue,
+  trainer, rollout, weight_link, policy, before_train: the bench's first
+  evaluation, initial_eval, first_step), which sum to at most it;
+- ``pipeline_efficiency``: ``max(engine_bound_step_s, trainer_bound_step_s) /
+  step_s``, the step time the slower part alone allows for the same samples
+  per step (engine: samples x mean response tokens / standalone tokens/s,
+  prefill included; trainer: its standalone step) over the step time reached;
+  ``pipeline_bound_by`` names the slower part.
+
+``--step-by-step`` is ``text_arithmetic`` with worked answers (the instruction
+``STEP_BY_STEP``, 512 response tokens unless ``--max-response-tokens``).
+
 Learning, at equal trained samples: ``--eval-prompts N`` scores N fixed
 held-out prompts of the task (one greedy response each, ``policy.eval_prompts``)
 before the first step and after the last, both untimed; ``--eval-every K``
@@ -84,6 +121,7 @@ the order, warm-up and timed-window rules on the built-in 397k model.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import inspect
 import json
@@ -96,7 +134,9 @@ import time
 from typing import Any
 
 import loop
+from actors.config import load_config
 from actors.launch import launch
+from bench import pipeline_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 POLICIES = {
@@ -198,11 +238,12 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         loop.run(run.policy.settle())  # a push still running (overlapped) ends before the window opens
         warmup_weight_version = loop.run(run.policy.rollouts[0].get_version())
         warmup_evals = len(evals) + (run.initial_eval is not None) + sum("eval/reward" in m for m in warm)
-        engine0 = loop.run(run.policy.rollouts[0].statistics())
+        engines0 = loop.run(_statistics(run))
         t0 = time.perf_counter()
         hist = run.train(args.steps)
         wall_with_eval_s = time.perf_counter() - t0
-        engine1 = loop.run(run.policy.rollouts[0].statistics())
+        engines1 = loop.run(_statistics(run))
+        engine0, engine1 = engines0[0], engines1[0]
         evals += [m for m in warm + hist if "eval/reward" in m]
         if args.eval_prompts and (not evals or evals[-1]["step"] != args.warmup_steps + args.steps):
             evals.append(_evaluate(run))  # after the timed window: the weights of the last step
@@ -227,6 +268,9 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
     def idle(key: str) -> float:  # over the timed steps (the counters run from the start)
         busy = (1 - last[key]) * last["elapsed_s"] - (1 - start[key]) * start["elapsed_s"]
         return min(1.0, max(0.0, 1.0 - busy / (last["elapsed_s"] - start["elapsed_s"] - not_timed_s)))
+    pipeline = pipeline_report.in_loop(hist, last["trained"] - start["trained"],
+                                       pipeline_report.engine_counters(engines0),
+                                       pipeline_report.engine_counters(engines1), wall_s, len(engines1))
     return {
         "seed": seed,
         "weight_transport": transport,
@@ -260,7 +304,16 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         # unless the KV cache is freed for the push)
         "sync_parts_ms_mean": _sync_parts(hist),
         "engine": engine,
+        # issue 29 (bench/pipeline_report.py): the engines and trainer in the loop, sync cost, startup
+        **pipeline,
+        "startup_s": run.startup["total_s"],
+        "startup": {k: round(v, 3) for k, v in run.startup.items()},
     }
+
+
+async def _statistics(run: Any) -> list[dict[str, Any]]:
+    """Every rollout actor's ``statistics()`` (its engine's counters and its own)."""
+    return list(await asyncio.gather(*(h.statistics() for h in run.policy.rollouts)))
 
 
 def _evaluate(run: Any) -> dict[str, Any]:
@@ -309,13 +362,18 @@ EVAL_OUTSIDE_WINDOW = (
 SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
                 "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
                 "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean",
-                "train_tflops_mean", "mfu_mean", "eval_s")
+                "train_tflops_mean", "mfu_mean", "eval_s",
+                # issue 29: the loop against its parts alone (bench/pipeline_report.py)
+                "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
+                "trainer_step_ms_median", "trainer_mfu", "trainer_in_loop_over_standalone",
+                "sync_total_ms_median", "sync_total_ms_max", "sync_paused_ms_median", "sync_paused_ms_max",
+                "startup_s", "pipeline_efficiency")
 
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in SUMMARY_KEYS:
-        values = [r[key] for r in runs if key in r]
+        values = [r[key] for r in runs if r.get(key) is not None]
         if not values:  # e.g. no evaluations asked for
             continue
         out[key] = {"mean": statistics.fmean(values), "spread": max(values) - min(values),
@@ -350,6 +408,10 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+#: --step-by-step's instruction: worked answers (SmolLM2-135M-Instruct: ~100-200 tokens, a tail to 512).
+STEP_BY_STEP = "Think step by step, showing your working, then give the final answer as a number on the last line."
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -377,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "saving; the built-in engine then recaptures its CUDA graphs after each sync)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--task", default="long_tail_copy",
+    p.add_argument("--task", default=None,
                    help="long_tail_copy | reverse_digits (built-in symbol tasks) | text_arithmetic | text_dataset "
                         "(text tasks: a model.path=DIR override whose tokenizer has the text)")
     p.add_argument("--task-kwargs", type=_json_object, default={}, metavar="JSON",
@@ -385,7 +447,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(over --task-max-len / --tail-alpha)")
     p.add_argument("--batch-prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-response-tokens", type=int, default=100)
+    p.add_argument("--max-response-tokens", type=int, default=None,
+                   help="response budget per sample (default 100; 512 with --step-by-step)")
+    p.add_argument("--step-by-step", action="store_true",
+                   help="text_arithmetic with worked answers: the instruction asks for the steps and the final "
+                        "number last (the math reward reads the last number), --max-response-tokens 512 unless "
+                        "given; --task-kwargs still apply over it")
+    p.add_argument("--no-standalone", dest="standalone", action="store_false",
+                   help="skip the standalone engine and trainer measures before the timed runs (and the "
+                        "fields set against them: *_over_standalone, pipeline_efficiency)")
+    p.add_argument("--standalone-response-tokens", type=int, default=0,
+                   help="response tokens of the standalone measures (0: the throw-away run's mean response "
+                        "length; without that run, half of --max-response-tokens)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="the engine's max_model_len (0: the longest prompt plus --max-response-tokens; "
                         "256 prompt tokens for a text task)")
@@ -419,6 +492,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "turn (seed by seed) and compares their steps/s and step time")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
+    if args.step_by_step:
+        if args.task not in (None, "text_arithmetic"):
+            p.error(f"--step-by-step: a text_arithmetic preset, not for --task {args.task}")
+        args.task, args.task_kwargs = "text_arithmetic", {"instruction": STEP_BY_STEP, **args.task_kwargs}
+    args.task = args.task or "long_tail_copy"
+    args.max_response_tokens = args.max_response_tokens or (512 if args.step_by_step else 100)
+    if args.standalone_response_tokens < 0:
+        p.error("--standalone-response-tokens must be >= 0")
     try:
         args.workers = [int(n) for n in args.trainer_workers.split(",")]
     except ValueError:
@@ -450,6 +531,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if rt not in ("process", "ray", "local"):
             p.error(f"--runtime: {rt!r} is not one of process, ray, local")
     return args
+
+
+def _standalone(args: argparse.Namespace, policies: list[str], runtime: str, workers: int,
+                response_len: float | None) -> dict[str, Any]:
+    """``pipeline_report.standalone`` on each policy's resolved config, with responses of
+    ``--standalone-response-tokens``, else ``response_len`` (the throw-away run's mean),
+    else half of ``--max-response-tokens``."""
+    from actors.models import resolve_model_path
+
+    configs = {policy: load_config(ROOT / "fully_async.yaml", run_overrides(policy, 0, runtime, args, workers))
+               for policy in policies}
+    first = configs[policies[0]]
+    tokens = args.standalone_response_tokens or round(response_len or args.max_response_tokens / 2)
+    source = ("--standalone-response-tokens" if args.standalone_response_tokens else
+              "the throw-away run's mean" if response_len else "half of --max-response-tokens")
+    out = pipeline_report.standalone(configs, str(resolve_model_path(first.model.path, first.base_dir)),
+                                     max(1, tokens))
+    return {**out, "response_tokens_from": source}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,17 +586,25 @@ def main(argv: list[str] | None = None) -> int:
     runtimes = list(sides)
     every: dict[str, dict[str, list[dict[str, Any]]]] = {rt: {policy: [] for policy in policies} for rt in runtimes}
     result["warmup_run"] = args.warmup_run
+    warm_response_len = None
     if args.warmup_run:  # what a process or machine pays once (disk kernel caches; the local runtime's
         # own process) lands here, not in seed 0's first run; a seed no timed run uses, results dropped
         result["warmup_runs"] = []
         for rt in runtimes:
             first = rotated(policies, 0)[0]
             t0 = time.perf_counter()
-            _one(first, args.seeds, sides[rt][0], args, sides[rt][1])
+            warm = _one(first, args.seeds, sides[rt][0], args, sides[rt][1])
+            warm_response_len = warm_response_len or warm.get("response_len_mean")
             result["warmup_runs"].append({"policy": first, "runtime": rt, "seed": args.seeds,
-                                          "seconds": round(time.perf_counter() - t0, 2)})
+                                          "seconds": round(time.perf_counter() - t0, 2),
+                                          **({"startup_s": warm["startup_s"]} if "startup_s" in warm else {})})
             print(f"[async_vs_sync] throw-away warm-up run {first} {rt}: "
                   f"{result['warmup_runs'][-1]['seconds']:.2f} s with setup", file=sys.stderr)
+    stand = None
+    if args.standalone:  # the engine and the trainer alone, on the runs' model and shapes
+        stand = _standalone(args, policies, *sides[runtimes[0]], warm_response_len)
+        result["standalone"], result["pipeline_fields"] = stand, pipeline_report.FIELDS
+        print(f"[async_vs_sync] standalone engine and trainer: {stand['seconds']:.2f} s", file=sys.stderr)
     for seed in range(args.seeds):  # seed-major: a drift in the machine's load hits every policy alike
         order = rotated(policies, seed)  # and the order rotates: no policy always runs first in a seed
         result["policy_order"][str(seed)] = order
@@ -505,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("runtime_order", {})[str(seed)] = rotated(runtimes, seed)
         for position, policy in enumerate(order):
             for rt in rotated(runtimes, seed):
-                every[rt][policy].append({**_one(policy, seed, sides[rt][0], args, sides[rt][1]),
+                one = _one(policy, seed, sides[rt][0], args, sides[rt][1])
+                every[rt][policy].append({**one, **pipeline_report.efficiency(one, policy, stand),
                                           "position": position})
                 print(f"[async_vs_sync] seed {seed} {policy} {rt}: {every[rt][policy][-1]['wall_s']:.2f} s",
                       file=sys.stderr)

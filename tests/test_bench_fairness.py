@@ -63,7 +63,7 @@ def test_runs_go_in_the_recorded_order_after_one_throw_away_run(monkeypatch, tmp
 
     monkeypatch.setattr(async_vs_sync, "_one", fake_one)
     result = _main(async_vs_sync, ["--policies", "sync,one_step_off,fully_async", "--seeds", "3",
-                                   "--output-dir", str(tmp_path)])
+                                   "--no-standalone", "--output-dir", str(tmp_path)])
     assert result["warmup_run"] is True and calls[0] == ("sync", 3)  # a seed no timed run uses
     assert result["warmup_runs"] == [{"policy": "sync", "runtime": "process", "seed": 3,
                                       "seconds": result["warmup_runs"][0]["seconds"]}]
@@ -71,7 +71,7 @@ def test_runs_go_in_the_recorded_order_after_one_throw_away_run(monkeypatch, tmp
     assert [result["policy_order"][str(s)][0] for s in range(3)] == ["sync", "one_step_off", "fully_async"]
     calls.clear()
     result = _main(async_vs_sync, ["--policies", "sync,fully_async", "--seeds", "1", "--no-warmup-run",
-                                   "--output-dir", str(tmp_path)])
+                                   "--no-standalone", "--output-dir", str(tmp_path)])
     assert result["warmup_run"] is False and "warmup_runs" not in result and calls == [("sync", 0), ("fully_async", 0)]
 
 
@@ -102,6 +102,30 @@ def test_speedups_come_from_mean_tokens_and_steps_per_second_over_seeds_and_per_
             [round(b / a, 3) for a, b in zip(sync, fa)]
         assert pol["sync"][rate]["min"] == min(sync) and pol["sync"][rate]["max"] == max(sync)
     assert bench_result["speedup_fully_async_over_sync"] == bench_result["speedup_tokens_per_s_fully_async_over_sync"]
+
+
+def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
+    stand = bench_result["standalone"]
+    assert stand["engine_concurrency"] == {"sync": 4, "fully_async": 12}  # one batch; the admission window
+    assert {str(c) for c in stand["engine_concurrency"].values()} == set(stand["engine"])
+    assert stand["trainer"]["step_ms"] > 0 and stand["response_tokens"] >= 1
+    assert set(bench_result["pipeline_fields"]) >= {"engine_in_loop_over_standalone", "pipeline_efficiency"}
+    for name in ("sync", "fully_async"):
+        for run in bench_result["policies"][name]["seeds"]:
+            assert run["engine_tokens_per_s"] > 0 and 0 < run["engine_busy_ratio"] <= 1
+            assert run["engine_in_loop_over_standalone"] == pytest.approx(
+                run["engine_tokens_per_s"] / run["engine_standalone_tokens_per_s"])
+            assert run["trainer_step_ms_median"] > 0 and run["trainer_standalone_step_ms"] > 0
+            assert "trainer_mfu" in run  # null on a CPU: its peak is not known
+            # a weight sync after each of the 2 timed steps
+            assert run["num_syncs"] == 2 and run["sync_total_ms_max"] >= run["sync_total_ms_median"] > 0
+            assert run["sync_paused_ms_max"] >= run["sync_paused_ms_median"] >= 0
+            assert 0 < run["pipeline_efficiency"] <= 1.5 and run["pipeline_bound_by"] in ("engine", "trainer")
+            assert run["step_s"] == pytest.approx(1 / run["steps_per_s"])
+            phases = {k: v for k, v in run["startup"].items() if k != "total_s"}
+            assert {"trainer_s", "rollout_s", "first_step_s"} <= set(phases)
+            assert sum(phases.values()) <= run["startup_s"] + 0.006  # each rounded to the millisecond
+        assert bench_result["policies"][name]["pipeline_efficiency"]["mean"] > 0
 
 
 def test_the_speedup_is_the_ratio_of_means_not_the_mean_of_ratios():
@@ -146,7 +170,7 @@ def test_push_figures_headline_a_measured_median_with_the_component_minima_besid
     assert (got["push_ms_min"], got["push_ms_max"]) == (15.5, 19.5)
     assert got["component_min_ms"] == {"encode": 1.0, "stage": 0.0, "transfer": 1.0, "apply": 1.0}
     assert got["sum_of_component_minima_ms"] == 3.0 < got["push_ms_min"]  # no push was that fast
-    assert got["paused_ms_min_max"] == [10.0, 18.0] and got["paused_ms_median"] == 10.0
+    assert got["paused_ms_min_max"] == [1.0, 9.0] and got["paused_ms_median"] == 5.0  # the apply: the swap
 
 
 def test_weight_sync_reports_the_median_whole_push_at_least_the_sum_of_component_minima():

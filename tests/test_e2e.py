@@ -225,3 +225,20 @@ def test_held_out_eval_reward_is_logged_every_n_steps(tmp_path):
     for m in lines[2::2]:
         assert 0.0 <= m["eval/reward"] <= 1.0 and m["eval/num_prompts"] == 6 and m["eval/num_errors"] == 0
         assert m["eval/at_trained"] == m["trained"]
+
+
+def test_startup_is_timed_by_phase_to_the_first_step_and_reported_once(tmp_path):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.eval_every=2", "policy.eval_prompts=2",
+                 f"run.output_dir={tmp_path}")
+    with run:
+        run.train(steps=2)
+        first, second = run.history
+    phases = {"config_s", "task_s", "runtime_s", "queue_s", "trainer_s", "rollout_s", "weight_link_s", "policy_s",
+              "before_train_s", "initial_eval_s", "first_step_s"}
+    assert set(run.startup) == phases | {"total_s"} and all(v >= 0 for v in run.startup.values())
+    assert sum(run.startup[k] for k in phases) <= run.startup["total_s"]
+    # in the first step's record (and its line in metrics.jsonl) only
+    assert first["startup/total_s"] == round(run.startup["total_s"], 4)
+    assert not any(k.startswith("startup/") for k in second)
+    lines = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [("startup/first_step_s" in m) for m in lines] == [False, True, False]  # step 0: the eval

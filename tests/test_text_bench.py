@@ -178,3 +178,19 @@ def test_bench_runs_the_text_task_and_reports_held_out_reward_at_equal_trained_s
         assert run["wall_s"] == run["wall_with_eval_s"] >= run["eval_s"] > 0
         assert 0.0 <= run["eval_reward_last"] <= 1.0 and run["tokens_per_s"] > 0
     assert result["speedup_tokens_per_s_fully_async_over_sync"] > 0
+
+
+def test_step_by_step_presets_worked_answers_on_text_arithmetic_with_512_response_tokens(model_dir, capsys):
+    parse = async_vs_sync.parse_args
+    args = parse(["--step-by-step"])
+    assert args.task == "text_arithmetic" and args.max_response_tokens == 512
+    assert async_vs_sync.task_kwargs(args) == {"instruction": async_vs_sync.STEP_BY_STEP}
+    args = parse(["--step-by-step", "--max-response-tokens", "300", "--task-kwargs", '{"digits": 3}'])
+    assert args.max_response_tokens == 300 and async_vs_sync.task_kwargs(args)["digits"] == 3
+    assert parse(["--task", "text_arithmetic"]).max_response_tokens == 100  # the plain default
+    task = make_task("text_arithmetic", model_path=str(model_dir), **async_vs_sync.task_kwargs(parse(["--step-by-step"])))
+    (prompt,) = task.sample_prompts(random.Random(0), 1)
+    assert "step by step" in task.tokenizer.decode(prompt.prompt_ids)
+    with pytest.raises(SystemExit):
+        parse(["--step-by-step", "--task", "reverse_digits"])
+    assert "--step-by-step: a text_arithmetic preset" in capsys.readouterr().err

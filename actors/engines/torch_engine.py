@@ -87,6 +87,7 @@ class TorchEngine(RolloutEngine):
         self._streams: dict[str, _Stream] = {}
         self._version = 0
         self._asleep = False
+        self._num_tokens = 0  # tokens delivered to requests, ever
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -126,6 +127,7 @@ class TorchEngine(RolloutEngine):
         for st, token, lp, raw, version, finish, error in events:
             out = st.out
             if token is not None:
+                self._num_tokens += 1
                 out.token_ids.append(token)
                 out.logprobs.append(lp)
                 out.raw_logprobs.append(raw)
@@ -281,5 +283,6 @@ class TorchEngine(RolloutEngine):
             "num_preemptions": core.num_preemptions if core else 0,
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
+            "num_generated_tokens": self._num_tokens,
             **(core.timing if core else {}),
         }

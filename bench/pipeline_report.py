@@ -1,0 +1,265 @@
+"""The pipeline report of ``bench.async_vs_sync`` (issue 29): how close each
+policy's loop comes to what its parts do alone.
+
+Before the timed runs, :func:`standalone` measures the parts alone, in the
+bench's own process, on the runs' model and config:
+
+- the engine (``bench.engine.bench_engine``: the built-in engine, fixed-length
+  sampled responses, prefill included) at each policy's concurrency
+  (:func:`engine_concurrency`: ``rollout.engine.max_num_seqs`` or the samples
+  the policy keeps in flight, whichever is fewer) with responses of the
+  runs' length (the throw-away run's mean, or ``--standalone-response-tokens``);
+- the trainer (``bench.trainer_step``'s synthetic batches, timed as it times
+  them) on the runs' batch shape: ``trainer.batch_prompts`` groups of
+  ``rollout.n`` samples, the task's mean prompt length, that response length.
+
+Then, per run, :func:`in_loop` reads the same figures off the loop (the
+engines' ``statistics()`` counters through the rollout actors, the step
+records) and :func:`efficiency` sets them against the standalone ones. The
+field names and their meaning are in :data:`FIELDS`, which the JSON carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import loop
+
+#: Every field this module adds to a run's report, and what it means (written into the JSON).
+FIELDS = {
+    "engine_tokens_per_s": "rollout tokens the engines generated in the timed window over its wall time (the "
+                           "built-in engine's num_generated_tokens, evaluations included; for others, estimated: samples "
+                           "the rollout actors finished in it (their statistics' num_generated) x the mean "
+                           "trained response length, plus the in-window evaluations' response tokens)",
+    "engine_busy_ratio": "share of the window the engines spent in prefill or decode steps (their statistics' "
+                         "prefill_s + decode_*_s, summed over engines)",
+    "engine_decode_rows_mean": "tokens per decode step in the window (the loop's decode batch)",
+    "engine_concurrency": "sequences the engine may run at once for this policy: min(max_num_seqs, in-flight "
+                          "samples per engine); the standalone engine ran at it",
+    "engine_standalone_tokens_per_s": "the standalone engine's tokens/s at engine_concurrency (x engines)",
+    "engine_in_loop_over_standalone": "engine_tokens_per_s / engine_standalone_tokens_per_s",
+    "trainer_step_ms_median": "median trainer step in the run (a record's train_s: batch in hand to weights "
+                              "stepped)",
+    "trainer_mfu": "mean model FLOPs utilisation of the run's trainer steps (train/mfu; null where the "
+                   "device's peak is not known: CPUs, set trainer.peak_tflops)",
+    "trainer_standalone_step_ms": "the standalone trainer's median step at the standalone batch shape, scaled "
+                                  "linearly to the run's mean tokens per step",
+    "trainer_in_loop_over_standalone": "trainer_step_ms_median / trainer_standalone_step_ms (> 1: slower in "
+                                       "the loop)",
+    "sync_total_ms_median": "median whole weight sync of the timed steps (sync/total_ms); _max: the slowest",
+    "sync_paused_ms_median": "median time the engines stood still per sync (sync/paused_ms); _max: the longest",
+    "startup_s": "seconds from the start of the run's construction to its first trained step; startup: its "
+                 "phases (Run.startup: config, task, runtime, queue, trainer, rollout, weight_link, policy, "
+                 "before_train, initial_eval, first_step), disjoint, so they sum to at most startup_s",
+    "step_s": "wall time per timed step (wall_s / steps)",
+    "engine_bound_step_s": "samples per step x mean response tokens / engine_standalone_tokens_per_s",
+    "trainer_bound_step_s": "trainer_standalone_step_ms / 1000",
+    "pipeline_efficiency": "max(engine_bound_step_s, trainer_bound_step_s) / step_s: the step time the slower "
+                           "part alone would allow over the one reached (1: a perfect pipeline; a serial "
+                           "schedule gets at most the slower part's share of the sum)",
+    "pipeline_bound_by": "which part is slower alone: engine or trainer",
+}
+
+
+def in_flight_samples(cfg: Any) -> int:
+    """Samples the policy keeps generating at once: one batch for the baselines,
+    the admission window for fully-async (``policies.admission.window_budget``)."""
+    from policies.admission import window_budget
+
+    p = cfg.policy
+    if p.type != "fully_async":
+        return cfg.batch_size * p.require_batches
+    return window_budget(cfg.batch_size, p.require_batches, p.trigger_parameter_sync_step, p.staleness_threshold)
+
+
+def engine_concurrency(cfg: Any) -> int:
+    """Sequences one engine may run at once for this config's policy."""
+    per_engine = math.ceil(in_flight_samples(cfg) / cfg.rollout.num_actors)
+    return min(cfg.rollout.engine.max_num_seqs, per_engine)
+
+
+def prompt_tokens_mean(cfg: Any, model_path: str, n: int = 64) -> float:
+    """Mean prompt length of the task's training prompts (``n`` drawn)."""
+    from policies.tasks import make_task
+
+    task = make_task(cfg.task.type, model_path=model_path, **cfg.task.kwargs)
+    prompts = task.sample_prompts(random.Random(0), n)
+    return statistics.fmean(len(p.prompt_ids) for p in prompts)
+
+
+@contextlib.contextmanager
+def _cpu_threads(device: str) -> Iterator[None]:
+    """On CPU, one torch thread while measuring, as each actor has (``torch_threads=1``)."""
+    import torch
+
+    kept = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(kept)
+
+
+def standalone_engine(cfg: Any, model_path: str, concurrency: int, prompt_tokens: int,
+                      response_tokens: int) -> dict[str, Any]:
+    """``bench.engine.bench_engine`` on the run's model and engine options:
+    ``concurrency`` random prompts of ``prompt_tokens``, ``response_tokens``
+    sampled each (no stop token), prefill included."""
+    import torch
+    import transformers
+
+    from bench.engine import bench_engine
+
+    e = cfg.rollout.engine
+    if e.type != "torch":
+        raise ValueError(f"rollout.engine.type: the standalone engine measure needs the built-in engine, "
+                         f"got {e.type!r} (--no-standalone skips it)")
+    vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
+    g = torch.Generator().manual_seed(concurrency)
+    prompts = torch.randint(1, vocab, (concurrency, prompt_tokens), generator=g).tolist()
+    with _cpu_threads(e.device):
+        out = loop.run(bench_engine(model_path, prompts, response_tokens, e.device, e.dtype, e.cuda_graphs,
+                                    micro=False, compile_decode=e.compile_decode))
+    return {"concurrency": concurrency, "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+            "tokens_per_s": round(out["tokens_per_s"], 2), "timing_s": out["timing"]}
+
+
+def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_tokens: int,
+                       steps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """The run's trainer backend (``cfg.trainer``) alone, on ``bench.trainer_step``'s
+    synthetic batches of the run's shape: the median of ``steps`` steps after ``warmup``."""
+    import torch
+    import transformers
+
+    from actors.backends import make_backend
+    from actors.backends.flops import FlopsModel, peak_flops
+    from bench.trainer_step import _batch, _sync
+    from policies.losses import make_loss_from_config
+
+    t = cfg.trainer
+    shape = argparse.Namespace(groups=t.batch_prompts, n=cfg.rollout.n, prompt_len=prompt_tokens,
+                               response_len=response_tokens)
+    vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
+    rng = random.Random(0)
+    batches = [_batch(rng, vocab, shape) for _ in range(max(steps, warmup))]
+    adv = [(-1.0) ** i for i in range(len(batches[0]))]
+    with _cpu_threads(t.device):
+        backend = make_backend(t, model_path, seed=cfg.run.seed, loss=make_loss_from_config(t))
+        backend.setup()
+        for i in range(warmup):
+            backend.train_step(batches[i], adv)
+        times = []
+        for batch in batches[:steps]:
+            _sync(t.device)
+            t0 = time.perf_counter()
+            backend.train_step(batch, adv)
+            _sync(t.device)
+            times.append(time.perf_counter() - t0)
+    del backend
+    gc.collect()
+    if t.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    step_s = statistics.median(times)
+    seq_lens = [len(s.prompt_ids) + len(s.response_ids) for b in batches[:steps] for s in b]
+    step_flops = FlopsModel.from_model_dir(model_path).train_flops(seq_lens) / steps
+    peak = t.peak_tflops * 1e12 if t.peak_tflops else peak_flops(t.device, t.dtype)
+    return {"samples": len(batches[0]), "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+            "tokens_per_step": sum(seq_lens) / steps, "step_ms": round(step_s * 1e3, 3),
+            "step_ms_repeats": [round(x * 1e3, 3) for x in times], "tflops": step_flops / step_s / 1e12,
+            "mfu": step_flops / step_s / peak if peak else None}
+
+
+def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -> dict[str, Any]:
+    """The standalone engine at each distinct concurrency of ``configs`` (policy
+    name -> resolved config) and the standalone trainer (their shared batch shape)."""
+    from actors.runtime import quiet_transformers
+
+    quiet_transformers()  # no model-loading progress bars in the bench's output
+    first = next(iter(configs.values()))
+    t0 = time.perf_counter()
+    prompt_tokens = round(prompt_tokens_mean(first, model_path))
+    conc = {name: engine_concurrency(cfg) for name, cfg in configs.items()}
+    engines = {str(c): standalone_engine(first, model_path, c, prompt_tokens, response_tokens)
+               for c in sorted(set(conc.values()))}
+    trainer = standalone_trainer(first, model_path, prompt_tokens, response_tokens)
+    return {"prompt_tokens": prompt_tokens, "response_tokens": response_tokens, "engine_concurrency": conc,
+            "num_engines": first.rollout.num_actors, "engine": engines, "trainer": trainer,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+# ---------------------------------------------------------------- the loop's own figures
+
+
+def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
+    keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
+            "decode_wait_s", "decode_post_s")
+    return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
+
+
+def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, float], after: dict[str, float],
+            wall_s: float, num_engines: int) -> dict[str, Any]:
+    """The engine, trainer and sync figures of the timed steps ``hist`` (``trained_samples``
+    in them); ``before`` / ``after``: :func:`engine_counters` as the window opened and closed."""
+    d = {k: after[k] - before[k] for k in after}
+    trained = sum(m["num_tokens"] for m in hist)
+    eval_tokens = sum(m.get("eval/response_len_mean", 0.0) * m.get("eval/num_prompts", 0) for m in hist)
+    # the built-in engine counts the tokens it generated; others: samples finished x trained length
+    tokens = d["num_generated_tokens"] or d["num_generated"] * trained / max(1, trained_samples) + eval_tokens
+    busy_s = d["prefill_s"] + d["decode_launch_s"] + d["decode_wait_s"] + d["decode_post_s"]
+    syncs = [m for m in hist if "sync/total_ms" in m]
+    out: dict[str, Any] = {
+        "engine_tokens_in_window": round(tokens, 1),
+        "engine_tokens_per_s": tokens / wall_s,
+        "engine_busy_ratio": min(1.0, busy_s / (wall_s * num_engines)),
+        "engine_decode_rows_mean": (tokens - d["num_prefill_seqs"]) / d["num_decode_steps"]
+        if d["num_decode_steps"] else None,
+        "trainer_step_ms_median": 1e3 * statistics.median(m["train_s"] for m in hist),
+        "trainer_mfu": statistics.fmean(m["train/mfu"] for m in hist) if "train/mfu" in hist[-1] else None,
+        "num_syncs": len(syncs),
+    }
+    for key in ("total", "paused"):
+        values = [m.get(f"sync/{key}_ms", 0.0) for m in syncs]
+        out[f"sync_{key}_ms_median"] = statistics.median(values) if values else None
+        out[f"sync_{key}_ms_max"] = max(values) if values else None
+    return out
+
+
+def efficiency(run: dict[str, Any], policy: str, stand: dict[str, Any] | None) -> dict[str, Any]:
+    """``run``'s in-loop figures (a run of ``bench.async_vs_sync``, with :func:`in_loop`'s)
+    set against the standalone ones (``stand``: :func:`standalone`; None: not measured,
+    nothing added)."""
+    if not stand or "engine_tokens_per_s" not in run:
+        return {}
+    conc = stand["engine_concurrency"][policy]
+    engine_tps = stand["engine"][str(conc)]["tokens_per_s"] * stand["num_engines"]
+    response_tokens = run["response_len_mean"]
+    samples_per_step = run["samples_per_s"] / run["steps_per_s"]
+    tr = stand["trainer"]
+    run_tokens_per_step = samples_per_step * (stand["prompt_tokens"] + response_tokens)
+    trainer_ms = tr["step_ms"] * run_tokens_per_step / tr["tokens_per_step"]
+    step_s = 1.0 / run["steps_per_s"]
+    engine_bound_s = samples_per_step * response_tokens / engine_tps
+    trainer_bound_s = trainer_ms / 1e3
+    return {
+        "engine_concurrency": conc,
+        "engine_standalone_tokens_per_s": engine_tps,
+        "engine_in_loop_over_standalone": run["engine_tokens_per_s"] / engine_tps,
+        "trainer_standalone_step_ms": trainer_ms,
+        "trainer_standalone_mfu": tr["mfu"],
+        "trainer_in_loop_over_standalone": run["trainer_step_ms_median"] / trainer_ms,
+        "step_s": step_s,
+        "engine_bound_step_s": engine_bound_s,
+        "trainer_bound_step_s": trainer_bound_s,
+        "pipeline_efficiency": max(engine_bound_s, trainer_bound_s) / step_s,
+        "pipeline_bound_by": "engine" if engine_bound_s >= trainer_bound_s else "trainer",
+    }
