@@ -37,6 +37,7 @@ from actors.backends.config import TrainerConfig, backend_unavailable
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
 from actors.engines.config import EngineConfig, engine_unavailable
 from actors.loggers import loggers_unavailable
+from actors.placement_config import PlacementConfig
 from actors.rollout_config import RolloutConfig
 from policies.admission import window_budget
 from policies.config import PolicyConfig, TaskConfig
@@ -133,6 +134,9 @@ class RuntimeConfig(_Section):
     num_cpus: PosInt | None = None
     """Ray only, for a cluster we start: logical CPUs to give it (default: the
     machine's cores, at least one per actor)."""
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+    """Ray only: what each role asks of the cluster and how it spreads over its
+    nodes (``actors/placement_config.py``; ``docs/ray-clusters.md``)."""
 
 
 class ModelConfig(_Section):
@@ -282,6 +286,8 @@ def _check_consistency(cfg: Config) -> None:
                           f"trainer.device={cfg.trainer.device!r}, rollout.engine.device={cfg.rollout.engine.device!r}")
     if cfg.transfer_queue.deployment == "ray" and cfg.runtime.type != "ray":
         raise ConfigError("transfer_queue.deployment: 'ray' needs runtime.type=ray")
+    if cfg.runtime.placement != PlacementConfig() and cfg.runtime.type != "ray":
+        raise ConfigError("runtime.placement: only used with runtime.type=ray")
     if cfg.runtime.address is not None and cfg.runtime.type != "ray":
         raise ConfigError("runtime.address: only used with runtime.type=ray")
     if cfg.runtime.address is not None and not (
@@ -412,7 +418,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     before = build_config(dict(tree), base_dir)
     cfg = build_config(apply_overrides(tree, list(overrides)), base_dir)
     changed = [key for key in _diff(msgspec.to_builtins(before), msgspec.to_builtins(cfg))
-               if key not in RESUMABLE_KEYS]
+               if key not in RESUMABLE_KEYS and not key.startswith("runtime.placement.")]
     if changed:
         raise ConfigError(f"{changed[0]}: cannot change when resuming (the checkpoint was made with another value); "
                           f"a resumed run may change only {', '.join(RESUMABLE_KEYS)}")

@@ -137,8 +137,10 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, **kwargs: Any) -> Handle:
-        """Create ``cls(*args, **kwargs)`` as an actor and ``await setup()`` on it."""
+                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
+        """Create ``cls(*args, **kwargs)`` as an actor and ``await setup()`` on it.
+        ``ray_options``: Ray's actor options (resources, a placement-group bundle:
+        ``actors/placement.py``), used by the Ray runtime only."""
 
     def connect(self) -> None:
         """Join the cluster this runtime places actors on, if it has one (Ray)."""
@@ -166,7 +168,7 @@ class LocalRuntime(Runtime):
         self._actors: list[Actor] = []
 
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, **kwargs: Any) -> Handle:
+                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
         actor = cls(*args, **kwargs)
         self._actors.append(actor)
         await actor.setup()
@@ -347,7 +349,7 @@ class ProcessRuntime(Runtime):
         self._ctx = multiprocessing.get_context("spawn")
 
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, **kwargs: Any) -> Handle:
+                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
         parent, child = self._ctx.Pipe(duplex=True)
         # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
         proc = self._ctx.Process(target=_serve, args=(child, cls, name, args, kwargs), name=f"asyncrl-{name}")
@@ -403,6 +405,7 @@ class RayRuntime(Runtime):
         self.address, self.num_cpus, self.connect_timeout_s = address, num_cpus, connect_timeout_s
         self._started_cluster = False
         self._actors: list[Any] = []
+        self.placer: Any = None  # the run's placement groups (actors/placement.py), removed at shutdown
 
     def _ensure_ray(self) -> Any:
         import ray  # ~0.75 s to import: only Ray runs pay it
@@ -419,14 +422,14 @@ class RayRuntime(Runtime):
         self._ensure_ray()
 
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, **kwargs: Any) -> Handle:
+                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
         ray = self._ensure_ray()
         # No runtime_env: Ray already makes the actor's loop with uvloop, in our cluster or one
         # we joined; a per-actor runtime_env would cost a fresh worker process (~1 s) per actor.
         remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=1000)(
             _adopting(cls)
         )
-        actor = remote_cls.remote(*args, **kwargs)
+        actor = remote_cls.options(**(ray_options or {})).remote(*args, **kwargs)
         self._actors.append(actor)
         await actor.setup.remote()
         return _RayHandle(name, actor, cls)
@@ -456,6 +459,9 @@ class RayRuntime(Runtime):
             except Exception:  # an actor that died is already closed
                 pass
             ray.kill(actor)
+        if self.placer is not None:
+            self.placer.release()
+            self.placer = None
         if self._started_cluster:
             ray.shutdown()
             self._started_cluster = False

@@ -40,6 +40,7 @@ from contracts.weights import ShardSpec, WeightUpdate, merge_updates
 from sync import SyncConfig, WeightSender
 from sync.link import TrainerLink, digest_named
 from transfer_queue.client import TransferQueue
+from transfer_queue.errors import StorageUnitLost
 
 __all__ = ["TrainerActor", "TrainerGroup", "assemble_shards", "merge_reports"]
 
@@ -99,10 +100,7 @@ class TrainerActor(Actor):
         """Take the batch ``request`` describes from the queue, train on it, ack it
         (nack if the step fails, so its samples are handed out again)."""
         t0 = time.perf_counter()
-        batch = await self.queue.get(
-            consumer=request.consumer, batch_size=request.batch_size, sampler="grpo_group",
-            group_size=request.group_size, current_version=request.current_version,
-            max_staleness=request.max_staleness)
+        batch = await self._get_batch(request)
         t1 = time.perf_counter()
         try:
             samples: list[Sample] = batch.samples
@@ -116,6 +114,20 @@ class TrainerActor(Actor):
                           num_tokens=sum(len(s.response_ids) for s in samples),
                           wait_s=t1 - t0, train_s=time.perf_counter() - t1, dropped=dict(batch.dropped),
                           metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}})
+
+    async def _get_batch(self, request: BatchRequest) -> Any:
+        """The batch ``request`` describes. One whose rows a lost storage unit held
+        (its node died) went back to the queue, which dropped those samples counted
+        (``storage_lost``): another batch is taken, as long as a unit is left."""
+        while True:
+            try:
+                return await self.queue.get(
+                    consumer=request.consumer, batch_size=request.batch_size, sampler="grpo_group",
+                    group_size=request.group_size, current_version=request.current_version,
+                    max_staleness=request.max_staleness)
+            except StorageUnitLost as err:
+                if err.unit < 0:  # every unit is gone
+                    raise
 
     def _train_step(self, samples: list[Sample]) -> dict[str, float]:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)

@@ -12,12 +12,14 @@ import functools
 import itertools
 import os
 import pathlib
+import time
 from typing import Any
 
 import msgspec
 import torch
 
 from actors.config import Config
+from actors.placement import reserve_roles
 from actors.rollout import RolloutActor
 from actors.runtime import make_runtime
 from actors.trainer import TrainerActor, TrainerGroup
@@ -46,16 +48,30 @@ class Wiring:
     queue: Any
     weight_transport: str
     policy: Any
+    placer: Any  # the run's Ray placement groups (actors/placement.py); None under local and process
+    startup: dict[str, float]
 
     async def _setup(self) -> None:
         """Compose the run: runtime, queue, actors (each holding a queue client),
-        the weight link chosen by placement, the policy (control only)."""
+        the weight link chosen by placement, the policy (control only). Each part's
+        seconds go into ``startup`` (``task_s``, ``runtime_s``, ``queue_s``, ``trainer_s``:
+        trainer process(es) started and set up, model and optimizer loaded; ``rollout_s``:
+        rollout process(es) started, engine set up: model load, KV cache, compile and
+        CUDA graphs where the engine does them at setup; ``weight_link_s``, ``policy_s``)."""
         cfg = self.cfg
+        last = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.startup[phase], last = now - last, now
+
         make_task_fn = functools.partial(policies.tasks.make_task, cfg.task.type, model_path=self.model_path,
                                          reward_timeout_s=cfg.policy.reward_timeout_s, **self._task_kwargs())
         task = make_task_fn()
         if cfg.policy.eval_every:  # a task without held-out prompts fails here, not at the first evaluation
             task.eval_prompts(cfg.policy.eval_prompts)
+        lap("task_s")
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
@@ -63,7 +79,10 @@ class Wiring:
                                     connect_timeout_s=cfg.runtime.connect_timeout_s)
         if cfg.runtime.type == "local":
             torch.set_num_threads(1)
+        await self._reserve_roles()
+        lap("runtime_s")
         self.queue = await self._make_queue()
+        lap("queue_s")
         trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
         n = cfg.trainer.num_workers
         group_init = TrainerLink.rendezvous() if n > 1 else None  # the workers' own group meets here
@@ -72,15 +91,19 @@ class Wiring:
             trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
             model_path=self.model_path, seed=cfg.run.seed, loss=policies.losses.make_loss_from_config(cfg.trainer),
             advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
-            torch_threads=1, rank=rank, world_size=n, group_init=group_init) for rank in range(n)))
+            torch_threads=1, rank=rank, world_size=n, group_init=group_init, ray_options=self._where("trainer", rank))
+            for rank in range(n)))
         trainer = workers[0] if n == 1 else TrainerGroup(list(workers))
+        lap("trainer_s")
         r = cfg.rollout
         engine_gpus, engine_device = self._placement(r.engine.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=tuple(task.stop_token_ids))
-        async def spawn_rollout(i: int) -> Any:
+
+        async def spawn_rollout(i: int, replaces: str | None = None) -> Any:
+            options = await self.placer.actor_options("rollout", f"rollout-{i}", i, replaces) if self.placer else None
             return await self.runtime.spawn(
-                RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus,
+                RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus, ray_options=options,
                 engine=msgspec.structs.replace(r.engine, device=engine_device), model_path=self.model_path,
                 seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
@@ -88,7 +111,9 @@ class Wiring:
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
 
         rollouts = [await spawn_rollout(i) for i in range(r.num_actors)]
+        lap("rollout_s")
         self.weight_transport = await self._open_weight_link(trainer, rollouts)
+        lap("weight_link_s")
         replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
 
         async def respawn_rollout(dead: Any) -> Any:
@@ -96,7 +121,7 @@ class Wiring:
             still holds for it is let go), its weight link open; the policy joins
             it to the broadcast group and pushes it the weights."""
             await self.runtime.stop(dead)
-            new = await spawn_rollout(next(replacement_index))
+            new = await spawn_rollout(next(replacement_index), replaces=dead.name)  # in its bundle
             await new.open_weight_link(self.weight_transport)
             return new
 
@@ -105,6 +130,7 @@ class Wiring:
         self.policy = make_policy(cfg, rollouts=rollouts, trainer=trainer, queue=self.queue, task=task,
                                   weight_sync=weight_sync,
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)
+        lap("policy_s")
 
     def _task_kwargs(self) -> dict[str, Any]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
@@ -126,9 +152,11 @@ class Wiring:
         if self.cfg.runtime.type == "local" or q.deployment == "ray":
             if q.deployment == "ray":
                 self.runtime.connect()  # the queue's actors join the cluster the runtime uses
-            return await TransferQueue.create(q)
+            placed = self.placer.queue_options(q.num_storage_units) if self.placer is not None else None
+            return await TransferQueue.create(q, ray_options=placed)
         secret = new_secret()
-        host = await self.runtime.spawn(QueueHost, q, secret, name="transfer-queue", num_cpus=0)
+        host = await self.runtime.spawn(QueueHost, q, secret, name="transfer-queue", num_cpus=0,
+                                        ray_options=self._where("storage", 0))
         return TransferQueue(q, ServedDeployment(await host.address(), secret, q.rpc_limits))
 
     async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
@@ -138,6 +166,18 @@ class Wiring:
         from sync.link import open_weight_link
 
         return await open_weight_link(trainer, rollouts, self.cfg.sync, sources=self.cfg.trainer.num_workers)
+
+    async def _reserve_roles(self) -> None:
+        """Under Ray, each role's placement group, placed (``actors/placement.py``)."""
+        cfg = self.cfg
+        storage_cpus = cfg.transfer_queue.ray_num_cpus if cfg.transfer_queue.deployment == "ray" else 0
+        self.placer = await reserve_roles(cfg, self.runtime, {
+            "trainer": (1, self._placement(cfg.trainer.device)[0]),
+            "rollout": (1, self._placement(cfg.rollout.engine.device)[0]), "storage": (storage_cpus, 0)})
+
+    def _where(self, role: str, index: int) -> dict[str, Any] | None:
+        """Ray options putting actor ``index`` of ``role`` in its placement-group bundle."""
+        return self.placer.options(role, index) if self.placer is not None else None
 
     def _placement(self, device: str) -> tuple[float, str]:
         """Ray GPUs to reserve for an actor on ``device``, and the device name

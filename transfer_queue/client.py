@@ -47,11 +47,13 @@ class TransferQueue:
 
     # ---------------------------------------------------------------- creation
     @classmethod
-    async def create(cls, cfg: TransferQueueConfig | None = None, *, clock: Callable[[], float] | None = None) -> TransferQueue:
+    async def create(cls, cfg: TransferQueueConfig | None = None, *, clock: Callable[[], float] | None = None,
+                     ray_options: dict[str, Any] | None = None) -> TransferQueue:
         """Start a deployment of ``cfg`` and return its client.
 
         ``clock`` (local deployment only) times leases; tests pass a fake one.
-        Under ``deployment="ray"`` Ray must already be initialized (``ray.init``).
+        Under ``deployment="ray"`` Ray must already be initialized (``ray.init``);
+        ``ray_options`` places its actors (``RayDeployment.create``'s keywords).
         """
         cfg = cfg or TransferQueueConfig()
         if cfg.deployment == "local":
@@ -62,7 +64,7 @@ class TransferQueue:
             raise ValueError("clock= is only for deployment='local'")
         from transfer_queue.ray_deploy import RayDeployment
 
-        return cls(cfg, await RayDeployment.create(cfg))
+        return cls(cfg, await RayDeployment.create(cfg, **(ray_options or {})))
 
     @classmethod
     def create_sync(cls, cfg: TransferQueueConfig | None = None) -> TransferQueue:

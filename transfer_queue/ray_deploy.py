@@ -237,15 +237,21 @@ class RayDeployment:
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
 
     @classmethod
-    async def create(cls, cfg: TransferQueueConfig) -> RayDeployment:
+    async def create(cls, cfg: TransferQueueConfig, unit_options: Sequence[dict[str, Any] | None] = (),
+                     controller_options: dict[str, Any] | None = None) -> RayDeployment:
+        """Start the actors. ``unit_options`` (one per storage unit) and ``controller_options``:
+        Ray actor options that place them (resources, a placement-group bundle, a node),
+        instead of ``cfg.ray_num_cpus`` wherever Ray likes."""
         if not ray.is_initialized():
             raise RuntimeError("deployment='ray' joins a running Ray; call ray.init(...) first")
         secret = secrets.token_bytes(32)
+        default = {"num_cpus": cfg.ray_num_cpus}
+        options = [*unit_options, *[None] * (cfg.num_storage_units - len(unit_options))]
         # No runtime_env: Ray makes each actor's loop with uvloop already (the loop module says
         # where), and a per-actor runtime_env would cost each one a fresh worker process.
-        units = [StorageActor.options(num_cpus=cfg.ray_num_cpus).remote(i, secret, cfg.rpc_limits)
+        units = [StorageActor.options(**(options[i] or default)).remote(i, secret, cfg.rpc_limits)
                  for i in range(cfg.num_storage_units)]
-        controller = ControllerActor.options(num_cpus=cfg.ray_num_cpus).remote(cfg, secret)
+        controller = ControllerActor.options(**{**default, **(controller_options or {})}).remote(cfg, secret)
         unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote(cfg.ports) for u in units)))
         address = await _unwrap(controller.setup.remote(unit_addresses))
         await _unwrap(asyncio.gather(*(u.connect.remote(address) for u in units)))
