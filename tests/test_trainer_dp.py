@@ -76,8 +76,11 @@ def _backend(scenario: str) -> TorchBackend:
                          micro_batch_tokens=0, dtype="bfloat16", master_dtype="float32")
     else:
         loss, micro_batch_tokens = SCENARIOS[scenario]
+        # padded: its passes hold the same rows at one worker and at two ranks, so only the
+        # ranks' reduction order differs (packed passes split by summed length, so the rows
+        # they group differ too: tests/test_packed_trainer.py checks packed against padded)
         b = TorchBackend(str(BUILTIN_MODEL_DIR), loss=make_loss(loss), lr=1e-3, seed=0,
-                         micro_batch_tokens=micro_batch_tokens)
+                         micro_batch_tokens=micro_batch_tokens, packed=scenario != "uneven")
     b.setup()
     return b
 

@@ -40,18 +40,23 @@ def micro_batch_budget(value: int | None, device: torch.device) -> int:
     return value
 
 
-def micro_batches(samples: list[Sample], budget: int) -> list[list[int]]:
+def micro_batches(samples: list[Sample], budget: int, *, packed: bool = False) -> list[list[int]]:
     """Indices split so rows x longest row <= ``budget``, rows
-    sorted by length: a long-tailed batch stops padding every row to its longest."""
+    sorted by length: a long-tailed batch stops padding every row to its longest.
+    ``packed``: the sum of the rows' lengths <= ``budget`` (one row of packed
+    sequences, no padding); a row longer than the budget gets a pass of its own."""
     if not budget:
         return [list(range(len(samples)))]
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
     out: list[list[int]] = [[]]
+    used = 0  # packed: tokens in the last pass
     for i in order:
         width = len(samples[i].prompt_ids) + len(samples[i].response_ids)
-        if out[-1] and (len(out[-1]) + 1) * width > budget:
+        if out[-1] and (used + width if packed else (len(out[-1]) + 1) * width) > budget:
             out.append([])
+            used = 0
         out[-1].append(i)
+        used += width
     return out
 
 

@@ -67,12 +67,24 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     is_cap: PosFloat = 2.0
     """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
     micro_batch_tokens: NonNegInt | None = None
-    """Padded tokens per forward pass (rows sorted by length, gradients
-    accumulated): long-tailed batches stop padding every row to the longest.
+    """Tokens per forward pass (gradients accumulated): ``packed``, the sum of
+    the sequences' lengths; padded, rows x longest row (rows sorted by length,
+    so long-tailed batches stop padding every row to the longest).
     0 = the whole batch in one pass; null = 16384 on CUDA (a small step is
     bound by kernel launches, which every extra pass repeats: 64 samples of
     ~40 tokens step in 100 ms at 16384 and 170 ms at 2048 on an H200, 358M
     bf16), 2048 on a CPU (memory)."""
+    packed: bool = True
+    """Torch backend: pack each micro-batch into one row of concatenated
+    sequences (no padding; attention kept within each sequence, by the varlen
+    flash kernel on CUDA) and take log-probs from the LM head in chunks of
+    ``logprob_chunk_tokens`` response tokens. A model it does not support (not
+    Llama / Qwen2 / Qwen3 / Mistral, a sliding window, soft-capped or scaled
+    logits) trains padded, as with ``false``, and the log says why. The megatron
+    backend always pads."""
+    logprob_chunk_tokens: PosInt = 2048
+    """``packed``: response tokens whose full-vocabulary logits exist at once
+    (fp32 ``[chunk, vocab]``, forward and backward)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead
     of keeping them (less memory for long sequences, ~1/3 more compute).

@@ -3,8 +3,10 @@
 Every method is synchronous and blocking; the trainer actor calls them on its
 worker thread so the event loop never waits on a matmul.
 
-    samples ─► pad to [B, T] (prompt + response, right-padded)
+    samples ─► packed: one row [1, sum of lengths], attention within each sequence
+               (actors.backends.packing); padded (trainer.packed=false): [B, T], right-padded
             ─► forward ─► log-probs of the response tokens [B, T_resp]
+               (packed: the LM head in chunks of response tokens, actors.backends.chunked_logprobs)
             ─► loss(logprobs, rollout_logprobs, advantages, mask) ─► AdamW step
             ─► version += 1 ─► named_weights() for the weight sync
 
@@ -26,7 +28,10 @@ reduction order). Checkpoints are the same files whatever the world size.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
+from collections.abc import Iterator
 
 import safetensors.torch
 import torch
@@ -35,9 +40,11 @@ from torch.distributed.tensor import DTensor
 
 from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_trainer_version, write_trainer_state
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
+from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.config import TrainerConfig
 from actors.backends.loss_pass import accumulate_passes, padded_batch, response_logprobs
 from actors.backends.mixed_precision import MainParamsOptimizer
+from actors.backends.packing import PACKED_ATTENTION, packed_batch, packing_unsupported
 from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
 from actors.models import load_causal_lm, resolve_model_path
 from contracts.sample import Sample
@@ -45,6 +52,7 @@ from contracts.weights import ShardSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULTS = TrainerConfig()  # the one set of defaults: the config's
+_log = logging.getLogger(__name__)
 
 
 class TorchBackend(TrainerBackend):
@@ -79,6 +87,8 @@ class TorchBackend(TrainerBackend):
         micro_batch_tokens: int | None = _DEFAULTS.micro_batch_tokens,
         master_dtype: str | None = _DEFAULTS.master_dtype,
         activation_checkpointing: bool = _DEFAULTS.activation_checkpointing,
+        packed: bool = _DEFAULTS.packed,
+        logprob_chunk_tokens: int = _DEFAULTS.logprob_chunk_tokens,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -96,9 +106,14 @@ class TorchBackend(TrainerBackend):
         if not callable(loss) or not hasattr(loss, "needs_proximal"):
             raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
         self.loss = loss
-        # Padded tokens (rows x longest row) per forward; 0 = the whole batch at once.
+        # Tokens per forward (packed: their sum; padded: rows x longest row); 0 = the whole batch at once.
         self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, self.device)
         self.activation_checkpointing = activation_checkpointing
+        if logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {logprob_chunk_tokens}")
+        # packed: what was asked for until setup(), then what runs (padded_reason says why not)
+        self.packed, self.logprob_chunk_tokens = packed, logprob_chunk_tokens
+        self.padded_reason: str | None = None
         self.seed = seed
         self._version = 0
         self.model = None
@@ -122,6 +137,8 @@ class TorchBackend(TrainerBackend):
         self.model = load_causal_lm(model_dir, device=self.device, dtype=load_dtype)
         # No dropout in RL: the log-probs we train on must match the sampler's.
         self.model.eval()
+        if self.packed:
+            self._enable_packing()
         if self.activation_checkpointing:
             self._enable_activation_checkpointing()
         def adamw(params):  # fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
@@ -155,9 +172,57 @@ class TorchBackend(TrainerBackend):
 
     def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs ``[B, T]`` of each response token (T=1), entropy ``[B, T]`` and mask."""
+        if self.packed:
+            return self._packed_logprobs(samples)
         ids, attn, pos, mask = padded_batch(samples, self.pad_id, self.device)
         logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
         return response_logprobs(logits, ids, pos, mask)
+
+    def _packed_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_response_logprobs` on one packed row. Entropy only where gradients are on
+        (a training forward; zeros otherwise: nobody reads it)."""
+        batch = packed_batch(samples, self.device)
+        with_entropy = torch.is_grad_enabled()
+        with self._head_gives_logprobs(batch.targets, with_entropy):
+            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                             logits_to_keep=batch.pred_positions, **batch.attention_kwargs()).logits[0]  # [T, 2]
+        real = batch.mask.bool()  # row-major order of real response tokens = the order of targets
+        logprobs = torch.zeros_like(batch.mask).masked_scatter(real, out[:, 0])
+        entropy = torch.zeros_like(batch.mask).masked_scatter(real, out[:, 1])
+        return logprobs, entropy, batch.mask
+
+    @contextlib.contextmanager
+    def _head_gives_logprobs(self, targets: torch.Tensor, with_entropy: bool) -> Iterator[None]:
+        """While open, the LM head returns ``[1, T, 2]``: each target's log-prob and the entropy,
+        from :func:`chunked_logprobs`, instead of logits. It runs inside the model's own forward,
+        so FSDP2 has gathered its weight (tied or not) and reduces its gradient as any other's,
+        and ``logits_to_keep`` hands it the response positions' hidden states only."""
+        head = self.model.get_output_embeddings()
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H]
+            logprobs, entropy = chunked_logprobs(hidden[0], head.weight, head.bias, targets,
+                                                 self.logprob_chunk_tokens, with_entropy=with_entropy)
+            entropy = entropy if with_entropy else torch.zeros_like(logprobs)
+            return torch.stack([logprobs[None], entropy[None]], dim=-1)  # a new tensor, not a view: FSDP2 hooks it
+
+        head.forward = forward
+        try:
+            yield
+        finally:
+            del head.forward  # the class's forward again
+
+    def _enable_packing(self) -> None:
+        """Run the model on packed rows (:mod:`actors.backends.packing`), or padded when it
+        cannot, saying why once."""
+        reason = packing_unsupported(self.model)
+        if reason is None:
+            self.model.set_attn_implementation(PACKED_ATTENTION)
+            if self.model.config._attn_implementation != PACKED_ATTENTION:
+                kept = self.model.config._attn_implementation
+                reason = f"{type(self.model).__name__} kept attn_implementation={kept!r}"
+        if reason is not None:
+            self.packed, self.padded_reason = False, reason
+            _log.warning("trainer.packed: %s; this model trains padded", reason)
 
     # -- endpoints -----------------------------------------------------------------
 
@@ -246,8 +311,9 @@ class TorchBackend(TrainerBackend):
                 raise ValueError(f"got {len(advantages)} advantages for {len(samples)} samples")
             if proximal_logprobs is not None and len(proximal_logprobs) != len(samples):
                 raise ValueError(f"got proximal_logprobs for {len(proximal_logprobs)} samples, expected {len(samples)}")
-            return micro_batches(samples, self.micro_batch_tokens), sum(len(s.response_ids) for s in samples)
-        local = micro_batches(samples, self.micro_batch_tokens) if samples else []
+            passes = micro_batches(samples, self.micro_batch_tokens, packed=self.packed)
+            return passes, sum(len(s.response_ids) for s in samples)
+        local = micro_batches(samples, self.micro_batch_tokens, packed=self.packed) if samples else []
         recompute = self.loss.needs_proximal and proximal_logprobs is None  # an extra forward per pass
         table = self._agree(batch_error(samples, advantages, proximal_logprobs),
                             [sum(len(s.response_ids) for s in samples), len(samples), len(local), float(recompute)])

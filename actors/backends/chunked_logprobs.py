@@ -1,0 +1,88 @@
+"""Log-probs of target tokens from the LM head, a chunk of tokens at a time.
+
+    hidden [T, H] (the body's output at the positions that predict the targets)
+        ─► per chunk of C tokens: logits = hidden_c @ W^T (+ b) in the model dtype ─► fp32 [C, V]
+        ─► log-prob of each target = logit[target] - logsumexp, entropy = logsumexp - sum(p * logit)
+    backward, per chunk: recompute the chunk's logits, d logp / d logits = onehot(target) - p,
+        grad hidden_c = d @ W, grad W += d^T @ hidden_c (accumulated in fp32)
+
+Only one chunk's ``[C, V]`` logits exist at a time, forward or backward, instead
+of fp32 logits for every position of the micro-batch; the cost is one more
+head matmul in the backward (the recompute). The numbers are those of
+``log_softmax(hidden @ W^T)`` (the logits rounded to the model dtype first, as
+the model's own head does). A tied head works unchanged: its weight is the
+embedding's parameter and autograd adds both gradients. Entropy is a metric:
+no gradient flows through it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunked_logprobs"]
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits ``[C, V]`` of a chunk, computed in the model dtype as its head would."""
+    return F.linear(hidden, weight, bias).float()
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Log-probs ``[T]`` (differentiable in hidden, weight and bias) and entropy ``[T]`` (not)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, with_entropy):
+        num_tokens = hidden.shape[0]
+        logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.empty(num_tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, num_tokens, chunk_tokens):
+            e = min(s + chunk_tokens, num_tokens)
+            logits = _chunk_logits(hidden[s:e], weight, bias)  # [C, V]
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            logprobs[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+            if with_entropy:
+                probs = torch.exp(logits - lse[s:e, None])
+                entropy[s:e] = lse[s:e] - torch.linalg.vecdot(probs, logits)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grad_logprobs = grad_logprobs.float()
+        for s in range(0, hidden.shape[0], ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, hidden.shape[0])
+            g = grad_logprobs[s:e, None]  # [C, 1]
+            # d logp[target] / d logits = onehot(target) - softmax, in place on the recomputed logits
+            d = _chunk_logits(hidden[s:e], weight, bias).sub_(lse[s:e, None]).exp_().mul_(-g)
+            d.scatter_add_(1, targets[s:e, None], g)
+            if need_b:
+                grad_b += d.sum(0)
+            d = d.to(hidden.dtype)
+            if need_h:
+                grad_h[s:e] = d @ weight
+            if need_w:
+                grad_w += d.t() @ hidden[s:e]
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                     chunk_tokens: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets[t]`` ``[T]`` under ``softmax(hidden[t] @ weight^T + bias)`` (fp32),
+    and the distribution's entropy ``[T]`` (empty when not ``with_entropy``), from ``hidden``
+    ``[T, H]`` and the head ``weight`` ``[V, H]``, ``chunk_tokens`` rows of logits at a time."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [T, H] and targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, chunk_tokens, with_entropy)
+

@@ -1,0 +1,183 @@
+"""The torch backend's packed path (one row per micro-batch, log-probs from the LM head in
+chunks) computes what the padded path computes, on tiny local models."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from actors.backends import TrainerConfig, make_backend
+from actors.backends.batching import micro_batches
+from actors.backends.chunked_logprobs import chunked_logprobs
+from actors.backends.packing import packed_attention, packed_batch
+from actors.backends.torch_backend import TorchBackend
+from contracts.sample import Sample
+from policies.losses import make_loss
+from tests.helpers import hf_model, save_model, samples_for
+
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """qwen2: a tied head and qkv biases; llama: an lm_head of its own."""
+    root = tmp_path_factory.mktemp("packed_models")
+    return {kind: str(save_model(kind, root / kind)) for kind in ("qwen2", "llama")}
+
+
+def _backend(path: str, packed: bool, loss: str = "ppo_clip", **kw) -> TorchBackend:
+    b = TorchBackend(path, loss=make_loss(loss), lr=kw.pop("lr", 1e-4), seed=0, packed=packed, **kw)
+    b.setup()
+    return b
+
+
+def _samples(backend: TorchBackend) -> list[Sample]:
+    """Six samples of different prompt and response lengths, behaviour log-probs a little off-policy."""
+    samples = samples_for(backend.model.config.vocab_size)
+    for s, lps in zip(samples, backend.compute_logprobs(samples)):
+        s.rollout_logprobs = [lp - 0.05 for lp in lps]
+    return samples
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_packed_logprobs_equal_padded_logprobs(model_dirs, kind):
+    packed, padded = _backend(model_dirs[kind], True), _backend(model_dirs[kind], False)
+    assert packed.packed and not padded.packed and packed.padded_reason is None
+    samples = samples_for(packed.model.config.vocab_size)
+    got, want = packed.compute_logprobs(samples), padded.compute_logprobs(samples)
+    assert [len(x) for x in got] == [len(s.response_ids) for s in samples]
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("micro_batch_tokens", [0, 24])
+@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo"])
+def test_one_train_step_packed_leaves_the_weights_of_the_padded_step(model_dirs, kind, micro_batch_tokens, loss):
+    runs = []
+    for packed in (True, False):
+        b = _backend(model_dirs[kind], packed, loss, micro_batch_tokens=micro_batch_tokens, logprob_chunk_tokens=4)
+        samples = _samples(b)
+        metrics = b.train_step(samples, ADVANTAGES)
+        grads = {n: p.grad.clone() for n, p in b.model.named_parameters()}  # clipped, as stepped
+        runs.append((metrics, grads, {n: t.clone() for n, t in b.named_weights().items()}))
+    if micro_batch_tokens:  # several passes, packed and padded alike
+        assert len(micro_batches(samples, micro_batch_tokens, packed=True)) > 1
+        assert len(micro_batches(samples, micro_batch_tokens)) > 1
+    (m_packed, g_packed, w_packed), (m_padded, g_padded, w_padded) = runs
+    for key in ("loss", "entropy", "ratio_mean", "grad_norm", "tokens"):
+        assert m_packed[key] == pytest.approx(m_padded[key], abs=1e-5), key
+    for name in g_padded:
+        torch.testing.assert_close(g_packed[name], g_padded[name], atol=1e-5, rtol=0, msg=name)
+    assert w_packed.keys() == w_padded.keys()
+    for name in w_padded:
+        torch.testing.assert_close(w_packed[name], w_padded[name], atol=1e-5, rtol=0, msg=name)
+    assert not torch.equal(w_packed["model.embed_tokens.weight"], _backend(model_dirs[kind], True)
+                           .named_weights()["model.embed_tokens.weight"])  # the step did move the weights
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 64])
+def test_chunked_logprobs_equal_the_full_log_softmax_and_its_gradients(chunk_tokens, with_bias):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    weight = torch.randn(29, 16, generator=g).requires_grad_()
+    bias = torch.randn(29, generator=g).requires_grad_() if with_bias else None
+    targets = torch.randint(0, 29, (7,), generator=g)
+    upstream = torch.randn(7, generator=g)
+
+    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, chunk_tokens)
+    (logp * upstream).sum().backward()
+    got = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    for t in (hidden, weight, bias):
+        if t is not None:
+            t.grad = None
+
+    full = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias), dim=-1)  # [T, V]
+    want_logp = full.gather(1, targets[:, None]).squeeze(1)
+    (want_logp * upstream).sum().backward()
+    want = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    torch.testing.assert_close(logp, want_logp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_attention_never_crosses_a_sequence_boundary(model_dirs):
+    backend = _backend(model_dirs["llama"], True)
+    samples = samples_for(backend.model.config.vocab_size, num=3)
+    before = backend.compute_logprobs(samples)
+    changed = [Sample(uid="x", group_id="x", prompt_ids=[1, 5, 6, 7, 8, 9, 10, 11],
+                      response_ids=[12, 13, 14, 15, 16, 17, 18, 19, 20])] + samples[1:]
+    after = backend.compute_logprobs(changed)
+    assert after[1:] == before[1:]  # bit for bit: nothing of sequence 1 reaches the others
+    alone = backend.compute_logprobs(samples[2:])
+    assert alone[0] == pytest.approx(before[2], abs=1e-6)
+
+
+def test_packed_batch_restarts_positions_and_points_at_the_response_predictors():
+    samples = [Sample(uid="a", group_id="g", prompt_ids=[1, 2], response_ids=[3, 4, 5]),
+               Sample(uid="b", group_id="g", prompt_ids=[6, 7, 8], response_ids=[9])]
+    batch = packed_batch(samples, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert batch.cu_seqlens.tolist() == [0, 5, 9] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_len == 5
+    assert batch.pred_positions.tolist() == [1, 2, 3, 7]  # the hidden state before each response token
+    assert batch.targets.tolist() == [3, 4, 5, 9]
+    assert batch.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_packed_micro_batches_count_tokens_not_padding():
+    samples = [Sample(uid=str(i), group_id="g", prompt_ids=[1] * n, response_ids=[2]) for i, n in
+               enumerate([9, 1, 1, 1])]  # lengths 10, 2, 2, 2
+    assert micro_batches(samples, 12) == [[1, 2, 3], [0]]  # padded: 4 rows x 10 would not fit
+    assert micro_batches(samples, 12, packed=True) == [[1, 2, 3], [0]]
+    assert micro_batches(samples, 14, packed=True) == [[1, 2, 3], [0]]
+    assert micro_batches(samples, 16, packed=True) == [[1, 2, 3, 0]]
+    assert micro_batches(samples, 16) == [[1, 2, 3], [0]]
+
+
+def test_the_packed_attention_refuses_a_call_without_sequence_lengths():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="cu_seq_lens_q"):
+        packed_attention(torch.nn.Module(), q, q, q, None)
+
+
+def test_a_model_packing_does_not_support_trains_padded_and_says_why(tmp_path, caplog):
+    path = tmp_path / "sliding"
+    hf_model("qwen2", sliding_window=4, use_sliding_window=True, max_window_layers=0).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="actors.backends.torch_backend"):
+        backend = _backend(str(path), True)
+    assert not backend.packed and "sliding-window" in backend.padded_reason
+    assert "trainer.packed" in caplog.text and "trains padded" in caplog.text
+    samples = _samples(backend)
+    assert backend.train_step(samples, ADVANTAGES)["tokens"] == sum(len(s.response_ids) for s in samples)
+
+
+def test_the_config_turns_packing_on_by_default_and_passes_its_chunk(model_dirs):
+    assert TrainerConfig().packed is True
+    backend = make_backend(TrainerConfig(packed=False, logprob_chunk_tokens=5), model_dirs["qwen2"], seed=0,
+                           loss=make_loss("ppo_clip"))
+    assert (backend.packed, backend.logprob_chunk_tokens) == (False, 5)
+    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
+        TorchBackend(model_dirs["qwen2"], loss=make_loss("ppo_clip"), logprob_chunk_tokens=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_on_cuda_packed_matches_padded_with_the_varlen_kernel_or_the_per_sequence_fallback(tmp_path, dtype):
+    """bf16: the varlen flash kernel where this torch has it; fp32: one SDPA per sequence."""
+    path = save_model("llama", tmp_path / "llama")
+    kw = dict(device="cuda", dtype=dtype, master_dtype="float32")
+    packed, padded = _backend(str(path), True, **kw), _backend(str(path), False, **kw)
+    samples = _samples(padded)
+    tol = 5e-2 if dtype == "bfloat16" else 1e-4
+    for g, w in zip(packed.compute_logprobs(samples), padded.compute_logprobs(samples)):
+        assert g == pytest.approx(w, abs=tol)
+    got, want = packed.train_step(samples, ADVANTAGES), padded.train_step(samples, ADVANTAGES)
+    assert got["loss"] == pytest.approx(want["loss"], abs=tol) and got["grad_norm"] == pytest.approx(
+        want["grad_norm"], rel=tol)
