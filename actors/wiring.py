@@ -54,10 +54,10 @@ class Wiring:
     async def _setup(self) -> None:
         """Compose the run: runtime, queue, actors (each holding a queue client),
         the weight link chosen by placement, the policy (control only). Each part's
-        seconds go into ``startup`` (``task_s``, ``runtime_s``, ``queue_s``, ``trainer_s``:
-        trainer process(es) started and set up, model and optimizer loaded; ``rollout_s``:
-        rollout process(es) started, engine set up: model load, KV cache, compile and
-        CUDA graphs where the engine does them at setup; ``weight_link_s``, ``policy_s``)."""
+        seconds go into ``startup`` (``task_s``, ``runtime_s``, ``queue_s``, ``actors_s``:
+        the trainer's and the rollout actors' processes started and set up, all at once:
+        model and optimizer loaded, engines' weights and KV caches (compile and CUDA graphs
+        where an engine does them at setup); ``weight_link_s``, ``policy_s``)."""
         cfg = self.cfg
         last = time.perf_counter()
 
@@ -83,18 +83,6 @@ class Wiring:
         lap("runtime_s")
         self.queue = await self._make_queue()
         lap("queue_s")
-        trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
-        n = cfg.trainer.num_workers
-        group_init = TrainerLink.rendezvous() if n > 1 else None  # the workers' own group meets here
-        workers = await asyncio.gather(*(self.runtime.spawn(  # together: their setup joins one group
-            TrainerActor, name="trainer" if n == 1 else f"trainer-{rank}", num_cpus=1, num_gpus=trainer_gpus,
-            trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
-            model_path=self.model_path, seed=cfg.run.seed, loss=policies.losses.make_loss_from_config(cfg.trainer),
-            advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
-            torch_threads=1, rank=rank, world_size=n, group_init=group_init, ray_options=self._where("trainer", rank))
-            for rank in range(n)))
-        trainer = workers[0] if n == 1 else TrainerGroup(list(workers))
-        lap("trainer_s")
         r = cfg.rollout
         engine_gpus, engine_device = self._placement(r.engine.device)
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -110,8 +98,8 @@ class Wiring:
                 next_request=next_request, absorb=absorb, queue=self.queue,
                 reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
 
-        rollouts = [await spawn_rollout(i) for i in range(r.num_actors)]
-        lap("rollout_s")
+        trainer, rollouts = await self._start_actors(spawn_rollout)
+        lap("actors_s")
         self.weight_transport = await self._open_weight_link(trainer, rollouts)
         lap("weight_link_s")
         replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
@@ -131,6 +119,30 @@ class Wiring:
                                   weight_sync=weight_sync,
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)
         lap("policy_s")
+
+    async def _start_actors(self, spawn_rollout: Any) -> tuple[Any, list[Any]]:
+        """The trainer (its workers) and the rollout actors (``spawn_rollout(i)``)
+        started and set up all at once (model loads, engines' caches): the workers must
+        (their setup joins one group), and the rest need not wait for each other.
+        Raises the first failure once every spawn has ended, so the runtime holds every
+        actor it made, to stop."""
+        cfg = self.cfg
+        trainer_gpus, trainer_device = self._placement(cfg.trainer.device)
+        n = cfg.trainer.num_workers
+        group_init = TrainerLink.rendezvous() if n > 1 else None  # the workers' own group meets here
+        spawned = await asyncio.gather(*(self.runtime.spawn(
+            TrainerActor, name="trainer" if n == 1 else f"trainer-{rank}", num_cpus=1, num_gpus=trainer_gpus,
+            trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
+            model_path=self.model_path, seed=cfg.run.seed, loss=policies.losses.make_loss_from_config(cfg.trainer),
+            advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
+            torch_threads=1, rank=rank, world_size=n, group_init=group_init, ray_options=self._where("trainer", rank))
+            for rank in range(n)), *(spawn_rollout(i) for i in range(cfg.rollout.num_actors)),
+            return_exceptions=True)
+        failed = [x for x in spawned if isinstance(x, BaseException)]
+        if failed:
+            raise failed[0]
+        workers = spawned[:n]
+        return (workers[0] if n == 1 else TrainerGroup(list(workers))), list(spawned[n:])
 
     def _task_kwargs(self) -> dict[str, Any]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a

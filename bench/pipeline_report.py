@@ -57,7 +57,7 @@ FIELDS = {
     "sync_total_ms_median": "median whole weight sync of the timed steps (sync/total_ms); _max: the slowest",
     "sync_paused_ms_median": "median time the engines stood still per sync (sync/paused_ms); _max: the longest",
     "startup_s": "seconds from the start of the run's construction to its first trained step; startup: its "
-                 "phases (Run.startup: config, task, runtime, queue, trainer, rollout, weight_link, policy, "
+                 "phases (Run.startup: config, task, runtime, queue, actors, weight_link, policy, "
                  "before_train, initial_eval, first_step), disjoint, so they sum to at most startup_s",
     "step_s": "wall time per timed step (wall_s / steps)",
     "engine_bound_step_s": "samples per step x mean response tokens / engine_standalone_tokens_per_s",

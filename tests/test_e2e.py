@@ -233,7 +233,7 @@ def test_startup_is_timed_by_phase_to_the_first_step_and_reported_once(tmp_path)
     with run:
         run.train(steps=2)
         first, second = run.history
-    phases = {"config_s", "task_s", "runtime_s", "queue_s", "trainer_s", "rollout_s", "weight_link_s", "policy_s",
+    phases = {"config_s", "task_s", "runtime_s", "queue_s", "actors_s", "weight_link_s", "policy_s",
               "before_train_s", "initial_eval_s", "first_step_s"}
     assert set(run.startup) == phases | {"total_s"} and all(v >= 0 for v in run.startup.values())
     assert sum(run.startup[k] for k in phases) <= run.startup["total_s"]
