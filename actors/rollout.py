@@ -268,14 +268,14 @@ class RolloutActor(Actor):
     async def _receive(self, handle: Any) -> Any:
         if self._link is None:
             raise RuntimeError("a weight update before open_weight_link()")
-        return await self.blocking(self._link.receive, handle) if self._link.kind == "dist" else handle
+        return await self.blocking(self._link.receive, handle) if self._link.kind == "broadcast" else handle
 
     async def stage_weights(self, handle: Any) -> bool:
         """Check the update behind ``handle`` ahead of :meth:`update_weights`
         while generating (the engine's ``stage_weights``); False over a broadcast link."""
         if self._link is None:
             raise RuntimeError("stage_weights() before open_weight_link()")
-        if self._link.kind == "dist":
+        if self._link.kind == "broadcast":
             return False
         return await self.engine.stage_weights(handle)
 

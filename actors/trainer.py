@@ -150,10 +150,10 @@ class TrainerActor(Actor):
         return placement_of(str(self.backend.device))
 
     async def open_weight_link(self, kind: str) -> str | None:
-        """Publish updates over transport ``kind``; for ``dist``, returns the
+        """Publish updates over transport ``kind``; for ``broadcast``, returns the
         rendezvous address on this node that every member joins."""
         self._link = TrainerLink(kind, self.backend.device)
-        return TrainerLink.rendezvous() if kind == "dist" else None
+        return TrainerLink.rendezvous() if kind == "broadcast" else None
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
         """Join the broadcast group as rank ``self.rank`` (every trainer worker
@@ -241,7 +241,7 @@ class TrainerGroup:
     takes its own from the queue (one consumer, so every sample goes to exactly
     one of them), the backend reduces gradients across the trainers' group, and
     the reports merge into one. A weight update is every worker's update of
-    its own shards, merged (``contracts.weights.merge_updates``); over ``dist``
+    its own shards, merged (``contracts.weights.merge_updates``); over ``broadcast``
     the workers broadcast in rank order and each engine merges what it got."""
 
     def __init__(self, workers: list[TrainerWorkerHandle]) -> None:

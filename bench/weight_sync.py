@@ -189,7 +189,7 @@ def _subprocess_engine(kind: str, port: int, shapes: dict, device: str, conn: An
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=1, world_size=2)
-        transport = make_transport("dist", src=0)
+        transport = make_transport("broadcast", src=0)
     elif kind == "cuda_ipc":
         transport = make_transport("cuda_ipc", device=device)
     else:
@@ -245,7 +245,7 @@ class SubprocessReceiver:
 
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=0, world_size=2)
-            self.transport = make_transport("dist", src=0)
+            self.transport = make_transport("broadcast", src=0)
         else:
             self.transport = make_transport("cuda_ipc", device=device) if kind == "cuda_ipc" else None
         if not self.conn.poll(300) or self.conn.recv() != "ready":

@@ -50,7 +50,7 @@ class RolloutHandle(Protocol):
 
     async def update_weights(self, handle: Any) -> int:
         """Apply the update behind ``handle`` (a published ``WeightUpdate``, or
-        ``sync.link.DistPush`` over a broadcast link); returns the version held."""
+        ``sync.link.BroadcastPush`` over a broadcast link); returns the version held."""
         ...
 
     async def stage_weights(self, handle: Any) -> bool: ...
@@ -93,7 +93,7 @@ class TrainerHandle(Protocol):
     async def placement(self) -> Placement: ...
 
     async def open_weight_link(self, kind: str) -> str | None:
-        """Publish updates over transport ``kind``; for ``dist``, the rendezvous address."""
+        """Publish updates over transport ``kind``; for ``broadcast``, the rendezvous address."""
         ...
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None: ...

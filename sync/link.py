@@ -4,19 +4,19 @@ the three places that use it.
     driver (control only)            trainer process               engine processes
     open_weight_link(trainer, rollouts, cfg.sync)
       choose_transport(placements) ► TrainerLink(kind)  ──────────► EngineLink(kind)
-      [dist] one broadcast group: trainer workers ranks 0..n-1, rollout i rank n+i
+      [broadcast] one broadcast group: trainer workers ranks 0..n-1, rollout i rank n+i
     reform_weight_link(...)          the same group again, without a dead rollout actor
     push_weights(rollouts, trainer)
       trainer.weight_update() ─────► encode, publish: the payload
                   ◄── manifest + small handle (never the buckets)
       rollout.update_weights(handle) ────────────────────────────► receive(handle) → apply
-      [dist] trainer.broadcast_pending() ═══ broadcast ═══════════► (received in step)
+      [broadcast] trainer.broadcast_pending() ═══ broadcast ═══════════► (received in step)
       trainer.release_weights() ───► published buffers freed
 
 The transport follows placement (:func:`choose_transport`), with no flag
 needed: the same process → ``inproc`` (a process-local registry: what crosses
 the policy is a key); another process on the same host's GPUs → ``cuda_ipc``
-(engines map the trainer's buckets); other hosts or CPU processes → ``dist``
+(engines map the trainer's buckets); other hosts or CPU processes → ``broadcast``
 (a torch.distributed broadcast, NCCL between GPUs, gloo otherwise, rendezvous
 on the trainer's node address); Ray's object store (``ray``) when
 torch.distributed is unavailable. ``sync.transport`` can force one.
@@ -40,24 +40,23 @@ from sync.config import SyncConfig
 from sync.sequence import sync_weights
 from sync.transport import make_transport, transport_class
 
-__all__ = ["DistPush", "EngineLink", "TrainerLink", "WeightGroupLost", "choose_transport", "digest_named",
+__all__ = ["BroadcastPush", "EngineLink", "TrainerLink", "WeightGroupLost", "choose_transport", "digest_named",
            "open_weight_link", "push_weights", "reform_weight_link", "weight_sync_fn"]
 
-Kind = Literal["inproc", "cuda_ipc", "dist", "ray"]
+Kind = Literal["inproc", "cuda_ipc", "broadcast", "ray"]
 _TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died makes a broadcast fail, not hang
 
 
-class DistPush(msgspec.Struct, frozen=True):
+class BroadcastPush(msgspec.Struct, frozen=True):
     """Handle of one broadcast push: receivers take the update from the group."""
 
     version: int
 
 
 def choose_transport(trainer: Placement, engines: list[Placement], forced: str = "auto") -> Kind:
-    """The transport for this placement (``forced``, ``sync.transport``, when not
-    ``auto``): the one place the config's ``broadcast`` becomes ``dist``."""
+    """The transport for this placement (``forced``, ``sync.transport``, when not ``auto``)."""
     if forced != "auto":
-        return {"broadcast": "dist"}.get(forced, forced)  # type: ignore[return-value]
+        return forced  # type: ignore[return-value]
     if all(e.pid == trainer.pid for e in engines):
         return "inproc"
     on_gpu = trainer.device.startswith("cuda") and all(e.device.startswith("cuda") for e in engines)
@@ -65,7 +64,7 @@ def choose_transport(trainer: Placement, engines: list[Placement], forced: str =
         return "cuda_ipc"
     import torch.distributed as dist
 
-    return "dist" if dist.is_available() else "ray"
+    return "broadcast" if dist.is_available() else "ray"
 
 
 def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
@@ -99,7 +98,7 @@ def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> A
 
 def _broadcasts(group: Any, sources: int) -> list[Any]:
     """One broadcast transport per sending rank (the trainer workers are ranks 0..sources-1)."""
-    return [make_transport("dist", src=s, pg=group) for s in range(sources)]
+    return [make_transport("broadcast", src=s, pg=group) for s in range(sources)]
 
 
 def _free_port(host: str) -> int:
@@ -115,10 +114,10 @@ class TrainerLink:
     def __init__(self, kind: Kind, device: Any = "cpu") -> None:
         self.kind = kind
         self._group: Any = None
-        self._pending: WeightUpdate | None = None  # dist: the update waiting for its broadcast
+        self._pending: WeightUpdate | None = None  # broadcast: the update waiting to be sent
         self._published: list[Any] = []
-        # dist: the group's transports, made when it is joined
-        self._transport: Any = None if kind == "dist" else make_transport(kind, device=device)
+        # broadcast: the group's transports, made when it is joined
+        self._transport: Any = None if kind == "broadcast" else make_transport(kind, device=device)
 
     @staticmethod
     def rendezvous() -> str:
@@ -133,10 +132,10 @@ class TrainerLink:
 
     def publish(self, update: WeightUpdate | None) -> WeightUpdate | None:
         """What the engines need to fetch ``update``: its manifest and references
-        to its buckets (for ``dist``, the manifest only: the payload is broadcast)."""
+        to its buckets (for ``broadcast``, the manifest only: the payload is broadcast)."""
         if update is None:
             return None
-        if self.kind == "dist":
+        if self.kind == "broadcast":
             self._pending = update
             return WeightUpdate(manifest=update.manifest, buckets=[])
         handle = self._transport.send(update)
@@ -173,10 +172,10 @@ class EngineLink:
         self._group = _broadcasts(_join_group(init_method, rank, world_size, backend), sources)
 
     def receive(self, handle: Any) -> Any:
-        """Blocking for ``dist`` (takes part in the broadcast: every trainer
+        """Blocking for ``broadcast`` (takes part in the broadcast: every trainer
         worker's shards, merged); the others' buckets are references that
         ``apply_update`` reads as it goes."""
-        if isinstance(handle, DistPush):
+        if isinstance(handle, BroadcastPush):
             if self._group is None:
                 raise RuntimeError("a broadcast push reached an engine outside the weight group")
             parts = [t.receive() for t in self._group]
@@ -187,7 +186,7 @@ class EngineLink:
 class _ActorPush:
     """The policy's side of a push (a :class:`~sync.transport.base.Transport` for
     :func:`sync.sequence.sync_weights`): the handle goes on to the engines as
-    it is; for ``dist`` it starts the trainer's broadcast beside their receives."""
+    it is; for ``broadcast`` it starts the trainer's broadcast beside their receives."""
 
     name = "actor"
 
@@ -197,12 +196,12 @@ class _ActorPush:
         self._task: asyncio.Task[Any] | None = None
 
     def send(self, update: WeightUpdate) -> Any:
-        if self.kind != "dist":
+        if self.kind != "broadcast":
             return update
         if self._task is not None and not self._task.done():
             raise RuntimeError("a broadcast push is still running")
         self._task = asyncio.get_running_loop().create_task(self.trainer.broadcast_pending())
-        return DistPush(version=update.manifest.version)
+        return BroadcastPush(version=update.manifest.version)
 
     def receive(self, handle: Any) -> Any:
         raise RuntimeError("the engines receive, not the policy")
@@ -248,7 +247,7 @@ async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, 
     if link is None:  # died before the first step asked: a live original still knows
         links = [x for x in await asyncio.gather(*(h.weight_link() for h in engines)) if x is not None]
         link = next((x for x in links if x[1] is not None), links[0] if links else None)
-    if link is None or link[0] != "dist":
+    if link is None or link[0] != "broadcast":
         return
     kind, backend, sources = link
     if backend == "nccl":
@@ -257,13 +256,13 @@ async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, 
 
 
 async def _form_weight_link(trainer: Any, engines: list[Any], kind: Kind, backend: str, sources: int) -> None:
-    """Open ``kind`` at the trainer and every engine; for ``dist``, form the
+    """Open ``kind`` at the trainer and every engine; for ``broadcast``, form the
     broadcast group: the ``sources`` trainer workers are ranks 0..sources-1,
     engine i is rank sources + i, and every member joins at once (each join
     blocks until all have). The one place a weight group is formed."""
     init = await trainer.open_weight_link(kind)
     await asyncio.gather(*(h.open_weight_link(kind) for h in engines))
-    if kind == "dist":
+    if kind == "broadcast":
         world = sources + len(engines)
         await asyncio.gather(trainer.join_weight_group(init, world, backend),
                              *(h.join_weight_group(init, sources + i, world, backend, sources)
@@ -277,7 +276,7 @@ async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Even
     transport = _ActorPush(trainer, kind)
     try:
         return await sync_weights(rollouts, trainer, colocated=colocated, in_flight=in_flight, transport=transport,
-                                  released=None if kind == "dist" else released)
+                                  released=None if kind == "broadcast" else released)
     finally:
         try:
             await transport.wait()

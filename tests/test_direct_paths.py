@@ -43,7 +43,7 @@ from contracts.sample import Sample
 from contracts.training import BatchRequest, StepReport
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync.encode import WeightSender
-from sync.link import DistPush
+from sync.link import BroadcastPush
 from tests.driver_probe import (BUFFER, SAMPLE, SMALL_CHUNKS_MAX_CONTROL, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe,
                                 Seen, install, payload, payload_bytes)
 from transfer_queue import rpc
@@ -132,7 +132,7 @@ CONTROL: dict[str, Any] = {
     "a step report": StepReport(version=3, num_samples=8, num_tokens=64, wait_s=0.1, train_s=0.2,
                                 metrics={f"m{i}": float(i) for i in range(40)}),
     "a published update: manifest, no buckets": WeightUpdate(manifest=_manifest(40), buckets=[]),
-    "a broadcast push": DistPush(version=3),
+    "a broadcast push": BroadcastPush(version=3),
     "the queue client (its 32-byte secret)": ServedDeployment(("127.0.0.1", 1), bytes(32)),
     "one auth token": (b"t" * 64,),
     "a few digests": [bytes([i]) * 32 for i in range(SMALL_CHUNKS_MAX_CONTROL // 32)],
@@ -241,10 +241,10 @@ def process_run(tmp_path_factory: pytest.TempPathFactory) -> _Outcome:
 def test_process_runtime_driver_carries_control_only(process_run: _Outcome) -> None:
     out = process_run
     _assert_run_carried_control_only(out)
-    assert out.run.weight_transport == "dist"  # CPU processes: a gloo broadcast from the trainer
+    assert out.run.weight_transport == "broadcast"  # CPU processes: a gloo broadcast from the trainer
     assert out.training.messages["process:trainer.train_step (sent)"] == 3
     assert out.training.messages["process:trainer.train_step (received)"] == 3
-    assert out.training.messages["process:rollout-0.swap_weights (sent)"] == 3  # a DistPush each: control
+    assert out.training.messages["process:rollout-0.swap_weights (sent)"] == 3  # a BroadcastPush each: control
     assert out.training.messages["queue:call.statistics (received)"] > 0  # the queue's counters
     assert out.training.wire_bytes["pipe"] > 0 and out.training.wire_bytes["socket"] > 0
 
@@ -274,7 +274,7 @@ def test_ray_runtime_driver_carries_control_only(deployment: str, probe: DriverP
     out = _run(probe, tmp_path, "runtime.type=ray", f"transfer_queue.deployment={deployment}",
                route=_route_payload_through_the_driver)
     _assert_run_carried_control_only(out)
-    assert out.run.weight_transport == "dist"
+    assert out.run.weight_transport == "broadcast"
     assert out.training.messages["ray:RolloutActor.generate_group (sent)"] > 0
     assert out.training.messages["ray:RolloutActor.generate_group (received)"] > 0
     assert out.training.wire_bytes["ray"] > 0 and out.training.wire_bytes["socket"] > 0

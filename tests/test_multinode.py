@@ -92,7 +92,7 @@ def test_each_role_lands_where_the_config_says_and_weights_cross_nodes_bit_exact
         assert rollout_nodes == {node["b"], node["c"]}  # one per node: STRICT_SPREAD over the slots
         assert [_node_of(u) for u in run.queue._d.units] == [node["c"]] * 2  # the zone=c label
         assert _node_of(run.queue._d._controller) == _driver_node()
-        assert run.weight_transport == "dist"
+        assert run.weight_transport == "broadcast"
         for step in range(1, 4):
             (record,) = run.train(steps=1)
             assert record["sync/version"] == step and _identity_holds(record)

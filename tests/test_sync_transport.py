@@ -71,7 +71,7 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         w = _model(0)  # every rank builds the same model; it trains only its shard
         sender = WeightSender(mode="delta", bucket_bytes=256)
-        transports = [make_transport("dist", src=r) for r in range(world)]
+        transports = [make_transport("broadcast", src=r) for r in range(world)]
         engine = _engine(w)
         version = 0
         for v in (1, 2, 3):

@@ -84,7 +84,7 @@ def test_two_trainer_workers_train_every_sample_once_and_push_their_shards(tmp_p
                  "trainer.batch_prompts=2", "rollout.n=4", "rollout.max_response_tokens=8", "run.progress=false",
                  f"run.output_dir={tmp_path}")
     with run:
-        assert run.weight_transport == "dist"
+        assert run.weight_transport == "broadcast"
         before = loop.run(run.policy.trainer.weights_digest("float32"))
         train_checking_engine_weights(run, steps=3)  # engines == the workers' shards assembled, bit for bit
         assert loop.run(run.policy.trainer.weights_digest("float32")) != before  # it trained

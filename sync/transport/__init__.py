@@ -1,8 +1,8 @@
 """Transports behind one interface, built by one factory: :func:`make_transport`.
 
 ``inproc``: same process. ``ray``: buckets through the Ray object store.
-``dist``: a ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU; what
-the config calls ``broadcast``). ``cuda_ipc``: CUDA IPC handles for a trainer
+``broadcast``: a ``torch.distributed`` broadcast (gloo on CPU, NCCL on GPU).
+``cuda_ipc``: CUDA IPC handles for a trainer
 and engines on GPUs of one host.
 """
 
@@ -16,7 +16,7 @@ __all__ = ["Transport", "make_transport", "transport_class"]
 
 
 def transport_class(name: str) -> type[Transport]:
-    """The transport class called ``name`` (``inproc``, ``ray``, ``dist``, ``cuda_ipc``)."""
+    """The transport class called ``name`` (``inproc``, ``ray``, ``broadcast``, ``cuda_ipc``)."""
     if name == "inproc":
         from sync.transport.inproc import InProcessTransport
 
@@ -25,7 +25,7 @@ def transport_class(name: str) -> type[Transport]:
         from sync.transport.ray_store import RayObjectStoreTransport
 
         return RayObjectStoreTransport
-    if name == "dist":
+    if name == "broadcast":
         from sync.transport.broadcast import BroadcastTransport
 
         return BroadcastTransport
@@ -40,7 +40,7 @@ def make_transport(name: str, *, device: Any = None, src: int = 0, group: Any = 
     """The transport called ``name`` (see :func:`transport_class`), for one side
     of a push: the one place a transport is built. ``device``: for
     ``cuda_ipc`` the GPU the buckets live on (the trainer's; default ``cuda``),
-    for ``dist`` where buckets travel (default by backend); ``src``, ``group``,
+    for ``broadcast`` where buckets travel (default by backend); ``src``, ``group``,
     ``pg``: a broadcast's sending rank and process group
     (:class:`~sync.transport.broadcast.BroadcastTransport`)."""
     cls: Any = transport_class(name)
@@ -49,6 +49,6 @@ def make_transport(name: str, *, device: Any = None, src: int = 0, group: Any = 
         if getattr(device, "type", str(device).split(":")[0]) != "cuda":
             raise ValueError(f"sync.transport=cuda_ipc needs the trainer on a GPU, it is on {device}")
         return cls(device)
-    if name == "dist":
+    if name == "broadcast":
         return cls(src=src, group=group, device=device, pg=pg)
     return cls()

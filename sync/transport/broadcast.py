@@ -25,7 +25,7 @@ class BroadcastTransport(Transport):
     registered with torch.distributed; ``device``: where buckets travel
     (``cpu`` for gloo, ``cuda`` for NCCL; default: cuda when the backend is nccl)."""
 
-    name = "dist"  # the config's ``broadcast`` (sync.link.choose_transport)
+    name = "broadcast"
 
     def __init__(self, src: int = 0, group: Any = None, device: str | torch.device | None = None,
                  pg: Any = None) -> None:
