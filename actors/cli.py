@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     signal's number when SIGTERM / SIGINT stopped it (with a checkpoint when the
     step in progress finished in time). Each stop is one line on stderr."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come between overrides
     try:
         if args.resume is not None:
             overrides = list(args.overrides)
