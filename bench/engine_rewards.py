@@ -21,6 +21,7 @@ import statistics
 import time
 from typing import Any
 
+from actors.engines.config import engine_unavailable
 from actors.launch import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
     engines = args.engines.split(",")
+    for engine in engines:  # before any run: a missing engine is one line, not a traceback after the others
+        if (reason := engine_unavailable(engine)) is not None:
+            p.error(f"--engines {engine}: {reason}")
     runs: dict[str, list] = {e: [] for e in engines}
     for seed in range(args.seeds):
         for engine in engines:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
-    p.add_argument("--out", default="bench/results/staleness_cpu.json")
+    p.add_argument("--out", default=None, help="also write the JSON here (the kept one: bench/results/staleness_cpu.json)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
     ks = [int(k) for k in args.staleness.split(",")]
@@ -92,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                                           "spread": max(rewards) - min(rewards)}})
             print(f"[staleness] {loss} k={k}: {rewards}", file=sys.stderr)
         result["losses"][loss] = rows
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    try:
-        _plot(result, out.with_suffix(".png"))
-    except ImportError:  # the JSON above is the result; the picture is optional
-        print("[staleness] no plot: matplotlib is not installed (pip install -e \".[plot]\")", file=sys.stderr)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        try:
+            _plot(result, out.with_suffix(".png"))
+        except ImportError:  # the JSON is the result; the picture is optional
+            print("[staleness] no plot: matplotlib is not installed (pip install -e \".[plot]\")", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
+    if not args.small and not args.device.startswith("cuda") and args.shape != "tiny":
+        p.error(f"--shape {args.shape} in bf16 is a GPU benchmark (tens of GiB on a CPU); "
+                "use --device cuda, or --small for a CPU smoke test")
     # --small is a smoke test on a shared CPU: a batch of a few thousand tokens unless told otherwise
     for key, full, small in (("groups", 8, 2), ("n", 8, 4), ("prompt_len", 128, 32), ("response_len", 256, 64)):
         if getattr(args, key) is None:

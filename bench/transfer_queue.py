@@ -43,7 +43,8 @@ ray.util.queue.Queue runs with its batch API (``put_nowait_batch`` /
 producer puts one GRPO group per call on both queues (``--groups-per-put``
 changes that for both alike). Everything runs on the process's one loop
 (``loop.run``: uvloop when installed, as every asyncrl process), both queues alike.
-Prints one JSON object and writes it to ``bench/results/transfer_queue_cpu.json``.
+Prints one JSON object (``--out``: also writes it there; the kept one is
+``bench/results/transfer_queue_cpu.json``).
 """
 
 from __future__ import annotations
@@ -388,12 +389,14 @@ if __name__ == "__main__":
                         help="GRPO groups per put call, for every producer of both queues (default 1)")
     parser.add_argument("--num-storage-units", type=int, default=NUM_STORAGE_UNITS,
                         help=f"storage units of both TransferQueue deployments (default {NUM_STORAGE_UNITS}, the queue's)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer_queue_cpu.json"))
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON here (the kept one: bench/results/transfer_queue_cpu.json)")
     args = parser.parse_args()
     GROUPS_PER_PUT = args.groups_per_put
     NUM_STORAGE_UNITS = args.num_storage_units
     out = loop.run(main(args))  # the project's one loop (uvloop when installed), as every asyncrl process runs
     text = json.dumps(out, indent=2)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
