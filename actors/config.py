@@ -97,8 +97,7 @@ class RunConfig(_Section):
     line also writes one when stopped by SIGTERM or SIGINT). A run checkpoint
     (``<run dir>/checkpoints/step-<N>``) holds what ``--resume`` needs: the
     trainer's HF-loadable weights and optimizer, RNG states, counters, the
-    queue's samples, the resolved config. ``trainer.checkpoint_every`` is the
-    older name of this setting (its checkpoints are these); set one of them."""
+    queue's samples, the resolved config."""
     keep_checkpoints: Annotated[int, Meta(ge=2)] = 2
     """Run checkpoints kept: older ones are deleted once a newer one is complete
     (at least 2, so a checkpoint torn by a crash leaves the previous one)."""
@@ -310,16 +309,28 @@ def _check_consistency(cfg: Config) -> None:
                           "would pick full or delta from its own costs); use 'full' or 'delta'")
     if not math.isfinite(cfg.trainer.lr):
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
-    if cfg.run.checkpoint_every and cfg.trainer.checkpoint_every and \
-            cfg.run.checkpoint_every != cfg.trainer.checkpoint_every:
-        raise ConfigError(f"run.checkpoint_every: {cfg.run.checkpoint_every} differs from trainer.checkpoint_every="
-                          f"{cfg.trainer.checkpoint_every}, its older name (both write the run checkpoint); set one")
 
 
 def checkpoint_every(cfg: Config) -> int:
-    """Steps between run checkpoints (0 = none): ``run.checkpoint_every``, or
-    ``trainer.checkpoint_every``, its older name."""
-    return cfg.run.checkpoint_every or cfg.trainer.checkpoint_every
+    """Steps between run checkpoints (0 = none)."""
+    return cfg.run.checkpoint_every
+
+
+def _moved(tree: dict[str, Any], resumed: bool) -> dict[str, Any]:
+    """``trainer.checkpoint_every``, the older name of ``run.checkpoint_every``:
+    one line naming the new key in a config; folded into it in the config a
+    run saved before the rename, so that run still resumes."""
+    trainer = tree.get("trainer")
+    if not isinstance(trainer, dict) or "checkpoint_every" not in trainer:
+        return tree
+    if not resumed:
+        raise ConfigError("trainer.checkpoint_every: renamed run.checkpoint_every (it writes the run checkpoint)")
+    tree, trainer = dict(tree), dict(trainer)
+    every = trainer.pop("checkpoint_every")
+    tree["trainer"] = trainer
+    if every:
+        tree["run"] = {**tree.get("run", {}), "checkpoint_every": tree.get("run", {}).get("checkpoint_every") or every}
+    return tree
 
 
 def _check_task(task: TaskConfig, base_dir: str) -> None:
@@ -394,7 +405,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
         tree = read_yaml(p)
         base_dir = str(p.resolve().parent)
     tree = apply_overrides(tree, list(overrides))
-    return build_config(tree, base_dir)
+    return build_config(_moved(tree, resumed=False), base_dir)
 
 
 # What a resumed run may change: how long it runs, how it reports and checkpoints,
@@ -403,7 +414,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
-                  "trainer.checkpoint_every", "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s",
+                  "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s",
                   "rollout.max_respawns")
 
 
@@ -411,7 +422,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     """The resolved config a checkpoint saved (``config.yaml``), with overrides of
     :data:`RESUMABLE_KEYS` only; any other key is a :class:`ConfigError` naming it."""
     p = pathlib.Path(saved)
-    tree = read_yaml(p)
+    tree = _moved(read_yaml(p), resumed=True)
     base_dir = tree.pop("base_dir", None)
     if not isinstance(base_dir, str):
         raise ConfigError(f"{p}: not a resolved run config (no base_dir)")

@@ -198,3 +198,23 @@ def test_a_value_out_of_bounds_is_echoed_in_its_one_line():
         load_config(ROOT / "fully_async.yaml", ["trainer.lr=-1"])
     with pytest.raises(ConfigError, match=r"^rollout\.n: expected int, got str \('abc'\)$"):
         load_config(ROOT / "fully_async.yaml", ["rollout.n=abc"])
+
+
+def test_in_flight_modes_the_engine_or_colocated_cannot_do_are_one_line_at_load():
+    assert load_config(ROOT / "fully_async.yaml").sync.in_flight_for("torch") == "keep"  # auto, not colocated
+    assert load_config(ROOT / "fully_async.yaml", ["sync.colocated=true"]).sync.in_flight_for("torch") == "recompute"
+    with pytest.raises(ConfigError, match=r"^sync\.in_flight: 'keep' needs the KV cache") as info:
+        load_config(ROOT / "fully_async.yaml", ["sync.in_flight=keep", "sync.colocated=true"])
+    assert "\n" not in str(info.value)
+
+
+def test_trainer_checkpoint_every_is_renamed_and_old_saved_configs_still_resume(tmp_path):
+    from actors.config import load_resume_config
+
+    with pytest.raises(ConfigError, match=r"^trainer\.checkpoint_every: renamed run\.checkpoint_every"):
+        load_config(ROOT / "fully_async.yaml", ["trainer.checkpoint_every=5"])
+    saved = tmp_path / "config.yaml"  # a run saved before the rename wrote the old key
+    text = to_yaml(load_config(ROOT / "fully_async.yaml"))
+    assert "\ntrainer:\n" in text
+    saved.write_text(text.replace("\ntrainer:\n", "\ntrainer:\n  checkpoint_every: 7\n", 1))
+    assert load_resume_config(saved).run.checkpoint_every == 7

@@ -93,9 +93,6 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
     logged either way)."""
-    checkpoint_every: NonNegInt = 0
-    """Save a checkpoint (safetensors + optimizer) into the run directory every
-    this many steps (0 = never; ``Run.save_checkpoint()`` saves on demand)."""
 
 
 def backend_unavailable(backend: str, device: str | None = None) -> str | None:
