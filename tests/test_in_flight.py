@@ -128,3 +128,34 @@ async def test_running_requests_go_on_under_the_new_weights(mode: str, device: s
         mine, other = (kept, recomputed) if mode == "keep" else (recomputed, kept)
         assert _close(out.raw_logprobs[g:], mine, device), (mode, (got[g:] - mine).abs().max())
         assert (got[g:] - other).abs().max() > 100 * TOL  # the other mode's reference does not fit
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_a_refused_swap_leaves_the_engine_generating_on_its_weights(mode: str) -> None:
+    """A delta on another base is refused by the swap itself; the engine keeps its
+    version and weights, and runs on (``abort``: what it aborted still ends)."""
+    from sync import BaseVersionMismatch
+
+    _, new = _models()
+    engine = TorchEngine(str(BUILTIN_MODEL_DIR), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64,
+                         cuda_graphs=False, seed=3)
+    await engine.setup()
+    try:
+        before = {k: v.clone() for k, v in engine.named_weights().items()}
+        sender = WeightSender(mode="delta", dtype=torch.float32)
+        sender.encode(new.state_dict(), 4)  # the sender's base is now version 4, the engine's 0
+        with torch.no_grad():
+            next(new.parameters()).add_(1.0)
+        delta = sender.encode(new.state_dict(), 5)
+        assert delta.manifest.kind == "delta" and delta.manifest.base_version == 4
+        task = asyncio.ensure_future(engine.generate(GenerateRequest(
+            request_id="r", prompt_ids=[3, 4, 5], max_tokens=30, sampling=SamplingParams(temperature=1.0, seed=1))))
+        await asyncio.sleep(0.05)
+        with pytest.raises(BaseVersionMismatch):
+            await engine.swap_weights(delta, mode)
+        out = await asyncio.wait_for(task, 30)
+        assert engine.version == 0 and set(out.token_versions) <= {0}
+        assert out.finish_reason == ("abort" if mode == "abort" and len(out.token_ids) < 30 else "length")
+        assert all(torch.equal(before[k], v) for k, v in engine.named_weights().items())
+    finally:
+        await engine.close()
