@@ -275,8 +275,11 @@ async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Even
     (:func:`sync.sequence.sync_weights` over the actors' handles)."""
     transport = _ActorPush(trainer, kind)
     try:
+        # a broadcast cannot check ahead, and a dead member would hold it to the group's timeout:
+        # its first round asks every engine its version instead, which finds a dead one at once
         return await sync_weights(rollouts, trainer, colocated=colocated, in_flight=in_flight, transport=transport,
-                                  released=None if kind == "broadcast" else released)
+                                  released=None if kind == "broadcast" else released,
+                                  ask_versions=kind == "broadcast")
     finally:
         try:
             await transport.wait()

@@ -142,11 +142,14 @@ async def sync_weights(
     version: int | None = None,
     transport: Transport | None = None,
     released: asyncio.Event | None = None,
+    ask_versions: bool = False,
 ) -> SyncResult:
     """Bring every engine to the source's next version, safely.
 
     ``in_flight``: what each engine's swap does to the generations running on it
-    (``contracts.rollout.InFlight``). ``released`` is set as soon as the update
+    (``contracts.rollout.InFlight``). ``ask_versions``: ask every engine its version
+    first instead of using the ones its last swap reported (a broadcast waits for
+    every member: the question finds a dead one before the collective starts). ``released`` is set as soon as the update
     is encoded: from then on the source's weights are not read again, so a
     trainer may take its next step while the push runs. A failed push is then
     not retried with a fresh full encode (it would read the newer weights);
@@ -167,12 +170,12 @@ async def sync_weights(
     if colocated:  # the KV cache is freed before the encode: the payload never shares the device with it
         aborted = list(await asyncio.gather(*(e.prepare_swap(in_flight) for e in engines)))
         try:
-            before, update = await _prepare(engines, src)
+            before, update = await _prepare(engines, src, ask_versions)
         except BaseException:
             await resume_engines(engines, colocated=True)
             raise
     else:
-        before, update = await _prepare(engines, src)
+        before, update = await _prepare(engines, src, ask_versions)
         staged = await _stage(engines, update, transport)
     target = update.manifest.version
     metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
@@ -211,10 +214,10 @@ async def resume_engines(engines: list[Any], *, colocated: bool) -> None:
     await asyncio.gather(*(e.resume() for e in engines))
 
 
-async def _prepare(engines: list[Any], src: _Source) -> tuple[list[int], WeightUpdate]:
+async def _prepare(engines: list[Any], src: _Source, fresh: bool) -> tuple[list[int], WeightUpdate]:
     """The engines' versions and the update for them: a delta only when every
     engine holds its base (when the source can re-encode), else full for all."""
-    before = list(await asyncio.gather(*(engine_version(e) for e in engines)))
+    before = list(await asyncio.gather(*(engine_version(e, fresh=fresh) for e in engines)))
     update = await src.update()
     if update.manifest.kind == "delta" and any(v != update.manifest.base_version for v in before) and src.can_retry:
         update = await src.update(full=True)  # someone missed the base: everyone gets full
