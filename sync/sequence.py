@@ -204,14 +204,20 @@ async def sync_weights(
 
 
 async def resume_engines(engines: list[Any], *, colocated: bool) -> None:
-    """Engines run again, and never on caches of other weights, whatever became
-    of a push that stopped them: ``wake_up(kv_cache)`` when ``colocated`` (the
-    push freed it), ``reset_prefix_cache``, ``resume``; each step on every
-    engine at once. (A swap that ran ends this way by itself.)"""
+    """:func:`resume_engine` on every engine at once."""
+    await asyncio.gather(*(resume_engine(e, colocated=colocated) for e in engines))
+
+
+async def resume_engine(engine: Any, *, colocated: bool) -> None:
+    """The end of every push, whatever became of it, the one place it is written:
+    the engine runs again, and never on caches of other weights. ``wake_up(kv_cache)``
+    when ``colocated`` (the push freed it), ``reset_prefix_cache``, ``resume``. A
+    swap ends this way by itself (``RolloutEngine.swap_weights``); the driver calls
+    it for a push that stopped short of the swaps."""
     if colocated:
-        await asyncio.gather(*(e.wake_up(["kv_cache"]) for e in engines))
-    await asyncio.gather(*(e.reset_prefix_cache() for e in engines))
-    await asyncio.gather(*(e.resume() for e in engines))
+        await engine.wake_up(["kv_cache"])
+    await engine.reset_prefix_cache()
+    await engine.resume()
 
 
 async def _prepare(engines: list[Any], src: _Source, fresh: bool) -> tuple[list[int], WeightUpdate]:
@@ -305,4 +311,4 @@ async def _revert(engines: list[Any], before: list[int], target: int, src: _Sour
     await swap(moved, undo, aborted=[[] for _ in engines])
 
 
-__all__ = ["BaseVersionMismatch", "engine_version", "resume_engines", "sync_weights"]
+__all__ = ["BaseVersionMismatch", "engine_version", "resume_engine", "resume_engines", "sync_weights"]

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from contracts.rollout import IN_FLIGHT_MODES, GenerateOutput, GenerateRequest, InFlight, SamplingParams, SwapReport
+from sync.sequence import resume_engine
 
 __all__ = ["MEMORY_TAGS", "EngineAsleepError", "GenerateOutput", "GenerateRequest", "RolloutEngine",
            "SamplingParams", "SwapReport", "check_in_flight", "copy_output"]
@@ -150,10 +151,7 @@ class RolloutEngine(abc.ABC):
             version = await self.update_weights(update)
             apply_ms = (time.perf_counter() - t1) * 1e3
         finally:
-            if asleep:
-                await self.wake_up(["kv_cache"])
-            await self.reset_prefix_cache()
-            await self.resume()
+            await resume_engine(self, colocated=asleep)
         return SwapReport(version=version, aborted=aborted, paused_ms=(time.perf_counter() - t0) * 1e3,
                           apply_ms=apply_ms)
 
