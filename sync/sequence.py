@@ -149,11 +149,11 @@ async def sync_weights(
     ``in_flight``: what each engine's swap does to the generations running on it
     (``contracts.rollout.InFlight``). ``ask_versions``: ask every engine its version
     first instead of using the ones its last swap reported (a broadcast waits for
-    every member: the question finds a dead one before the collective starts). ``released`` is set as soon as the update
-    is encoded: from then on the source's weights are not read again, so a
-    trainer may take its next step while the push runs. A failed push is then
-    not retried with a fresh full encode (it would read the newer weights);
-    engines are reverted instead.
+    every member: the question finds a dead one before the collective starts).
+    ``released`` is set as soon as the update is encoded: from then on the
+    source's weights are not read again, so a trainer may take its next step
+    while the push runs. A failed push is then not retried with a fresh full
+    encode (it would read the newer weights); engines are reverted instead.
 
     Returns a :class:`SyncResult` with what each engine aborted (an engine: the
     partial outputs; a rollout actor keeps those and returns their count) and
