@@ -249,3 +249,21 @@ def train_checking_engine_weights(run, steps: int, dtype: str = "bfloat16") -> N
         for rollout in policy.rollouts:
             assert loop.run(rollout.get_version()) == step
             assert loop.run(rollout.weights_digest()) == want
+
+
+def force_codec_path(monkeypatch: pytest.MonkeyPatch, path: str, min_part: int) -> None:
+    """Make ``sync.codec.choose`` pick ``path`` on a CPU: ``c`` (the native kernels
+    on a 2-thread pool, parts of at least ``min_part`` elements; skipped without a
+    C compiler) or ``torch`` (the native library disabled)."""
+    from sync import codec, native, pool
+
+    if path == "c":
+        if not native.available():
+            pytest.skip("no C compiler")
+        monkeypatch.setattr(pool, "NUM_THREADS", 2)
+        monkeypatch.setattr(pool, "MIN_PART", min_part)
+    else:
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_lib_error", "disabled for this test")
+    assert codec.choose("cpu", 2) == path
+

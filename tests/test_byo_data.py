@@ -114,22 +114,23 @@ def test_a_row_missing_a_nested_field_stops_the_launch_naming_file_row_and_path(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def launch_nested(data: pathlib.Path) -> None:
+        launch(ROOT / "fully_async.yaml", *SHORT, f"model.path={chat_model}", "task.type=text_dataset",
+               f"task.kwargs.path={data}", "task.kwargs.answer_field=reward_model.ground_truth",
+               f"run.output_dir={tmp_path / 'runs'}")
+
     rows = _verl_rows(DIGITS[:3])
     rows[2]["reward_model"] = {"style": "rule", "ground_truth": None}
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     with pytest.raises(ValueError) as err:
-        launch(ROOT / "fully_async.yaml", *SHORT, f"model.path={chat_model}", "task.type=text_dataset",
-               f"task.kwargs.path={data}", "task.kwargs.answer_field=reward_model.ground_truth",
-               f"run.output_dir={tmp_path / 'runs'}")
+        launch_nested(data)
     assert str(err.value) == (f"{data}:row 3: field 'reward_model.ground_truth' must be a string or a number, "
                               "got null")
     data = tmp_path / "flat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in [rows[0], {"prompt": "R1:", "reward_model": {}}]))
     with pytest.raises(ValueError) as err:
-        launch(ROOT / "fully_async.yaml", *SHORT, f"model.path={chat_model}", "task.type=text_dataset",
-               f"task.kwargs.path={data}", "task.kwargs.answer_field=reward_model.ground_truth",
-               f"run.output_dir={tmp_path / 'runs'}")
+        launch_nested(data)
     assert str(err.value) == (f"{data}:2: missing field 'reward_model.ground_truth' "
                               "(no 'ground_truth' in 'reward_model'; it has: nothing)")
 

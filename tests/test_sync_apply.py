@@ -17,6 +17,7 @@ from sync import (
 )
 from sync.auto import AutoConfig
 from contracts.weights import bucket_tensor
+from tests.helpers import force_codec_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -259,17 +260,7 @@ def test_sparse_apply_undoes_a_piece_whose_target_checksum_is_wrong(path: str, w
     it was, and an intact update is bit-exact."""
     import msgspec
 
-    from sync import codec, native, pool
-
-    if path == "c":
-        if not native.available():
-            pytest.skip("no C compiler")
-        monkeypatch.setattr(pool, "NUM_THREADS", 2)
-        monkeypatch.setattr(pool, "MIN_PART", 7)
-    else:
-        monkeypatch.setattr(native, "_lib", None)
-        monkeypatch.setattr(native, "_lib_error", "disabled for this test")
-    assert codec.choose("cpu", 2) == path
+    force_codec_path(monkeypatch, path, min_part=7)
     w, sender = _model(), WeightSender(mode="delta", bucket_bytes=4096)
     engine = _engine(w)
     apply_update(engine, sender.encode(w, 1), 0)

@@ -12,6 +12,7 @@ from sync import WeightSender, apply_update
 from sync.checksum import int_view, region_checksum
 from sync.streams import bitmask_decode, bitmask_encode, varint_decode, varint_encode
 from contracts.weights import Manifest
+from tests.helpers import force_codec_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,17 +185,7 @@ def test_delta_over_many_parts_is_bit_exact(path: str, monkeypatch) -> None:
     """A piece split into parts (run on the pool), or encoded by the torch
     reference, still encodes and applies bit for bit, from an fp32 master
     into a bf16 engine."""
-    from sync import codec, native, pool
-
-    if path == "c":
-        if not native.available():
-            pytest.skip("no C compiler")
-        monkeypatch.setattr(pool, "NUM_THREADS", 2)
-        monkeypatch.setattr(pool, "MIN_PART", 1000)
-    else:
-        monkeypatch.setattr(native, "_lib", None)
-        monkeypatch.setattr(native, "_lib_error", "disabled for this test")
-    assert codec.choose("cpu", 2) == path
+    force_codec_path(monkeypatch, path, min_part=1000)
     torch.manual_seed(1)
     master = {"w": torch.randn(40_003) * 0.02, "v": torch.randn(7, 13)}
     sender = WeightSender(mode="delta", dtype=torch.bfloat16, bucket_bytes=32 << 10)
