@@ -339,7 +339,7 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     if not syncs:
         return {}
     parts = {k: statistics.fmean(m.get(f"sync/{k}_ms", 0.0) for m in syncs)
-             for k in ("encode", "stage", "transfer", "apply", "total", "paused", "pause")}
+             for k in ("encode", "stage", "transfer", "apply", "total", "paused")}
     parts["sequence"] = parts["total"] - parts["encode"] - parts["stage"] - parts["transfer"] - parts["apply"]
     # the trainer's own encode time (the "encode" above also holds the call that fetched it)
     parts["sender_encode"] = statistics.fmean(m.get("sync/sender_encode_ms", 0.0) for m in syncs)
