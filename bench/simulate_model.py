@@ -2,30 +2,36 @@
 
     prompts ─► dispatcher ─► engine × R  (continuous batching: every running sequence
                   │            │          gains one token per decode step; a step takes
-                  │            │          decode_s(batch); admitting a sequence stalls the
-                  │            │          engine for its prefill)
+                  │            │          decode_s(batch); admitting sequences stalls the
+                  │            │          engine for their prefill, a finished one for its
+                  │            │          result's handling, after which it is delivered)
                   │            ▼
                   │      finished groups ─► queue ─► trainer (T GPUs, data parallel)
                   │                                     │ step: fixed + per-token / (T · eff)
-                  ▼                                     ▼
+                  ▼                                     ▼   + the driver's overhead
       admission (the schedule's rule)        weight push every K steps: the trainer
       unblocked by: a push, a drop            waits for it (or its encode only, with
                                               overlap), engines pause for its apply
-                                              and treat in-flight samples per mode
+                                              and treat in-flight samples per mode;
+                                              every E steps, once the push is done, an
+                                              evaluation: held-out prompts on the
+                                              engines, the trainer waits for them
 
 Schedules: ``sync`` (generate B, train, push), ``one_step_off`` (generate batch k+1
-while training batch k; the push waits for both), ``fully_async`` (admission window
+while training batch k; the whole push follows both), ``fully_async`` (admission window
 of ``policies.admission``: ``ceil((1 + s) · K · B)`` samples per sync window, carried
-ones included; the trainer drops samples older than ``max_staleness`` versions).
-In-flight mode at a push (fully-async): ``abort`` (the real system: running samples
-are aborted, resubmitted to their engine behind the requests waiting there and
-re-prefilled on prompt + partial), ``keep`` (only the pause), ``recompute`` (re-prefill in place).
+ones included; the trainer drops samples older than ``max_staleness`` versions; the
+rollout keeps generating through evaluations). In-flight mode at a push (fully-async):
+``abort`` (running samples are aborted, resubmitted to their engine behind the requests
+waiting there and re-prefilled on prompt + partial), ``keep`` (only the pause),
+``recompute`` (re-prefill in place).
 
 Time is fluid between events: a running sequence advances ``dt / decode_s(batch)``
-tokens, so an event happens only when a sequence finishes, one is admitted, the
-trainer starts or ends, or a push pauses or resumes the engines. Colocated
-(rollout and trainer on the same devices): while both are busy each runs
-``contention`` times slower (the one calibrated constant of a shared device).
+tokens, so an event happens only when a sequence finishes or is delivered, one is
+admitted, the trainer starts or ends, a push pauses or resumes the engines, or an
+evaluation ends. Colocated (rollout and trainer on the same devices, ``colocated``):
+while both are busy each runs ``contention`` times slower; ``bench.simulate --validate``
+feeds each schedule's own measured component times instead (the contention is in them).
 """
 
 from __future__ import annotations
@@ -35,21 +41,29 @@ import heapq
 import math
 import random
 from collections import deque
-from typing import Callable, Literal
+from typing import Literal
 
-__all__ = ["Inputs", "Schedule", "Result", "LengthDist", "simulate", "best_split", "disaggregated"]
+__all__ = ["Inputs", "Schedule", "Result", "LengthDist", "simulate"]
 
 INF = float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
 class LengthDist:
-    """Response lengths as the tasks draw them: ``min(max_len, floor(min_len · u^(-1/alpha)))``
-    (a truncated Pareto; ``alpha = inf`` gives a fixed ``min_len``)."""
+    """Response lengths, capped at ``max_len``, by one of two laws:
+
+    - the tasks' truncated Pareto, ``min(max_len, floor(min_len · u^(-1/alpha)))``
+      (``alpha = inf`` gives a fixed ``min_len``): a model that answers the task's
+      target, whose length the task draws;
+    - with ``continue_prob`` set, geometric: ``P(L >= k) = continue_prob^(k-1)``, a model
+      that stops with the same probability after every token (an untrained or free-running
+      one), the law of largest entropy for a given mean.
+    """
 
     min_len: float
     alpha: float
     max_len: int
+    continue_prob: float | None = None
 
     @classmethod
     def fixed(cls, length: int) -> LengthDist:
@@ -69,13 +83,35 @@ class LengthDist:
                 hi = mid
         return cls(lo, alpha, max_len)
 
+    @classmethod
+    def geometric(cls, mean: float, max_len: int) -> LengthDist:
+        """The geometric law with this cap whose mean is ``mean`` (``continue_prob`` by bisection)."""
+        if not 1 <= mean <= max_len:
+            raise ValueError(f"mean response length {mean} outside [1, max_len={max_len}]")
+        lo, hi = 0.0, 1.0
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            if cls(1.0, INF, max_len, mid).mean() < mean:
+                lo = mid
+            else:
+                hi = mid
+        return cls(1.0, INF, max_len, lo)
+
     def mean(self) -> float:
+        if self.continue_prob is not None:
+            q = self.continue_prob
+            return float(self.max_len) if q >= 1.0 else (1.0 - q ** self.max_len) / (1.0 - q)
         if math.isinf(self.alpha):
             return float(min(self.max_len, math.floor(self.min_len)))
         # E[min(M, floor(X))] = sum_{k>=1} P(min(M, floor X) >= k) = sum_{k=1..M} P(X >= k)
         return float(sum(min(1.0, (self.min_len / k) ** self.alpha) for k in range(1, self.max_len + 1)))
 
     def sample(self, rng: random.Random) -> int:
+        if self.continue_prob is not None:
+            q = self.continue_prob
+            if q <= 0.0 or q >= 1.0:
+                return 1 if q <= 0.0 else self.max_len
+            return max(1, min(self.max_len, 1 + int(math.log(1.0 - rng.random()) / math.log(q))))
         if math.isinf(self.alpha):
             return max(1, min(self.max_len, int(self.min_len)))
         u = 1.0 - rng.random()
@@ -118,9 +154,19 @@ class Inputs:
     contention: float = 1.0
     resume_overhead_s: float = 0.0
     """Per aborted sample, before it can be resubmitted (abort mode)."""
-    eval_per_step_s: float = 0.0
-    """In-loop evaluations, averaged per trainer step: on the trainer's path (the rollout of
-    fully-async keeps generating through them)."""
+    prefill_per_seq_s: float = 0.0
+    """Engine time to prefill one sequence besides its tokens (the host's work per sequence,
+    which is most of a prefill for a small model); a resumed partial pays it again."""
+    sample_overhead_s: float = 0.0
+    """Engine time per finished sample outside its prefill and decode steps (the rollout's
+    handling of a result), stalling that engine like a prefill."""
+    eval_every: int = 0
+    """An in-loop evaluation after every ``eval_every``-th trainer step (0: none), once that
+    step's push has finished, the last step excepted (as ``policies.base`` runs them)."""
+    eval_samples: int = 0
+    """Held-out prompts an evaluation generates, one response each (lengths as ``lengths``),
+    spread over the engines; the driver, and so the trainer, waits for all of them, while
+    fully-async's admitted rollout keeps generating beside them."""
     eval_in_wall: bool = True
     """False: the evaluations' time is taken out of the wall clock, as ``bench.async_vs_sync``
     did before ``eval_in_window`` (the rollout's generation during them stays counted)."""
@@ -161,6 +207,10 @@ class Result:
     dropped: int
     reprefill_tokens: float
     trainer_idle_ratio: float
+    decode_steps_per_step: float = 0.0
+    """Decode steps of the engines, summed, per trainer step (a check against engine counters)."""
+    eval_s_per_step: float = 0.0
+    """Time the driver spent in evaluations, per trainer step."""
 
 
 @dataclasses.dataclass
@@ -173,6 +223,7 @@ class _Seq:
     left: float = 0.0  # tokens still to generate (kept up to date while not running)
     finish_at: float = 0.0  # the engine clock at which it finishes, while running
     prefilled: bool = False
+    eval: bool = False  # an evaluation's response: never trained
 
     def __post_init__(self) -> None:
         self.left = float(self.length)
@@ -228,14 +279,24 @@ class _Engine:
         return sum(s.length - (s.finish_at - self.clock) for s in self.running.values())
 
     def on_event(self, t: float) -> None:
+        done: list[_Seq] = []
         while self.finish and self.finish[0][0] - self.clock <= 1e-9:
             _, sid = heapq.heappop(self.finish)
             s = self.running.pop(sid)
             s.left = 0.0
-            self.sim.finished(s, t)
+            done.append(s)
+        if done and self.sim.inp.sample_overhead_s:
+            # the engine handles the results before it steps on; they are delivered once handled
+            self.busy_until = max(t, self.busy_until) + len(done) * self.sim.inp.sample_overhead_s
+            self.sim.deliver_at(self.busy_until, done)
+        else:
+            for s in done:
+                self.sim.finished(s, t)
         prefill_tokens = 0.0
+        num_admitted = 0
         while self.waiting and len(self.running) < self.sim.inp.max_running:
             s = self.waiting.popleft()
+            num_admitted += 1
             prefill_tokens += s.prompt_len + (s.length - s.left)
             if s.prefilled:
                 self.sim.reprefill_tokens += s.prompt_len + (s.length - s.left)
@@ -245,6 +306,8 @@ class _Engine:
             heapq.heappush(self.finish, (s.finish_at, s.uid))
         if prefill_tokens:
             self.busy_until = max(t, self.busy_until) + prefill_tokens * self.sim.inp.prefill_per_token_s
+            if self.sim.inp.prefill_per_seq_s:
+                self.busy_until += num_admitted * self.sim.inp.prefill_per_seq_s
 
 
 class _Sim:
@@ -261,6 +324,7 @@ class _Sim:
         self.engines = [_Engine(self) for _ in range(inp.num_rollout)]
         self.events: list[tuple[float, int, str]] = []
         self._tie = 0
+        self.deliveries: dict[int, list[_Seq]] = {}  # "deliver" event -> the sequences it delivers
         self.t = 0.0
         self.version = 0
         self.steps = 0
@@ -280,9 +344,14 @@ class _Sim:
         self.dropped = 0
         self.max_ahead = 0
         self.max_lag = 0
-        self.eval_s = 0.0
-        # after each step: (timed clock, trained tokens, trained samples)
-        self.history: list[tuple[float, int, int]] = []
+        self.eval_s = 0.0  # time the driver spent in evaluations
+        self.eval_rng = random.Random(f"eval{seed}")  # the training samples' lengths do not depend on evals
+        self.eval_due = False  # the step just trained ends with an evaluation
+        self.eval_left = self.num_eval_seqs = 0
+        self.eval_t0 = 0.0
+        # after each step: (timed clock, trained tokens, trained samples, decode steps of all engines,
+        # evaluation seconds)
+        self.history: list[tuple[float, int, int, float, float]] = []
         # fully-async admission: policies.admission's window
         self.budget = math.ceil((1.0 + sched.staleness_threshold) * sched.sync_every * inp.samples_per_step - 1e-9)
         self.carried = self.admitted_in_window = 0
@@ -295,12 +364,20 @@ class _Sim:
         self._tie += 1
         heapq.heappush(self.events, (t, self._tie, kind))
 
+    def deliver_at(self, t: float, seqs: list[_Seq]) -> None:
+        """Finished sequences reach the driver at ``t`` (after their engine handled them)."""
+        self.at(t, "deliver")
+        self.deliveries[self._tie] = seqs
+
     def timed(self) -> float:
         """The clock as the bench times it (evaluations taken out when not in the wall)."""
         return self.t if self.inp.eval_in_wall else self.t - self.eval_s
 
     def contended(self) -> bool:
         return self.inp.colocated and self.trainer_busy
+
+    def decode_steps(self) -> float:
+        return sum(e.clock for e in self.engines)
 
     def rollout_busy(self) -> bool:
         return any(e.running or e.waiting for e in self.engines)
@@ -322,6 +399,11 @@ class _Sim:
         self.max_ahead = max(self.max_ahead, self.in_flight + self.queued_samples())
 
     def finished(self, s: _Seq, t: float) -> None:
+        if s.eval:
+            self.eval_left -= 1
+            if not self.eval_left:
+                self.at(t, "eval_done")
+            return
         self.in_flight -= 1
         self.groups_left[s.group] -= 1
         if self.groups_left[s.group] == 0:
@@ -390,8 +472,7 @@ class _Sim:
         dur = self.inp.train_s(tokens)
         if self.inp.colocated and self.rollout_busy():
             dur *= self.inp.contention
-        dur += self.inp.step_overhead_s + self.inp.eval_per_step_s
-        self.eval_s += self.inp.eval_per_step_s
+        dur += self.inp.step_overhead_s
         self.trainer_busy = True
         self.trainer_busy_s += dur
         self.at(self.t + dur, "train_done")
@@ -399,9 +480,17 @@ class _Sim:
     def on_train_done(self) -> None:
         self.trainer_busy = False
         self.steps += 1
-        self.history.append((self.timed(), self.trained_tokens, self.trained_samples))
+        self.history.append((self.timed(), self.trained_tokens, self.trained_samples, self.decode_steps(),
+                             self.eval_s))
+        self.eval_due = (self.inp.eval_every > 0 and self.steps % self.inp.eval_every == 0
+                         and self.steps < self.num_steps)
         if self.steps % self.sched.sync_every:
-            self.try_train()
+            if not self.eval_due:
+                self.try_train()
+            elif self.pushing:
+                self.trainer_blocked = True  # the evaluation waits for the push still applying
+            else:
+                self.start_eval()
         elif self.pushing:
             self.push_pending = True  # an overlapped push is still being applied
             self.trainer_blocked = True
@@ -438,13 +527,41 @@ class _Sim:
             elif mode == "recompute" and e.running:
                 toks = len(e.running) * self.inp.prompt_len + e.generated()
                 self.reprefill_tokens += toks
-                e.busy_until = max(e.busy_until, self.t) + toks * self.inp.prefill_per_token_s
+                e.busy_until = (max(e.busy_until, self.t) + toks * self.inp.prefill_per_token_s
+                                + len(e.running) * self.inp.prefill_per_seq_s)
         self.pushing = False
         if self.sched.type == "fully_async":
             self.carried, self.admitted_in_window = self.in_flight + self.queued_samples(), 0
         if self.push_pending:
             self.begin_push()
             return
+        if self.eval_due:
+            if self.sched.type == "fully_async":
+                self.feed()  # the feeder is not the driver: the window that opened is filled now
+            self.start_eval()
+            return
+        self.trainer_blocked = False
+        if self.sched.type == "sync" and self.gen_started < self.num_steps:
+            self.start_generation()
+        self.try_train()
+
+    def start_eval(self) -> None:
+        """The driver evaluates (``policies.base``'s ``evaluate``): one response per held-out
+        prompt, spread over the engines behind what waits there; the trainer waits for all."""
+        self.eval_due = False
+        self.trainer_blocked = True
+        self.eval_t0 = self.t
+        self.eval_left = self.inp.eval_samples
+        for i in range(self.inp.eval_samples):
+            self.num_eval_seqs += 1
+            s = _Seq(self.inp.lengths.sample(self.eval_rng), self.inp.prompt_len, -1, self.version,
+                     -self.num_eval_seqs, eval=True)
+            self.engines[i % len(self.engines)].waiting.append(s)
+        if not self.eval_left:
+            self.at(self.t, "eval_done")
+
+    def on_eval_done(self) -> None:
+        self.eval_s += self.t - self.eval_t0
         self.trainer_blocked = False
         if self.sched.type == "sync" and self.gen_started < self.num_steps:
             self.start_generation()
@@ -452,7 +569,9 @@ class _Sim:
 
     def on_groups_changed(self) -> None:
         if self.pushing and self.sched.type == "one_step_off" and self.gen_done >= self.gen_started:
-            self.at(self.t, "pause")
+            # the whole push follows the generation (policies.baselines: no sync while one is in
+            # flight): its encode, then the engines' pause
+            self.at(self.t + max(0.0, self.inp.push_s - self.inp.push_paused_s), "pause")
         self.try_train()
 
     # -- main loop ---------------------------------------------------------------
@@ -468,16 +587,24 @@ class _Sim:
             if te == INF and tn == INF:
                 raise RuntimeError(f"deadlock at step {self.steps} ({self.sched.type})")
             if te <= tn:
-                self.t, _, kind = heapq.heappop(self.events)
+                self.t, tie, kind = heapq.heappop(self.events)
                 self.sync_engines()
-                if kind == "train_done":
+                if kind == "deliver":
+                    before = len(self.queue)
+                    for s in self.deliveries.pop(tie):
+                        self.finished(s, self.t)
+                    if len(self.queue) != before:
+                        self.on_groups_changed()
+                elif kind == "train_done":
                     self.on_train_done()
                 elif kind == "pause":
                     self.on_pause()
                 elif kind == "push_done":
                     self.on_push_done()
+                elif kind == "eval_done":
+                    self.on_eval_done()
                 else:  # trainer_free: an overlapped push's encode is done
-                    if not self.push_pending:
+                    if not self.push_pending and not self.eval_due:
                         self.trainer_blocked = False
                     self.try_train()
             else:
@@ -491,7 +618,9 @@ class _Sim:
         return Result(steps_per_s=self.steps / wall, trained_tokens_per_s=self.trained_tokens / wall,
                       samples_per_s=self.trained_samples / wall, max_ahead_samples=self.max_ahead,
                       max_version_lag=self.max_lag, dropped=self.dropped, reprefill_tokens=self.reprefill_tokens,
-                      trainer_idle_ratio=max(0.0, 1.0 - self.trainer_busy_s / wall))
+                      trainer_idle_ratio=max(0.0, 1.0 - self.trainer_busy_s / wall),
+                      decode_steps_per_step=self.history[-1][3] / self.steps,
+                      eval_s_per_step=self.history[-1][4] / self.steps)
 
 
 def simulate(inp: Inputs, sched: Schedule, num_steps: int = 40, seed: int = 0, warmup_steps: int = 0) -> Result:
@@ -501,40 +630,9 @@ def simulate(inp: Inputs, sched: Schedule, num_steps: int = 40, seed: int = 0, w
     r = sim.run()
     if not warmup_steps:
         return r
-    t0, tok0, smp0 = sim.history[warmup_steps - 1]
+    t0, tok0, smp0, dec0, eval0 = sim.history[warmup_steps - 1]
     span = sim.timed() - t0
     return dataclasses.replace(r, steps_per_s=num_steps / span, trained_tokens_per_s=(sim.trained_tokens - tok0) / span,
-                               samples_per_s=(sim.trained_samples - smp0) / span)
-
-
-def best_split(total_gpus: int, evaluate: Callable[[int], float],
-               candidates: list[int] | None = None) -> tuple[int, float, dict[int, float]]:
-    """The rollout GPU count R (the other ``total_gpus - R`` train) that maximises
-    ``evaluate(R)`` (trained tokens/s): ``candidates``, or a grid of N/8 and then N/16 either
-    side of its best. Returns (R, its tokens/s, {R: tokens/s for every R tried})."""
-    if total_gpus < 2:
-        raise ValueError(f"a split needs at least 2 GPUs, got {total_gpus}")
-    tried: dict[int, float] = {}
-
-    def at(r: int) -> None:
-        r = max(1, min(total_gpus - 1, r))
-        if r not in tried:
-            tried[r] = evaluate(r)
-
-    for r in candidates or [round(total_gpus * f / 8) for f in range(1, 8)]:
-        at(r)
-    if candidates is None:
-        best = max(tried, key=tried.__getitem__)
-        for r in (best - max(1, total_gpus // 16), best + max(1, total_gpus // 16)):
-            at(r)
-    best = max(tried, key=tried.__getitem__)
-    return best, tried[best], tried
-
-
-def disaggregated(inp: Inputs, sched: Schedule, total_gpus: int, num_steps: int = 20,
-                  seed: int = 0) -> Callable[[int], float]:
-    """``evaluate`` for :func:`best_split`: R rollout and N - R trainer GPUs, no shared device."""
-    def evaluate(r: int) -> float:
-        split = dataclasses.replace(inp, num_rollout=r, num_trainer=total_gpus - r, colocated=False)
-        return simulate(split, sched, num_steps=num_steps, seed=seed, warmup_steps=2).trained_tokens_per_s
-    return evaluate
+                               samples_per_s=(sim.trained_samples - smp0) / span,
+                               decode_steps_per_step=(sim.history[-1][3] - dec0) / num_steps,
+                               eval_s_per_step=(sim.history[-1][4] - eval0) / num_steps)

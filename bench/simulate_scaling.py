@@ -16,9 +16,9 @@ For the disaggregated ones the rollout/trainer split R is searched.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
-from bench.simulate_model import Inputs, LengthDist, Schedule, best_split, simulate
+from bench.simulate_model import Inputs, LengthDist, Schedule, simulate
 
 H200_PEAK_FLOPS = 989e12  # dense bf16
 # assumed: ~70% of 4.8 TB/s (weight_sync_h200_median.json copies at 4.02 TB/s, read + write)
@@ -228,4 +228,37 @@ def _quantile(d: LengthDist, q: float) -> float:
     return min(d.max_len, d.min_len * (1 - q) ** (-1 / d.alpha))
 
 
-__all__ = ["scaling", "inputs_for", "tail_sweep"]
+def best_split(total_gpus: int, evaluate: Callable[[int], float],
+               candidates: list[int] | None = None) -> tuple[int, float, dict[int, float]]:
+    """The rollout GPU count R (the other ``total_gpus - R`` train) that maximises
+    ``evaluate(R)`` (trained tokens/s): ``candidates``, or a grid of N/8 and then N/16 either
+    side of its best. Returns (R, its tokens/s, {R: tokens/s for every R tried})."""
+    if total_gpus < 2:
+        raise ValueError(f"a split needs at least 2 GPUs, got {total_gpus}")
+    tried: dict[int, float] = {}
+
+    def at(r: int) -> None:
+        r = max(1, min(total_gpus - 1, r))
+        if r not in tried:
+            tried[r] = evaluate(r)
+
+    for r in candidates or [round(total_gpus * f / 8) for f in range(1, 8)]:
+        at(r)
+    if candidates is None:
+        best = max(tried, key=tried.__getitem__)
+        for r in (best - max(1, total_gpus // 16), best + max(1, total_gpus // 16)):
+            at(r)
+    best = max(tried, key=tried.__getitem__)
+    return best, tried[best], tried
+
+
+def disaggregated(inp: Inputs, sched: Schedule, total_gpus: int, num_steps: int = 20,
+                  seed: int = 0) -> Callable[[int], float]:
+    """``evaluate`` for :func:`best_split`: R rollout and N - R trainer GPUs, no shared device."""
+    def evaluate(r: int) -> float:
+        split = dataclasses.replace(inp, num_rollout=r, num_trainer=total_gpus - r, colocated=False)
+        return simulate(split, sched, num_steps=num_steps, seed=seed, warmup_steps=2).trained_tokens_per_s
+    return evaluate
+
+
+__all__ = ["scaling", "inputs_for", "tail_sweep", "best_split", "disaggregated"]

@@ -1,4 +1,6 @@
-"""bench.simulate: the schedule model against analytic cases, and the CLI's one JSON object."""
+"""bench.simulate: the schedule model against analytic cases, and the validation against kept
+runs (its JSON's fields, no measured outcome among its inputs, predictions that move the right
+way when a component gets slower)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import math
 import pytest
 
 from bench import simulate as cli
-from bench.simulate_model import Inputs, LengthDist, Schedule, best_split, disaggregated, simulate
+from bench.simulate_model import Inputs, LengthDist, Schedule, simulate
+from bench.simulate_scaling import best_split, disaggregated
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,16 +113,171 @@ def test_length_distribution_matches_its_mean():
     assert max(xs) == 100
 
 
+def test_geometric_lengths_match_their_mean_and_stop_at_a_constant_rate():
+    d = LengthDist.geometric(12.6, 100)
+    assert d.mean() == pytest.approx(12.6, rel=1e-6)
+    import random
+    rng = random.Random(0)
+    xs = [d.sample(rng) for _ in range(40_000)]
+    assert sum(xs) / len(xs) == pytest.approx(12.6, rel=0.03)
+    # P(L >= k + 1 | L >= k) is the same at every k below the cap
+    at_least = [sum(x >= k for x in xs) for k in (1, 6, 11)]
+    assert at_least[1] / at_least[0] == pytest.approx(at_least[2] / at_least[1], rel=0.05)
+    assert LengthDist.geometric(100, 100).sample(rng) == 100
+
+
+def test_an_evaluation_holds_sync_for_its_longest_response():
+    # fixed 100-token responses at 1 ms a decode step: each evaluation adds 0.1 s to the step
+    inp = _inputs(eval_every=1, eval_samples=8)
+    r = simulate(inp, Schedule("sync"), num_steps=6, warmup_steps=2)
+    assert r.steps_per_s == pytest.approx(1 / (0.1 + 0.2 + 0.1), rel=1e-6)
+    assert r.eval_s_per_step == pytest.approx(0.1, rel=1e-6)
+    # taken out of the wall clock (the old bench), sync is as fast as without it
+    out = simulate(dataclasses.replace(inp, eval_in_wall=False), Schedule("sync"), num_steps=6, warmup_steps=2)
+    assert out.steps_per_s == pytest.approx(1 / 0.3, rel=1e-6)
+
+
+def test_fully_async_keeps_generating_through_an_evaluation_taken_out_of_the_wall():
+    inp = _inputs(train_fixed_s=0.05, eval_every=1, eval_samples=8, lengths=LengthDist.geometric(30, 300))
+    sched = Schedule("fully_async", staleness_threshold=1.0, max_staleness=4)
+    counted = simulate(inp, sched, num_steps=10, warmup_steps=2)
+    hidden = simulate(dataclasses.replace(inp, eval_in_wall=False), sched, num_steps=10, warmup_steps=2)
+    assert hidden.trained_tokens_per_s > counted.trained_tokens_per_s
+
+
+def test_per_sample_and_per_prefill_costs_stall_the_engine():
+    # 32 samples a step, fixed 100 tokens at 1 ms: generation 0.1 s + 32 x (prefill + result handling)
+    inp = _inputs(prefill_per_seq_s=2e-4, sample_overhead_s=3e-4)
+    r = simulate(inp, Schedule("sync"), num_steps=5, warmup_steps=1)
+    assert r.steps_per_s == pytest.approx(1 / (0.1 + 32 * 5e-4 + 0.2), rel=1e-6)
+
+
+def test_one_step_off_pays_the_whole_push_after_the_generation():
+    inp = _inputs(train_fixed_s=0.05, push_s=0.03, push_paused_s=0.01)
+    r = simulate(inp, Schedule("one_step_off"), num_steps=8, warmup_steps=2)
+    assert r.steps_per_s == pytest.approx(1 / (max(0.1, 0.05) + 0.03), rel=1e-6)
+
+
+def test_decode_steps_per_step_count_the_straggler():
+    r = simulate(_inputs(), Schedule("sync"), num_steps=4, warmup_steps=1)
+    assert r.decode_steps_per_step == pytest.approx(100, rel=1e-6)
+
+
+# -- validation against kept runs ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def validation() -> dict:
+    return cli.validate()
+
+
 def test_validate_prints_one_json_object(capsys):
     assert cli.main(["--validate"]) == 0
-    out = capsys.readouterr().out
-    d = json.loads(out)  # one object, nothing else on stdout
-    assert d["runs"] and d["left_out"]
+    d = json.loads(capsys.readouterr().out)  # one object, nothing else on stdout
+    assert d["bench"] == "simulate --validate" and d["runs"]
+
+
+def test_validate_json_has_every_field(validation):
+    d = validation
+    assert {"method", "inputs", "setups", "left_out", "runs", "max_abs_relative_error", "within_20_percent",
+            "predictions", "all_within_20_percent"} <= set(d)
+    assert all(reason for reason in d["left_out"].values())
     calibration_runs = {s["calibrated_on"] for s in d["setups"].values()}
+    errors = []
+    for setup in d["setups"].values():
+        assert set(setup["overheads"]) == {"sample_overhead_ms", "driver_overhead_ms"}
+        assert setup["calibration_run"]["sync"]["role"].startswith("calibrated on")
     for row in d["runs"]:
         assert row["run"] not in calibration_runs
+        assert {"setup", "steps", "batch_size", "seeds", "warmup_steps", "in_flight", "recorded_where"} <= set(row)
         for p in row["policies"].values():
-            assert set(p) == {"predicted_tokens_per_s", "measured_tokens_per_s", "relative_error"}
+            assert set(p) == {"predicted_tokens_per_s", "measured_tokens_per_s", "relative_error",
+                              "check_model_vs_counted"}
+            assert p["relative_error"] == pytest.approx(
+                (p["predicted_tokens_per_s"] - p["measured_tokens_per_s"]) / p["measured_tokens_per_s"], abs=2e-3)
+            errors.append(abs(p["relative_error"]))
+    assert d["predictions"] == len(errors)
+    assert d["max_abs_relative_error"] == pytest.approx(max(errors))
+    assert d["all_within_20_percent"] == (max(errors) <= 0.2)
+
+
+def test_every_kept_async_vs_sync_run_is_validated_calibrated_or_left_out(validation):
+    d = validation
+    covered = {row["run"].split(" [")[0] for row in d["runs"]} | set(d["left_out"])
+    covered |= {s["calibrated_on"].split(" [")[0] for s in d["setups"].values()}
+    kept = {p.name for p in cli.RESULTS.glob("async_vs_sync_*.json")}
+    assert kept <= covered
+
+
+_OUTCOMES = ("tokens_per_s", "samples_per_s", "steps_per_s", "rollout_idle_ratio", "engine_busy_ratio",
+             "engine_tokens_per_s", "engine_decode_rows_mean", "eval_s", "pipeline_efficiency", "wall_s",
+             "wall_with_eval_s")
+
+
+@pytest.mark.parametrize("name", ["async_vs_sync_h200_smollm2_steps.json", "async_vs_sync_h200_text_v4_tail.json"])
+def test_a_runs_measured_throughput_is_no_input_of_its_prediction(name):
+    spec = next(v for s in cli.SETUPS.values() for v in s["validate"] if v.file == name and not v.runtime)
+    setup = next(s for s in cli.SETUPS.values() if spec in s["validate"])
+    ov = cli.calibrate(setup["calibrate"])
+    run = cli._load(name)
+    doubled = json.loads(json.dumps(run))
+    for p in doubled["policies"].values():
+        for s in cli._seeds(p):
+            for key in _OUTCOMES:
+                if isinstance(s.get(key), (int, float)):
+                    s[key] *= 2 if key != "rollout_idle_ratio" else 0.5
+    for policy in run["policies"]:
+        a = cli.predict_policy(run, spec, policy, ov)["predicted_tokens_per_s"]
+        b = cli.predict_policy(doubled, spec, policy, ov)["predicted_tokens_per_s"]
+        assert a == b
+
+
+def _scaled(run: dict, policy: str, edit) -> dict:
+    out = json.loads(json.dumps(run))
+    for s in cli._seeds(out["policies"][policy]):
+        edit(s)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["sync", "fully_async"])
+def test_a_slower_engine_trainer_or_push_predicts_fewer_tokens(policy):
+    name = "async_vs_sync_h200_smollm2_steps.json"
+    setup = cli.SETUPS["h200_smollm2_text_arithmetic"]
+    spec, ov = setup["validate"][0], cli.calibrate(setup["calibrate"])
+    run = cli._load(name)
+    base = cli.predict_policy(run, spec, policy, ov)["predicted_tokens_per_s"]
+
+    def slower_engine(s):
+        for k in ("decode_launch_s", "decode_wait_s", "decode_post_s"):
+            s["engine"][k] *= 1.5
+
+    def slower_trainer(s):
+        s["train_step_ms_mean"] *= 1.5
+
+    def slower_push(s):
+        s["sync_parts_ms_mean"]["total"] *= 10
+
+    engine = cli.predict_policy(_scaled(run, policy, slower_engine), spec, policy, ov)["predicted_tokens_per_s"]
+    trainer = cli.predict_policy(_scaled(run, policy, slower_trainer), spec, policy, ov)["predicted_tokens_per_s"]
+    push = cli.predict_policy(_scaled(run, policy, slower_push), spec, policy, ov)["predicted_tokens_per_s"]
+    assert engine < base and trainer < base and push < base
+
+
+def test_a_push_kept_as_a_mean_over_steps_counts_once_per_push():
+    s = {"sync_ms_mean": 10.0}
+    assert cli._push_s(s, 2) == pytest.approx(0.020)
+    assert cli._push_s({**s, "sync_parts_ms_mean": {"total": 31.8}}, 2) == pytest.approx(0.0318)
+
+
+def test_the_run_that_kept_in_flight_samples_is_simulated_keeping_them():
+    # async_vs_sync_h200_smollm2_steps.json: sync.in_flight auto (keep); its engines aborted nothing
+    # while samples ran at every push
+    spec = cli.SETUPS["h200_smollm2_text_arithmetic"]["validate"][0]
+    run = cli._load(spec.file)
+    assert all(s["engine"]["num_aborted"] == 0 and s["engine"]["num_running"] > 0
+               for s in cli._seeds(run["policies"]["fully_async"]))
+    assert cli.schedule_of(run, "fully_async", spec).in_flight == "keep"
+    other = cli.SETUPS["h200_402m_text_arithmetic"]["calibrate"]
+    assert cli.schedule_of(cli._load(other.file), "fully_async", other).in_flight == "abort"
 
 
 def test_a_seed_gives_the_same_run_every_time():
