@@ -7,7 +7,8 @@ the role's strategy (``runtime.placement``, ``actors/placement_config.py``).
                  resources others hold)
     spawn:    options(role, i): the actor's resources + PlacementGroupSchedulingStrategy(pg, bundle i)
     node lost: Ray places the lost node's bundles again on the nodes left when they fit;
-              a replacement waits (ready_timeout_s) for its bundle, else it is given up with one line
+              a replacement (rollout actor: the policy's; storage unit: the queue controller's)
+              waits (ready_timeout_s) for its bundle, else it is given up with one line
 
 The feasibility check is the cluster's nodes (alive, their total resources and
 labels) against the bundles, role after role, as Ray's strategies would place
@@ -254,13 +255,16 @@ class Placer:
 
     def queue_options(self, num_units: int) -> dict[str, Any]:
         """``TransferQueue.create``'s ``ray_options``: each storage unit in its bundle,
-        the controller on the driver's node (whose loss ends the run anyway)."""
+        the controller on the driver's node (whose loss ends the run anyway). A unit
+        lost with its node is replaced in the same bundle, once Ray placed it again on
+        the nodes left, within ``ready_timeout_s`` (else it is given up, one line)."""
         import ray  # ~0.75 s to import: only Ray runs pay it
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return {"unit_options": [self.options("storage", i) for i in range(num_units)],
-                "controller_options": {"scheduling_strategy": driver_node}}
+                "controller_options": {"scheduling_strategy": driver_node},
+                "replace_timeout_s": self.ready_timeout_s}
 
 
 async def reserve_roles(cfg: Any, runtime: Any, defaults: dict[str, tuple[float, float]]) -> Placer | None:

@@ -2,11 +2,12 @@
 with its own resources and labels, as Ray's own tests do): each role lands where
 ``runtime.placement`` says, weights reach engines on other nodes bit for bit, a
 placement the cluster cannot hold is one line at load, and a node lost mid-run
-has its rollout actors replaced on the nodes left with the accounting intact.
+has its rollout actor and its storage unit replaced on the nodes left with the
+accounting intact.
 
     node a (head)           trainer (the queue's controller: on the driver's node)
     node b                  rollout actor (rollout_slot, lossy_slot: 2)
-    node c                  rollout actor, storage units (labels zone=c; store_slot)
+    node c                  rollout actor, storage units (labels zone=c; store_slot: 2)
     node d (one test)       a rollout actor and a storage unit, then removed
 """
 
@@ -44,7 +45,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1}})
     nodes = {"a": c.head_node,
              "b": c.add_node(num_cpus=2, resources={"rollout_slot": 2, "lossy_slot": 2}, labels={"zone": "b"}),
-             "c": c.add_node(num_cpus=2, resources={"rollout_slot": 2, "store_slot": 1}, labels={"zone": "c"})}
+             "c": c.add_node(num_cpus=2, resources={"rollout_slot": 2, "store_slot": 2}, labels={"zone": "c"})}
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     c.wait_for_nodes()
     yield c, {k: n.node_id for k, n in nodes.items()}
@@ -70,6 +71,22 @@ def _check_engines_bit_exact(run: Any, step: int) -> None:
     for rollout in run.policy.rollouts:
         assert loop.run(rollout.get_version()) == step
         assert loop.run(rollout.weights_digest()) == want
+
+
+def _alive_storage_nodes() -> list[str]:
+    """The node of every live storage-unit actor, from Ray's actor table (the GCS's; the
+    dashboard's ``ray.util.state`` is not installed here)."""
+    import ray
+
+    return sorted(a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                  if a["ActorClassName"] == "StorageActor" and a["State"] == "ALIVE")
+
+
+def _until(condition: Any, timeout_s: float, between: Any = lambda: time.sleep(0.2)) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {condition}"
+        between()
 
 
 def _identity_holds(record: dict[str, Any]) -> bool:
@@ -116,8 +133,10 @@ def test_a_placement_the_cluster_cannot_hold_is_one_line_at_load(cluster, tmp_pa
     assert not any(tmp_path.iterdir())  # nothing left behind
 
 
-@pytest.mark.ray  # ~35-55 s: the replacement starts a process and loads the model while the run goes on
-def test_a_node_lost_mid_run_has_its_rollout_actor_replaced_and_nothing_is_lost(cluster, tmp_path):
+@pytest.mark.ray  # ~45-65 s: the replacements start processes (one loads the model) while the run goes on
+def test_a_node_lost_mid_run_has_its_rollout_actor_and_storage_unit_replaced_and_nothing_is_lost(cluster, tmp_path):
+    import ray
+
     c, node = cluster
     lost = c.add_node(num_cpus=2, resources={"lossy_slot": 1, "store_slot": 1})
     c.wait_for_nodes()
@@ -126,16 +145,30 @@ def test_a_node_lost_mid_run_has_its_rollout_actor_replaced_and_nothing_is_lost(
                  "runtime.placement.rollout.resources={lossy_slot: 1}", "runtime.placement.rollout.strategy=SPREAD",
                  "runtime.placement.storage.resources={store_slot: 1}", "runtime.placement.storage.strategy=SPREAD")
     with run:
-        policy = run.policy
+        policy, queue = run.policy, run.queue._d
         where = {h.name: loop.run(h.placement()).node for h in policy.rollouts}
         assert sorted(where.values()) == sorted([node["b"], lost.node_id])
-        assert sorted(_node_of(u) for u in run.queue._d.units) == sorted([node["c"], lost.node_id])
+        unit_nodes = [_node_of(u) for u in queue.units]
+        assert sorted(unit_nodes) == sorted(_alive_storage_nodes()) == sorted([node["c"], lost.node_id])
+        doomed = unit_nodes.index(lost.node_id)
         records = run.train(steps=2)
+        # the unit holds samples when its node goes (rollout goes on between steps): they are lost, counted
+        _until(lambda: ray.get(queue.units[doomed].num_rows.remote()) > 0, 60,
+               between=lambda: records.extend(run.train(steps=1)))
         c.remove_node(lost)  # its raylet and every worker on it die; rollout goes on meanwhile
-        deadline = time.monotonic() + 120  # the replacement starts a process and loads the model meanwhile
-        while (not policy.num_respawns or policy.replacing) and time.monotonic() < deadline:
+
+        def unit_replaced() -> bool:
+            return ray.get(queue._controller.unit_states.remote())[doomed].generation == 1
+
+        deadline = time.monotonic() + 120  # the replacements start processes (one loads the model) meanwhile
+        while (not policy.num_respawns or policy.replacing or not unit_replaced()) and time.monotonic() < deadline:
             records += run.train(steps=1)
-        records += run.train(steps=1)  # a step with the replacement generating
+        state = ray.get(queue._controller.unit_states.remote())[doomed]
+        assert state.live and state.gone is None and state.first_slot > 0
+        assert _alive_storage_nodes() == [node["c"], node["c"]]  # its bundle placed again: the store_slot left
+        stored = lambda: ray.get(state.actor.__ray_call__.remote(lambda self: self.num_stored))  # noqa: E731
+        _until(lambda: stored() > 0, 120, between=lambda: records.extend(run.train(steps=1)))  # new samples reach it
+        records += run.train(steps=1)  # a step with both replacements in use
         assert all(_identity_holds(r) for r in records)
         assert policy.num_lost_rollouts == 1 and policy.num_respawns == 1, policy.lost_rollouts
         assert len(policy.rollouts) == 2, policy.lost_rollouts
@@ -143,6 +176,7 @@ def test_a_node_lost_mid_run_has_its_rollout_actor_replaced_and_nothing_is_lost(
         _check_engines_bit_exact(run, policy.step)
         # what the lost node held is counted: groups its actor took unreported, samples its storage unit held
         assert set(records[-1]["dropped"]) <= {"actor_died", "storage_lost"}
+        assert records[-1]["dropped"]["storage_lost"] > 0, records[-1]["dropped"]
         run.check()  # rollout stopped: every actor's own counts add up, and to the queue's
 
 

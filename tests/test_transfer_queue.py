@@ -23,9 +23,12 @@ from transfer_queue import (
     QueueEmpty,
     QueueFull,
     Sample,
+    StorageUnitLost,
     TransferQueue,
     TransferQueueConfig,
 )
+from transfer_queue.codec import FULL_MASK
+from transfer_queue.wire import SampleTags
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -325,6 +328,40 @@ async def test_a_lost_storage_unit_drops_its_samples_now_or_when_their_lease_com
     assert await controller.unit_lost(0) == 0  # idempotent
     with pytest.raises(ValueError, match="unit in"):
         await controller.unit_lost(2)
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_storage_unit_takes_new_samples_and_its_lost_ones_stay_dropped() -> None:
+    tq = await TransferQueue.create(TransferQueueConfig(capacity=64, num_storage_units=2, lease_s=math.inf))
+    controller = tq._d.controller
+    for prefix in "abc":  # a, c on unit 0 (slots 0-3); b on unit 1
+        await tq.put(make_samples(1, 2, prefix=prefix))
+    leased = await tq.get("trainer", 2)  # group a
+    block = controller.allocate(0, 4)  # a Ray client's block on unit 0, handed out before the loss
+    assert await controller.unit_lost(0, generation=0) == 2  # group c; group a when its lease comes back
+    tq._d.units[0].clear()  # its rows went with it
+    assert controller.unit_state(0) == (0, 8, False)  # every slot handed out so far is lost
+    await tq.put(make_samples(1, 2, prefix="d"))  # unit 0 is down: unit 1
+    assert controller.unit_replaced(0) == 1
+    assert controller.unit_state(0) == (1, 8, True)
+    assert await controller.unit_lost(0, generation=0) == 0  # a late report of the lost actor changes nothing
+    assert controller.unit_state(0) == (1, 8, True)
+    await tq.put(make_samples(1, 2, prefix="e"))  # round robin: unit 0 again, on the replacement
+    assert [controller._by_uid[f"e{i}"].index for i in range(2)] == [16, 18]  # slots 8, 9 of unit 0
+    tags = [SampleTags(uid="f0", group_id="f", mask=FULL_MASK)]
+    with pytest.raises(StorageUnitLost, match="before its storage unit was lost") as stale:
+        await controller.reserve("train", tags, True, indices=[block * 2], commit=True)
+    assert stale.value.unit == 0
+    await tq.nack(leased.batch_id)  # group a's lease came back: dropped
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"storage_lost": 4} and stats.pending == 6
+    assert_accounting(stats)
+    batch = await tq.get("trainer", 6, timeout_s=0)
+    assert sorted(batch.uids) == ["b0", "b1", "d0", "d1", "e0", "e1"]  # e read from the replacement
+    await tq.ack(batch.batch_id)
+    assert await controller.unit_lost(0, generation=1) == 0  # the replacement died too: nothing of it pending
+    assert controller.unit_state(0) == (1, 10, False)
     await tq.shutdown()
 
 # ----------------------------------------------------------------------- close

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from transfer_queue import (
 )
 
 ray = pytest.importorskip("ray")
+from transfer_queue import ray_deploy  # noqa: E402 - Ray must import first
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -167,14 +169,16 @@ async def _until_gone(address: tuple[str, int]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_ray_put_to_a_dead_storage_unit_raises_and_registers_nothing(ray_cluster) -> None:
+async def test_ray_a_put_to_a_dead_storage_unit_registers_nothing_there_and_waits_for_its_replacement(
+        ray_cluster) -> None:
     tq = await TransferQueue.create(_cfg(num_storage_units=1))
-    ray.kill(tq._d.units[0])  # the unit dies: the put cannot store its rows
+    dead = tq._d.units[0]
+    ray.kill(dead)  # the unit dies: the put cannot store its rows there
     await _until_gone(tq._d._addresses[1])
-    with pytest.raises(ConnectionError, match="storage unit 0"):
-        await tq.put(make_samples(2, 2))
+    await tq.put(make_samples(2, 2))  # no unit left: it waits for the replacement
+    assert tq._d.units[0] != dead and await tq._d.units[0].num_rows.remote() == 4
     stats = await tq.statistics_async()
-    assert stats.put == 0 and stats.pending == 0
+    assert stats.put == 4 and stats.pending == 4 and stats.dropped == 0  # registered once, on the replacement
     assert_accounting(stats)
     await tq.shutdown()
 
@@ -219,6 +223,55 @@ async def test_ray_a_dead_storage_unit_loses_only_its_samples_counted_and_puts_g
     assert sorted(batch.uids) == sorted(f"{p}{i}" for p in "cd" for i in range(4))
     await tq.ack(batch.batch_id)
     assert_accounting(await tq.statistics_async())
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_a_dead_storage_unit_is_replaced_and_takes_new_samples_for_every_client(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(num_storage_units=2))
+    await tq.put(make_samples(1, 4, prefix="a"))  # unit 0
+    stale = pickle.loads(pickle.dumps(tq))  # a client that will never see the loss itself
+    ray.kill(tq._d.units[0])
+    await _until_gone(tq._d._addresses[1])
+    for prefix in "bc":  # b on unit 1; c finds unit 0 dead (reported, a replacement starts), goes to unit 1
+        await tq.put(make_samples(1, 4, prefix=prefix))
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"storage_lost": 4} and stats.pending == 8
+    states = await tq._d._controller.unit_states.remote(True)  # once the replacement serves
+    assert [(s.generation, s.live, s.gone) for s in states] == [(1, True, None), (0, True, None)]
+    assert states[0].first_slot > 0 and await states[0].actor.num_rows.remote() == 0
+    await asyncio.sleep(ray_deploy._RECHECK_S)  # this client's puts ask again about the unit it found down
+    for prefix in "de":
+        await tq.put(make_samples(1, 4, prefix=prefix))
+    assert await states[0].actor.num_rows.remote() == 4  # new samples reach the replacement
+    batch = await stale.get("trainer", 16, timeout_s=0)  # the stale client reads them there too
+    assert sorted(batch.uids) == sorted(f"{p}{i}" for p in "bcde" for i in range(4))
+    await stale.ack(batch.batch_id)
+    assert_accounting(await tq.statistics_async())
+    await tq.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_ray_with_no_room_for_replacements_puts_go_on_then_stop_with_one_line(ray_cluster) -> None:
+    tq = await TransferQueue.create(_cfg(num_storage_units=2), ray_options={"replace_timeout_s": 0.5})
+    nowhere = {"num_cpus": 0, "resources": {"no_such_node": 1}}  # as if no node left could hold one
+    await tq._d._controller.__ray_call__.remote(lambda self: setattr(self, "_unit_options", [nowhere] * 2))
+    for unit in (0, 1):
+        ray.kill(tq._d.units[unit])
+        await _until_gone(tq._d._addresses[unit + 1])
+        if unit == 0:
+            for prefix in "ab":  # a finds unit 0 dead and goes to unit 1, b goes there too
+                await tq.put(make_samples(1, 2, prefix=prefix))
+            await tq._d._controller.unit_states.remote(True)  # its replacement was given up
+    with pytest.raises(StorageUnitLost) as gone:  # unit 1 found dead; no unit left, none coming
+        await tq.put(make_samples(1, 2, prefix="c"))
+    assert gone.value.unit == -1 and "\n" not in str(gone.value)
+    assert str(gone.value) == ("every storage unit of this TransferQueue is gone: storage unit 0 was lost and not "
+                               "replaced (no node could hold it within 0.5 s); storage unit 1 was lost and not "
+                               "replaced (no node could hold it within 0.5 s)")
+    stats = await tq.statistics_async()
+    assert stats.dropped_by_reason == {"storage_lost": 4} and stats.pending == 0
+    assert_accounting(stats)
     await tq.shutdown()
 
 

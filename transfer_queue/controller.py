@@ -19,6 +19,11 @@ Every state change sets ``_changed`` (and replaces it), which wakes each waiter
 to re-check its own condition; close() does the same, so no waiter sleeps forever.
 The running totals that statistics report and snapshots save (put, delivered,
 dropped by reason, per consumer) are kept in ``transfer_queue.counters``.
+
+A storage unit whose actor died (Ray: its node was lost) is reported with
+``unit_lost``: the samples it held are dropped, counted (``"storage_lost"``),
+and new samples go to the other units until ``unit_replaced`` says a new actor
+serves it; it then takes new samples again, in slots above the lost ones.
 """
 
 from __future__ import annotations
@@ -71,7 +76,14 @@ class Controller:
         # ``allocate`` hands whole blocks of slots to Ray clients.
         self._next_slot = [0] * cfg.num_storage_units
         self._next_unit = self._next_seq = self._next_batch = 0
-        self._lost_units: set[int] = set()  # storage units that died, with the rows they held
+        # Storage units lost (their actor died, and the rows it held): ``_down`` have no actor
+        # now (new samples go to the others); slots of unit u below ``_lost_below[u]`` were on
+        # an actor that died, slots from it on are its replacement's (``unit_replaced``).
+        self._down: set[int] = set()
+        self._lost_below: dict[int, int] = {}
+        self._generation = [0] * cfg.num_storage_units  # per unit: replacements so far
+        self._lost_leases: set[str] = set()  # leases holding samples of a lost unit: dropped when they come back
+        self._lost_returned = False  # such a lease came back (nack, expiry): drop its lost samples
         self._closed = False
         self._changed = asyncio.Event()
 
@@ -110,14 +122,17 @@ class Controller:
         num_units = len(self._next_slot)
         unit = self._next_unit
         if indices is None:
-            live = [u for u in range(num_units) if u not in self._lost_units]
+            live = [u for u in range(num_units) if u not in self._down]
             if not live:
                 raise StorageUnitLost(-1, "every storage unit of this TransferQueue is gone")
-            if unit in self._lost_units:
+            if unit in self._down:
                 unit = min(live, key=lambda u: (u - unit) % num_units)  # the next live one
             self._next_unit = (unit + 1) % num_units
         else:
             assert new_only and len(indices) == len(tags), "placed indices are for whole new samples"
+            if indices and self._lost_below and self._on_lost_unit(indices[0]):  # a block's indices share a unit
+                raise StorageUnitLost(indices[0] % num_units, f"index {indices[0]} is of a block allocated before "
+                                      "its storage unit was lost; take a new block (its replacement's)")
         placed = []
         for i, t in enumerate(tags):
             rec = self._by_uid.get(t.uid)
@@ -265,7 +280,7 @@ class Controller:
         while True:
             changed = self._changed
             self.expire_leases()
-            if self._lost_units:  # leases that came back may hold samples of a lost unit
+            if self._lost_returned:  # a lease that came back held samples of a lost unit
                 await self._drop_lost()
             if current_version is not None:
                 await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
@@ -340,25 +355,9 @@ class Controller:
         lease = self._take_lease(batch_id, "nacked")
         self._counts.consumer(lease.consumer).nacked += len(lease.records)
         n = self._return(lease)
-        if self._lost_units:
+        if self._lost_returned:
             await self._drop_lost()
         return n
-
-    async def unit_lost(self, unit: int) -> int:
-        """Storage unit ``unit`` died, and the rows it held with it: drop every pending
-        sample whose data it held, counted as ``"storage_lost"`` (a leased one when its
-        lease comes back: nack or expiry). Returns how many it dropped now; idempotent."""
-        if not 0 <= unit < len(self._next_slot):
-            raise ValueError(f"unit_lost needs a unit in [0, {len(self._next_slot)}), got {unit}")
-        self._lost_units.add(unit)
-        return await self._drop_lost()
-
-    async def _drop_lost(self) -> int:
-        n = len(self._next_slot)
-        lost = [r for part in self._pending.values() for r in part.values() if r.index % n in self._lost_units]
-        if lost:
-            await self._drop(lost, Counter(storage_lost=len(lost)))
-        return len(lost)
 
     async def extend_lease(self, batch_id: str) -> None:
         """Restart the lease clock of a batch its consumer is still working on."""
@@ -388,6 +387,9 @@ class Controller:
         if lease.timer is not None:
             lease.timer.cancel()
         remember(self._settled, batch_id, why)
+        if batch_id in self._lost_leases:
+            self._lost_leases.discard(batch_id)
+            self._lost_returned |= why != "acked"  # back in the ready set: its lost samples go
         return lease
 
     def _return(self, lease: Lease) -> int:
@@ -419,6 +421,50 @@ class Controller:
             self.expire_leases()
         else:  # the clock says not yet (lease extended, or a test clock): look again later
             self._arm(lease)
+
+    # ------------------------------------------------------- lost storage units
+    async def unit_lost(self, unit: int, generation: int | None = None) -> int:
+        """Storage unit ``unit`` died (its actor of ``generation``; None: the current one),
+        and the rows it held with it: new samples go to the other units until
+        ``unit_replaced``, and every sample whose data it held is dropped, counted as
+        ``"storage_lost"`` (a leased one when its lease comes back: nack or expiry).
+        Returns how many it dropped now; 0 for a loss already known, or a report about
+        an actor already replaced."""
+        if not 0 <= unit < len(self._next_slot):
+            raise ValueError(f"unit_lost needs a unit in [0, {len(self._next_slot)}), got {unit}")
+        if unit in self._down or generation not in (None, self._generation[unit]):
+            return 0
+        self._down.add(unit)
+        self._lost_below[unit] = self._next_slot[unit]  # every slot handed out so far, clients' blocks too
+        self._lost_leases.update(lease.batch_id for lease in self._leases.values()
+                                 if any(self._on_lost_unit(r.index) for r in lease.records))
+        return await self._drop_lost()
+
+    def unit_replaced(self, unit: int) -> int:
+        """A new, empty actor serves storage unit ``unit`` (lost before): new samples are
+        placed on it again, in slots from the lost ones' end on. Returns its generation."""
+        assert unit in self._down, f"storage unit {unit} is not lost: nothing to replace"
+        self._down.discard(unit)
+        self._generation[unit] += 1
+        return self._generation[unit]
+
+    def unit_state(self, unit: int) -> tuple[int, int, bool]:
+        """Storage unit ``unit``'s generation (replacements so far), the first slot of it
+        (the rows of slots below were lost), and whether an actor serves it now."""
+        return self._generation[unit], self._lost_below.get(unit, 0), unit not in self._down
+
+    def _on_lost_unit(self, index: int) -> bool:
+        """Whether the row of global ``index`` was on a storage unit's actor that died."""
+        n = len(self._next_slot)
+        below = self._lost_below.get(index % n)
+        return below is not None and index // n < below
+
+    async def _drop_lost(self) -> int:
+        self._lost_returned = False
+        lost = [r for part in self._pending.values() for r in part.values() if self._on_lost_unit(r.index)]
+        if lost:
+            await self._drop(lost, Counter(storage_lost=len(lost)))
+        return len(lost)
 
     # --------------------------------------------------------------- lifecycle
     async def close(self) -> None:

@@ -9,7 +9,7 @@ and "the queue is finished and empty for you" are different errors:
     QueueEmpty    get_nowait() (or get with timeout_s=0) when no batch is ready yet
     LeaseLost     ack/nack of a batch that is not leased (expired, already acked, unknown)
     StorageUnitLost  (Ray) a storage unit died: its samples are dropped, counted as
-                  "storage_lost"; a ConnectionError too
+                  "storage_lost", and it is replaced when a node can hold it; a ConnectionError too
 
 A get with a finite ``timeout_s`` that runs out raises the builtin ``TimeoutError``.
 """
@@ -46,8 +46,10 @@ class LeaseLost(TransferQueueError):
 class StorageUnitLost(TransferQueueError, ConnectionError):
     """A storage unit is gone, and the rows it held with it (Ray deployment).
 
-    The queue drops those samples, counted as ``"storage_lost"``, and the client
-    sends its later puts to the other units; a call that needed the unit raises this.
+    The queue drops those samples, counted as ``"storage_lost"``, and starts a
+    replacement (new samples only); the client sends its later puts to the other
+    units until it is in. A call that needed the unit raises this; ``unit`` is -1
+    when every unit is gone and none is coming (the message says why).
     """
 
     def __init__(self, unit: int, message: str) -> None:
