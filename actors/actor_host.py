@@ -11,6 +11,7 @@ import asyncio
 import os
 import pickle
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,8 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
     conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
 
 
-async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
+async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict,
+                      t_start: float | None = None) -> None:
     """The child's main coroutine: build the actor, answer calls (each a task,
     so they overlap like Ray's async actor calls) until told to stop or orphaned."""
     ev = asyncio.get_running_loop()
@@ -69,6 +71,8 @@ async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwarg
     threading.Thread(target=read, name="asyncrl-actor-inbox", daemon=True).start()
     try:
         actor: Any = cls(*args, **kwargs)
+        if t_start is not None:  # the process started and imported what its actor needs
+            actor.startup_parts = {"process_s": time.time() - t_start}
     except Exception as exc:  # noqa: BLE001 - reported to the first call (setup)
         actor = exc
     tasks: set[asyncio.Task] = set()

@@ -86,6 +86,8 @@ class RolloutActor(Actor):
     ``absorb(sample, output, budget)`` are the resume-budget rule; ``queue``:
     the TransferQueue client finished groups go to."""
 
+    preload = ("actors.engines.torch_engine", "transformers.models.auto.tokenization_auto")  # ProcessRuntime.prestart
+
     def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
                  next_request: Callable[..., Any], absorb: Callable[..., bool], queue: TransferQueue,
@@ -109,14 +111,20 @@ class RolloutActor(Actor):
         self.dropped: Counter[str] = Counter()
 
     async def setup(self) -> None:
+        t0 = time.perf_counter()
         quiet_transformers()
+        self.note_startup("import_s", t0)
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self._running = asyncio.Event()
         self._running.set()
+        t0 = time.perf_counter()
         self.task = self.make_task()
+        self.note_startup("task_s", t0)
+        t0 = time.perf_counter()
         self.engine = make_engine(self.engine_cfg, self.model_path, seed=self.seed)
         await self.engine.setup()
+        self.note_startup("engine_s", t0)  # weights loaded, KV cache allocated (CUDA graphs come lazily)
 
     # -- generation ---------------------------------------------------------
 

@@ -45,6 +45,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         task options no config file can hold (``launch(data=...)``)."""
         # startup phases, seconds (``Wiring._setup``, ``Training._train``): the clock starts here
         self.startup: dict[str, float] = {}
+        self.startup_actors: dict[str, dict[str, float]] = {}  # inside actors_s: each actor's parts
         self._t_startup = time.perf_counter()
         self._task_data = dict(task_data or {})
         from actors.models import resolve_model_path  # ~1.7 s to import (transformers): not for --help

@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import functools
+import importlib
 import inspect
 import itertools
 import multiprocessing
@@ -41,6 +42,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -70,6 +72,10 @@ class Actor:
     """Base of every actor: one worker thread for blocking work."""
 
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
+    preload: tuple[str, ...] = ()  # modules a process of this actor imports before its actor arrives
+    # seconds of this actor's start, by part (``process_s``: its process started and its
+    # modules imported, under ``process``; the rest its ``setup`` records): the run logs them
+    startup_parts: dict[str, float]
 
     async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on this actor's worker thread (one per actor, made once)."""
@@ -86,6 +92,14 @@ class Actor:
 
     async def ping(self) -> int:
         return os.getpid()
+
+    def note_startup(self, part: str, t0: float) -> None:
+        """Record ``part`` of this actor's start: the seconds since ``t0`` (perf_counter)."""
+        self.__dict__.setdefault("startup_parts", {})[part] = time.perf_counter() - t0
+
+    async def startup_timings(self) -> dict[str, float]:
+        """:attr:`startup_parts`: where this actor's start went, seconds by part."""
+        return dict(getattr(self, "startup_parts", {}))
 
     async def close(self) -> None:
         """Release the worker thread; the actor is unusable afterwards."""
@@ -218,11 +232,20 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     pass
 
 
-def _serve(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict) -> None:
+def _serve(conn: Any, imports: tuple[str, ...]) -> None:
+    """A ``process`` actor's process: import ``imports`` (its class's module and
+    what its setup will need), then take its actor from the pipe and serve it."""
     _actor_process_settings()
     _leave_signals_to_the_driver()
+    for module in imports:
+        importlib.import_module(module)
     try:
-        global_loop.run(serve_calls(conn, cls, name, args, kwargs))
+        job = conn.recv_bytes()
+    except (EOFError, OSError):  # never used: the driver shut its runtime down, or is gone
+        return
+    cls, name, args, kwargs, t_start = pickle.loads(job)
+    try:
+        global_loop.run(serve_calls(conn, cls, name, args, kwargs, t_start))
     finally:
         global_loop.shutdown()
 
@@ -231,10 +254,23 @@ _live_handles: weakref.WeakSet[_ProcessHandle] = weakref.WeakSet()
 _DIED_REPORT_S = 5.0  # a broken pipe's reader thread reports its process's end within ~1 s (join)
 
 
+_idle_procs: weakref.WeakSet[Any] = weakref.WeakSet()  # processes started ahead, no actor yet
+
+
+def _end_idle(procs: list[Any]) -> None:
+    """End processes that hold no actor (nothing to close: killed, even mid-import)."""
+    for proc in procs:
+        _idle_procs.discard(proc)
+        proc.kill()
+    for proc in procs:
+        proc.join(5)
+
+
 @atexit.register
 def _end_children() -> None:
     """A driver that exits without shutting its runtime down still ends its actors:
     closing the pipe ends a child's loop; one that does not end in time is killed."""
+    _end_idle(list(_idle_procs))
     for handle in list(_live_handles):
         handle._conn.close()
         handle._end_process(5)
@@ -347,14 +383,36 @@ class ProcessRuntime(Runtime):
     def __init__(self) -> None:
         self._handles: list[_ProcessHandle] = []
         self._ctx = multiprocessing.get_context("spawn")
+        self._idle: dict[type, list[tuple[Any, Any]]] = {}  # started ahead (prestart): class -> (process, pipe)
+
+    def prestart(self, counts: dict[type, int]) -> None:
+        """Start the processes of actors to come now (``counts``: how many of each
+        class): they import while the driver goes on, and :meth:`spawn` hands each
+        its actor. Imports are most of a process's start (seconds, for torch and
+        transformers), so the actors' starts overlap instead of following the queue's."""
+        for cls, n in counts.items():
+            self._idle.setdefault(cls, []).extend(self._start(cls, f"{cls.__name__}-{i}") for i in range(n))
+
+    def _start(self, cls: type, name: str) -> tuple[Any, Any]:
+        parent, child = self._ctx.Pipe(duplex=True)
+        imports = (cls.__module__, *getattr(cls, "preload", ()))
+        # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
+        proc = self._ctx.Process(target=_serve, args=(child, imports), name=f"asyncrl-{name}")
+        proc.start()
+        child.close()
+        _idle_procs.add(proc)
+        return proc, parent
 
     async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
                     num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
-        parent, child = self._ctx.Pipe(duplex=True)
-        # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
-        proc = self._ctx.Process(target=_serve, args=(child, cls, name, args, kwargs), name=f"asyncrl-{name}")
-        await asyncio.get_running_loop().run_in_executor(None, proc.start)
-        child.close()
+        t_start = time.time()
+        idle = self._idle.get(cls)
+        if idle:
+            proc, parent = idle.pop(0)
+        else:
+            proc, parent = await asyncio.get_running_loop().run_in_executor(None, self._start, cls, name)
+        _idle_procs.discard(proc)
+        parent.send_bytes(pickle.dumps((cls, name, args, kwargs, t_start), protocol=5))
         handle = _ProcessHandle(name, cls, proc, parent)
         self._handles.append(handle)
         try:
@@ -373,6 +431,9 @@ class ProcessRuntime(Runtime):
     async def shutdown(self) -> None:
         handles, self._handles = self._handles, []
         await asyncio.gather(*(h.stop() for h in reversed(handles)), return_exceptions=True)
+        idle = [proc for proc, _ in itertools.chain(*self._idle.values())]
+        self._idle.clear()
+        await asyncio.get_running_loop().run_in_executor(None, _end_idle, idle)
 
 
 def _adopting(cls: type[Actor]) -> type[Actor]:

@@ -53,6 +53,8 @@ class TrainerActor(Actor):
     advantage estimator (policy math, injected); ``queue``: the TransferQueue
     client batches come from."""
 
+    preload = ("actors.backends.torch_backend", "transformers.modeling_utils")  # ProcessRuntime.prestart
+
     def __init__(self, *, trainer: TrainerConfig, sync: SyncConfig, model_path: str, seed: int, loss: Loss,
                  advantages: Callable[..., torch.Tensor], queue: TransferQueue, engine_dtype: str,
                  torch_threads: int | None = None, rank: int = 0, world_size: int = 1,
@@ -70,7 +72,9 @@ class TrainerActor(Actor):
         await self.blocking(self._setup)
 
     def _setup(self) -> None:
+        t0 = time.perf_counter()
         quiet_transformers()
+        self.note_startup("import_s", t0)
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if self.world_size > 1:  # the trainers' own group: the backend shards over it (FSDP2)
@@ -83,8 +87,10 @@ class TrainerActor(Actor):
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=self.group_init,
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(minutes=10))
+        t0 = time.perf_counter()
         self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss)
         self.backend.setup()
+        self.note_startup("model_s", t0)  # model loaded to its device, optimizer built
         if self.world_size > 1 and self.backend.shard_specs() is None:
             raise RuntimeError(f"trainer.backend={self.trainer_cfg.backend!r} does not shard over "
                                f"{self.world_size} trainer workers (trainer.num_workers)")

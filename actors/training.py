@@ -69,6 +69,7 @@ class Training:
     _train_call: TrainCall | None
     _closed: bool
     startup: dict[str, float]  # startup phases, seconds; closed by the first step (_close_startup)
+    startup_actors: dict[str, dict[str, float]]  # each actor's start by part, inside startup's actors_s
     _t_startup: float  # perf_counter at the start of the run's construction
     _t_constructed: float  # ... and at its end
 
@@ -162,7 +163,7 @@ class Training:
         if self.cfg.run.progress:
             bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
         out: list[dict[str, Any]] = []
-        unwritten: dict[str, Any] | None = None  # a step's record is final once the next step ends
+        unwritten: list[dict[str, Any]] = []  # steps' records not final yet (a push or an evaluation runs on)
         if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
             t0 = time.perf_counter()
             self.initial_eval = {"step": 0, **await self.policy.evaluate()}
@@ -180,16 +181,16 @@ class Training:
                     self._close_startup(m, t_call, t_step)
                 if self.resumed_from is not None and m["step"] == self._resume_step + 1:
                     m["resumed_from"] = str(self.resumed_from.relative_to(self.dir))
-                if unwritten is not None:
-                    await self.policy.settle(unwritten["step"])  # its push (if still running) fills it in
-                    self._metrics_file.write(json.dumps(unwritten) + "\n")
-                unwritten = m
+                # a record is final once its push and evaluation (if still running) filled it in
+                while unwritten and self.policy.settled(unwritten[0]["step"]):
+                    self._metrics_file.write(json.dumps(unwritten.pop(0)) + "\n")
+                unwritten.append(m)
                 self.history.append(m)
                 out.append(m)
                 if self._stop_signal is not None or (every and m["step"] % every == 0):
                     await self.policy.settle()  # the checkpoint holds the pushed weights' version
-                    self._metrics_file.write(json.dumps(unwritten) + "\n")
-                    unwritten = None
+                    while unwritten:
+                        self._metrics_file.write(json.dumps(unwritten.pop(0)) + "\n")
                     await self._checkpoint()
                     if self._stop_signal is not None:
                         assert self.last_checkpoint is not None
@@ -200,8 +201,8 @@ class Training:
                     bar.update(1)
             await self.policy.settle()  # the last push ends before this loop stops
         finally:
-            if unwritten is not None:
-                self._metrics_file.write(json.dumps(unwritten) + "\n")
+            for record in unwritten:
+                self._metrics_file.write(json.dumps(record) + "\n")
             if bar is not None:
                 bar.close()
         return out
@@ -216,8 +217,12 @@ class Training:
         self.startup.update(before_train_s=t_call - self._t_constructed, first_step_s=now - t_step,
                             total_s=now - self._t_startup)
         record.update({f"startup/{k}": round(v, 4) for k, v in self.startup.items()})
+        record.update({f"startup/{actor}/{k}": v for actor, parts in self.startup_actors.items()
+                       for k, v in parts.items()})
         log.info("startup: %.2f s to the first trained step (%s)", self.startup["total_s"],
                  ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items() if k != "total_s"))
+        for actor, parts in self.startup_actors.items():
+            log.info("startup of %s: %s", actor, ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
 
     async def _watched(self, step: Any) -> Any:
         """Await one trainer step; past ``run.watchdog_s`` stop it and raise

@@ -50,6 +50,7 @@ class Wiring:
     policy: Any
     placer: Any  # the run's Ray placement groups (actors/placement.py); None under local and process
     startup: dict[str, float]
+    startup_actors: dict[str, dict[str, float]]  # each actor's start by part (Actor.startup_parts)
 
     async def _setup(self) -> None:
         """Compose the run: runtime, queue, actors (each holding a queue client),
@@ -66,12 +67,6 @@ class Wiring:
             now = time.perf_counter()
             self.startup[phase], last = now - last, now
 
-        make_task_fn = functools.partial(policies.tasks.make_task, cfg.task.type, model_path=self.model_path,
-                                         reward_timeout_s=cfg.policy.reward_timeout_s, **self._task_kwargs())
-        task = make_task_fn()
-        if cfg.policy.eval_every:  # a task without held-out prompts fails here, not at the first evaluation
-            task.eval_prompts(cfg.policy.eval_prompts)
-        lap("task_s")
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
@@ -79,8 +74,19 @@ class Wiring:
                                     connect_timeout_s=cfg.runtime.connect_timeout_s)
         if cfg.runtime.type == "local":
             torch.set_num_threads(1)
-        await self._reserve_roles()
+        if cfg.runtime.type == "process":  # every process starts importing now, beside the others and the driver
+            hosts_queue = cfg.transfer_queue.deployment != "ray"
+            self.runtime.prestart({QueueHost: int(hosts_queue), TrainerActor: cfg.trainer.num_workers,
+                                   RolloutActor: cfg.rollout.num_actors})
         lap("runtime_s")
+        make_task_fn = functools.partial(policies.tasks.make_task, cfg.task.type, model_path=self.model_path,
+                                         reward_timeout_s=cfg.policy.reward_timeout_s, **self._task_kwargs())
+        task = make_task_fn()
+        if cfg.policy.eval_every:  # a task without held-out prompts fails here, not at the first evaluation
+            task.eval_prompts(cfg.policy.eval_prompts)
+        lap("task_s")
+        await self._reserve_roles()
+        lap("roles_s")
         self.queue = await self._make_queue()
         lap("queue_s")
         r = cfg.rollout
@@ -141,6 +147,8 @@ class Wiring:
         failed = [x for x in spawned if isinstance(x, BaseException)]
         if failed:
             raise failed[0]
+        timings = await asyncio.gather(*(h.startup_timings() for h in spawned))
+        self.startup_actors.update({h.name: {k: round(v, 3) for k, v in t.items()} for h, t in zip(spawned, timings)})
         workers = spawned[:n]
         return (workers[0] if n == 1 else TrainerGroup(list(workers))), list(spawned[n:])
 

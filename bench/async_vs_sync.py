@@ -308,6 +308,7 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         **pipeline,
         "startup_s": run.startup["total_s"],
         "startup": {k: round(v, 3) for k, v in run.startup.items()},
+        "startup_actors": run.startup_actors,
     }
 
 

@@ -387,12 +387,17 @@ def copy_limit(nbytes: int, device: str) -> dict[str, Any]:
 
 
 def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repeat: int = 1,
-        model_params: str = "bf16", settle_s: float = 1.0) -> dict[str, Any]:
+        model_params: str = "bf16", settle_s: float = 1.0, shape: str = "qwen2.5-0.5b") -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(0)
     with torch.device(device):  # initialise where it will live: much faster on a GPU
-        model = transformers.Qwen2ForCausalLM(model_config(small))
+        if shape == "smollm2-135m" and not small:  # the real model's shape: a run's push, benched alone
+            from bench.trainer_step import SMOLLM2_135M
+
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_135M))
+        else:
+            model = transformers.Qwen2ForCausalLM(model_config(small))
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=LRS[0], weight_decay=0.0)
@@ -492,7 +497,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
         "benchmark": "weight_sync",
         "copy_limit": limit,
         "machine": machine(device),
-        "model": {"shape": "small" if small else "Qwen2.5-0.5B", "num_params": sum(p.numel() for p in model.parameters()),
+        "model": {"shape": "small" if small else {"smollm2-135m": "SmolLM2-135M"}.get(shape, "Qwen2.5-0.5B"),
+                  "num_params": sum(p.numel() for p in model.parameters()),
                   "engine_dtype": "bfloat16", "master_dtype": "float32", "optimizer": "AdamW",
                   "model_params_dtype": "bfloat16" if model_params == "bf16" else "float32",
                   "sync_reads": ("bf16 model params written by the optimizer step (Megatron-style fp32 main params, "
@@ -521,6 +527,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="a tiny model for a quick run")
+    p.add_argument("--shape", choices=("qwen2.5-0.5b", "smollm2-135m"), default="qwen2.5-0.5b",
+                   help="the model's shape (smollm2-135m: the real-model runs' push, to set beside their sync)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda: inproc on the GPU and CUDA IPC)")
     p.add_argument("--transports", default=None,
                    help="comma list of inproc, ray, gloo, cuda_ipc, pickle; "
@@ -539,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     transports = (args.transports or default).split(",")
     torch.set_num_threads(os.cpu_count() or 1)
     result = run(args.small, args.device, transports, args.bucket_mib << 20, max(1, args.repeat), args.model_params,
-                 args.settle_s)
+                 args.settle_s, args.shape)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

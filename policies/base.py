@@ -76,6 +76,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         self._t_trainer_busy_s = 0.0
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
+        self._eval: tuple[int, asyncio.Task[None]] | None = None  # an evaluation beside training: its step, task
         self._init_faults(respawn_rollout)
         reward = cfg.task.kwargs.get("reward")
         self.reward_guard = RewardGuard(
@@ -168,13 +169,15 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
     def background_tasks(self) -> list[asyncio.Task[Any]]:
         """The tasks of this schedule that live on between train calls (parked
         once :meth:`rollout_idle`); any other task left then is a leak."""
-        return list(self._respawning)  # replacements being set up
+        evaluating = [self._eval[1]] if self.evaluating() else []
+        return [*self._respawning, *evaluating]  # replacements being set up, an evaluation running
 
     async def sync_weights(self, released: asyncio.Event | None = None) -> None:
         """Push this step's weights to the engines (and to replacements waiting to
         join); its metrics go into this step's record (filled in later if the sync
         outlives the step). A push that fails is absorbed when it can be (see
         :meth:`_failed_push`)."""
+        await self._eval_finished()  # an evaluation pins the engines' weights: the push comes after it
         step, t0 = self.step, time.perf_counter()
         extra = {} if released is None else {"released": released}
         result = await self._push(**extra)
@@ -211,10 +214,22 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         return result
 
     async def settle(self, step: int | None = None) -> None:
-        """Wait for work that outlives a step (a weight push still running),
-        only that of steps up to ``step`` if given: call it before this loop
-        stops, so no engine stays paused meanwhile, and before reading a
+        """Wait for work that outlives a step (a weight push still running, an
+        evaluation), only that of steps up to ``step`` if given: call it before this
+        loop stops, so no engine stays paused meanwhile, and before reading a
         step's record as final."""
+        await self._push_finished(step)
+        await self._eval_finished(step)
+
+    def settled(self, step: int) -> bool:
+        """Whether :meth:`settle` of ``step`` would return at once (its record is final)."""
+        return not (self.evaluating() and self._eval[0] <= step) and self._push_settled(step)  # type: ignore[index]
+
+    async def _push_finished(self, step: int | None = None) -> None:
+        """Wait for a weight push of a step up to ``step`` still running (none by default)."""
+
+    def _push_settled(self, step: int) -> bool:
+        return True
 
     async def train(self, num_steps: int) -> list[dict[str, Any]]:
         """Run ``num_steps`` trainer steps; returns one metrics dict per step."""
@@ -241,15 +256,46 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             self.last_sync, self._record = {}, (self.step, record)
             every = self.cfg.policy.eval_every
             if every and self.step % every == 0:
-                record.update(await self.evaluate())
+                await self._start_eval(record)
             out.append(record)
         return out
 
+    # -- evaluations ----------------------------------------------------------
+
+    async def _start_eval(self, record: dict[str, Any]) -> None:
+        """Evaluate this step's weights beside the steps that follow; the result goes
+        into ``record`` (final once :meth:`settled`). The engines keep these weights
+        until it ends: every push waits for it (:meth:`sync_weights`); fully-async
+        trains on meanwhile (``policy.eval_overlap_steps``). One at a time."""
+        await self._eval_finished()
+        self._eval = (self.step, asyncio.create_task(self._eval_into(record, self.trained), name=f"eval-{self.step}"))
+
+    async def _eval_into(self, record: dict[str, Any], at_trained: int) -> None:
+        await self._push_finished()  # the weights of this step reach the engines first
+        record.update(await self._evaluate(at_trained))
+
+    def evaluating(self) -> bool:
+        """Whether an evaluation of an earlier step is still running."""
+        return self._eval is not None and not self._eval[1].done()
+
+    async def _eval_finished(self, step: int | None = None) -> None:
+        """Wait for the evaluation of a step up to ``step`` (any, by default); its error is raised here."""
+        if self._eval is None or (step is not None and self._eval[0] > step):
+            return
+        task = self._eval[1]
+        await asyncio.wait([task])  # a waiter cancelled here leaves the evaluation running
+        if self._eval is not None and self._eval[1] is task:  # the first waiter takes its result (or error)
+            self._eval = None
+            task.result()
+
     async def evaluate(self) -> dict[str, float]:
         """Greedy responses to the task's fixed held-out prompts on the weights of
-        this step (a push still running is finished first), spread over the
-        rollout actors: ``eval/reward`` is their mean reward."""
+        this step (a push or an evaluation still running is finished first), spread
+        over the rollout actors: ``eval/reward`` is their mean reward."""
         await self.settle()
+        return await self._evaluate(self.trained)
+
+    async def _evaluate(self, at_trained: int) -> dict[str, float]:
         t0 = time.perf_counter()
         prompts = self.task.eval_prompts(self.cfg.policy.eval_prompts)
         requests = [GroupRequest(group_id=f"eval{i}", prompt_ids=list(p.prompt_ids), n=1, meta=dict(p.meta))
@@ -261,7 +307,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         return {"eval/reward": sum(rewards) / len(rewards) if rewards else 0.0,
                 "eval/num_prompts": len(scored), "eval/num_errors": len(scored) - len(rewards),
                 "eval/response_len_mean": sum(n for _, n in scored) / max(1, len(scored)),
-                "eval/at_trained": self.trained, "eval/s": time.perf_counter() - t0}
+                "eval/at_trained": at_trained, "eval/s": time.perf_counter() - t0}
 
     def _step_metrics(self, report: StepReport, pending: int, *, wait_s: float, after_s: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._t_start
@@ -290,7 +336,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
 
     async def close(self) -> None:
         """Stop background work; the queue and actors belong to the caller."""
-        tasks = list(self._respawning)
+        tasks = [*self._respawning, *([self._eval[1]] if self._eval is not None else [])]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -71,3 +71,10 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     samples trained so far, for comparisons at equal trained samples). 0 = never."""
     eval_prompts: PosInt = 32
     """Held-out prompts per evaluation."""
+    eval_overlap_steps: NonNegInt = 2
+    """An evaluation runs beside training: the engines keep its step's weights
+    until it ends, so the pushes due meanwhile wait for it. Fully-async: the
+    trainer takes up to this many more steps on what rollout generated before
+    it waits too (each adds one version to the samples' staleness, within
+    ``max_staleness``); the baselines wait at their next push. 0: the trainer
+    waits at its next push."""

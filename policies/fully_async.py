@@ -14,6 +14,10 @@
         KV, or recomputed (``sync.in_flight``) → versions compared; admission.open_window
         (with overlap_push, a task: the trainer's next step starts once the encode is done)
 
+An evaluation (``policy.eval_every``) runs beside training on the weights of its
+step: pushes wait for it, the trainer goes on for up to ``policy.eval_overlap_steps``
+steps (each opening its sync window without a push), then waits at its push.
+
 The policy holds requests, reports and counters; samples go rollout actor →
 TransferQueue → trainer actor, weights trainer → engines.
 
@@ -74,6 +78,8 @@ class FullyAsyncPolicy(PolicyBase):
         self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
         self._sync_step = 0  # ... and the step whose weights it pushes
         self._released_queue_drops = 0  # the queue's stale drops whose admission slots went back
+        self._push_owed = False  # a push came due while an evaluation ran: the next step makes it
+        self._steps_beside_eval = 0  # steps trained since then
 
     async def _start_background(self) -> None:
         if self._feeder is None:
@@ -153,7 +159,7 @@ class FullyAsyncPolicy(PolicyBase):
                 # when the step ends (a window full of them would leave it nothing to wait for)
                 await self._release_queue_drops()
                 if not self.rollouts and self._joining and not await self._trainer_holds_a_batch():
-                    await self.settle()  # one push at a time
+                    await self._push_finished()  # one push at a time
                     await self.join_replacements()  # no producer, no batch: the trainer's weights hold still
             if not step.done() and await self._trainer_holds_a_batch():
                 await step  # it trains on it now (in another process a cancel would not stop that)
@@ -197,14 +203,24 @@ class FullyAsyncPolicy(PolicyBase):
     async def _after_step(self) -> None:
         """Every K steps, push the weights. With ``overlap_push`` the trainer
         waits only until they are encoded: the push (engines paused, apply,
-        resume) runs on while it takes its next step. One push at a time."""
-        if self.step % self.cfg.policy.trigger_parameter_sync_step != 0:
+        resume) runs on while it takes its next step. One push at a time.
+        While an evaluation runs on the engines' weights, the push due waits for
+        it and the trainer goes on, for up to ``policy.eval_overlap_steps`` steps."""
+        if self.step % self.cfg.policy.trigger_parameter_sync_step != 0 and not self._push_owed:
             return
+        if self.evaluating() and self._steps_beside_eval < self.cfg.policy.eval_overlap_steps:
+            # the push waits; its window opens all the same, so rollout (on the evaluated
+            # weights, samples aging by a version a step: max_staleness bounds them) feeds the steps
+            self._steps_beside_eval += 1
+            self._push_owed = True
+            await self._open_window()
+            return
+        self._push_owed, self._steps_beside_eval = False, 0
         if not self.overlap_push:
             await self.sync_weights()
             await self._open_window()
         else:
-            await self.settle()
+            await self._push_finished()
             released = asyncio.Event()
             self._sync = asyncio.create_task(self._sync_and_open(released), name=f"sync-{self.step}")
             self._sync_step = self.step
@@ -212,7 +228,7 @@ class FullyAsyncPolicy(PolicyBase):
             await asyncio.wait([encoded, self._sync], return_when=asyncio.FIRST_COMPLETED)
             encoded.cancel()
             if self._sync.done():
-                await self.settle()  # finished already, or failed: raise here
+                await self._push_finished()  # finished already, or failed: raise here
 
     async def _sync_and_open(self, released: asyncio.Event) -> None:
         try:
@@ -224,11 +240,14 @@ class FullyAsyncPolicy(PolicyBase):
             self._fail(err)  # a trainer waiting for a batch hears of it too
             raise
 
-    async def settle(self, step: int | None = None) -> None:
+    async def _push_finished(self, step: int | None = None) -> None:
         if self._sync is None or (step is not None and self._sync_step > step):
             return
         task, self._sync = self._sync, None
         await task
+
+    def _push_settled(self, step: int) -> bool:
+        return self._sync is None or self._sync_step > step or self._sync.done()
 
     def _on_rollouts_changed(self) -> None:
         if not self.rollouts and not self.replacing and self._failure is not None:

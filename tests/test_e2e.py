@@ -3,10 +3,12 @@ delta weight sync) under both runtimes, and the CLI end to end."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -227,16 +229,61 @@ def test_held_out_eval_reward_is_logged_every_n_steps(tmp_path):
         assert m["eval/at_trained"] == m["trained"]
 
 
+@pytest.mark.parametrize("policy_type,overlap", [("fully_async", 2), ("fully_async", 0), ("sync", 2)])
+def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path, policy_type, overlap):
+    """The evaluation of step s keeps the engines on version s to its end (no push starts
+    meanwhile), while fully-async trains up to ``eval_overlap_steps`` more steps beside it."""
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"policy.type={policy_type}", "policy.eval_every=3",
+                 "policy.eval_prompts=4", f"policy.eval_overlap_steps={overlap}", f"run.output_dir={tmp_path}")
+    with run:
+        policy = run.policy
+        evals, pushes, real_evaluate, real_push = [], [], policy._evaluate, policy.weight_sync
+
+        async def slow_evaluate(at_trained):
+            t0, start = time.perf_counter(), (policy.step, await policy.rollouts[0].get_version())
+            out = await real_evaluate(at_trained)
+            await asyncio.sleep(0.6)  # a long evaluation: the trainer has time to go on beside it
+            evals.append((start, (policy.step, await policy.rollouts[0].get_version()), t0, time.perf_counter()))
+            return out
+
+        async def recorded_push(*args, **kwargs):
+            pushes.append((policy.step, time.perf_counter()))
+            return await real_push(*args, **kwargs)
+
+        policy._evaluate, policy.weight_sync = slow_evaluate, recorded_push
+        run.train(steps=9)
+    for (step, version), (step_end, version_end), t0, t1 in evals:
+        assert version == version_end == step  # the engines held the evaluated step's weights to its end
+        assert not any(t0 < t < t1 for _, t in pushes)
+    (_, steps_beside), *_ = [(e[0][0], e[1][0] - e[0][0]) for e in evals if e[0][0] == 3]
+    beside = policy_type == "fully_async" and overlap > 0
+    assert steps_beside == (overlap + 1 if policy_type == "fully_async" else 1)
+    pushed = [step for step, _ in pushes]
+    # the pushes due beside an evaluation wait for it; fully-async then pushes the latest weights only
+    assert pushed == ([1, 2, 3, 6, 9] if beside else list(range(1, 10)))
+    lines = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(10))
+    assert [m["step"] for m in lines if "eval/reward" in m] == [0, 3, 6, 9]
+    assert all(m["eval/at_trained"] == m["trained"] for m in lines[1:] if "eval/reward" in m)
+    assert all(m["staleness_max"] <= 2 for m in lines[1:])  # policy.max_staleness holds beside evaluations
+
+
 def test_startup_is_timed_by_phase_to_the_first_step_and_reported_once(tmp_path):
     run = launch(ROOT / "fully_async.yaml", *SHORT, "policy.eval_every=2", "policy.eval_prompts=2",
                  f"run.output_dir={tmp_path}")
     with run:
         run.train(steps=2)
         first, second = run.history
-    phases = {"config_s", "task_s", "runtime_s", "queue_s", "actors_s", "weight_link_s", "policy_s",
+    phases = {"config_s", "task_s", "runtime_s", "roles_s", "queue_s", "actors_s", "weight_link_s", "policy_s",
               "before_train_s", "initial_eval_s", "first_step_s"}
     assert set(run.startup) == phases | {"total_s"} and all(v >= 0 for v in run.startup.values())
     assert sum(run.startup[k] for k in phases) <= run.startup["total_s"]
+    # each actor's own parts, inside actors_s
+    assert set(run.startup_actors) == {"trainer", "rollout-0"}
+    assert {"import_s", "model_s"} <= set(run.startup_actors["trainer"])
+    assert {"import_s", "task_s", "engine_s"} <= set(run.startup_actors["rollout-0"])
+    assert all(0 <= v <= run.startup["actors_s"] for parts in run.startup_actors.values() for v in parts.values())
+    assert first["startup/trainer/model_s"] == run.startup_actors["trainer"]["model_s"]
     # in the first step's record (and its line in metrics.jsonl) only
     assert first["startup/total_s"] == round(run.startup["total_s"], 4)
     assert not any(k.startswith("startup/") for k in second)

@@ -188,3 +188,31 @@ async def test_process_runtime_ends_an_actor_that_does_not_close():
     with pytest.raises(ActorDiedError):
         await blocked
     await rt.shutdown()
+
+
+class PreloadingActor(EchoActor):
+    """Test actor whose process imports a module before its actor arrives."""
+
+    preload = ("json.tool",)
+
+    async def has_module(self, name: str) -> bool:
+        return name in sys.modules
+
+
+@pytest.mark.asyncio
+async def test_process_runtime_prestarts_processes_that_import_ahead_and_ends_unused_ones():
+    from actors.runtime import ProcessRuntime
+
+    rt = ProcessRuntime()
+    try:
+        rt.prestart({PreloadingActor: 2})
+        idle = [proc for proc, _ in rt._idle[PreloadingActor]]
+        a = await rt.spawn(PreloadingActor, name="a", scale=3)
+        assert await a.pid() == idle[0].pid  # the process started ahead took the actor
+        assert await a.compute(2) == 6 and await a.has_module("json.tool")
+        assert "process_s" in await a.startup_timings()
+        b = await rt.spawn(EchoActor, name="b", scale=5)  # no process ahead for this class: one of its own
+        assert await b.pid() not in {p.pid for p in idle} and await b.compute(2) == 10
+    finally:
+        await rt.shutdown()
+    assert not any(p.is_alive() for p in idle)  # the one never used too
