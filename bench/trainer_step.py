@@ -23,7 +23,8 @@ lowers MFU), peak device memory (``torch.cuda.max_memory_allocated`` while that
 backend stepped, and the same over what was allocated before its steps: the
 step's own activations, logits and gradients), each backend's step time over
 the first one's, and ``speedup_vs_padded`` (torch_padded's step time over
-torch's). ``--profile`` adds the busiest device kernels of one step.
+torch's). ``--profile`` adds the busiest device kernels of one step, and on CUDA
+how many kernels and host-device syncs it ran and their summed device time.
 """
 
 from __future__ import annotations
@@ -100,16 +101,47 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _profile(backend: Any, batch: list[Any], adv: list[float], device: str) -> list[dict[str, Any]]:
+def _profile(backend: Any, batch: list[Any], adv: list[float], device: str) -> dict[str, Any]:
+    """One profiled step: its busiest ops, and on CUDA what it launched (``kernels``: device
+    kernels, memcpy and memset included; ``device_busy_ms``: their summed device time, which
+    next to ``step_ms`` says whether the step waits on the device or on the host that
+    launches) and ``syncs``: host-device synchronisations (torch's sync debug mode, one
+    more unprofiled step)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         backend.train_step(batch, adv)
         _sync(device)
-    key = "device_time_total" if device.startswith("cuda") else "cpu_time_total"
+    key = "device_time_total" if cuda else "cpu_time_total"
     top = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:15]
-    return [{"op": e.key[:60], "ms": round(getattr(e, key) / 1e3, 2), "count": e.count} for e in top]
+    out: dict[str, Any] = {"top": [{"op": e.key[:60], "ms": round(getattr(e, key) / 1e3, 2), "count": e.count}
+                                   for e in top]}
+    if cuda:
+        on_device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["kernels"] = len(on_device)
+        out["device_busy_ms"] = round(sum(e.device_time for e in on_device) / 1e3, 2)
+        out["syncs"] = _count_syncs(lambda: backend.train_step(batch, adv))
+    return out
+
+
+def _count_syncs(step: Any) -> int:
+    """Calls that waited for the device during ``step()`` (torch's sync debug mode warns on each)."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 
 from actors.backends import TrainerConfig, make_backend
 from actors.backends.batching import micro_batches
@@ -14,7 +15,7 @@ from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.packing import packed_attention, packed_batch
 from actors.backends.torch_backend import TorchBackend
 from contracts.sample import Sample
-from policies.losses import make_loss
+from policies.losses import make_loss, ppo_clip
 from tests.helpers import hf_model, save_model, samples_for
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
@@ -76,6 +77,60 @@ def test_one_train_step_packed_leaves_the_weights_of_the_padded_step(model_dirs,
         torch.testing.assert_close(w_packed[name], w_padded[name], atol=1e-5, rtol=0, msg=name)
     assert not torch.equal(w_packed["model.embed_tokens.weight"], _backend(model_dirs[kind], True)
                            .named_weights()["model.embed_tokens.weight"])  # the step did move the weights
+
+
+def _plain_padded_step(path: str, samples: list[Sample], advantages: list[float], lr: float,
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """The step with nothing of the backend's: the HF model (eager attention) on right-padded
+    rows, log_softmax over the full logits, ppo_clip, clip_grad_norm_(1.0), torch's AdamW.
+    Returns the weights, the clipped grads and the loss and grad norm."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    num_resp = max(len(s.response_ids) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    rollout, mask = torch.zeros(len(samples), num_resp), torch.zeros(len(samples), num_resp)
+    for i, s in enumerate(samples):
+        seq = [*s.prompt_ids, *s.response_ids]
+        ids[i, : len(seq)], attn[i, : len(seq)] = torch.tensor(seq), 1
+        rollout[i, : len(s.response_ids)], mask[i, : len(s.response_ids)] = torch.tensor(s.rollout_logprobs), 1
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)  # [B, L, V]
+    rows = []
+    for i, s in enumerate(samples):
+        p, n = len(s.prompt_ids), len(s.response_ids)
+        row = logp[i, p - 1 : p - 1 + n].gather(1, torch.tensor(s.response_ids)[:, None]).squeeze(1)
+        rows.append(torch.cat([row, row.new_zeros(num_resp - n)]))
+    loss, _ = ppo_clip(torch.stack(rows), rollout, torch.tensor(advantages), mask)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return weights, grads, {"loss": loss.item(), "grad_norm": grad_norm.item()}
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_one_train_step_is_a_plain_pytorch_step_on_padded_rows(model_dirs, kind, packed):
+    """Pins one step against a reference written without the backend's machinery (packing,
+    the chunked head, deferred metrics, multi-tensor casts). Padded: the same weights (1e-6).
+    Packed: the same clipped grads (1e-6), so the same step up to AdamW's normalisation of
+    near-zero grads, which the packed-equals-padded test bounds at 1e-5."""
+    b = _backend(model_dirs[kind], packed, micro_batch_tokens=0, logprob_chunk_tokens=4)
+    samples = _samples(b)
+    metrics = b.train_step(samples, ADVANTAGES)
+    want_weights, want_grads, want_metrics = _plain_padded_step(model_dirs[kind], samples, ADVANTAGES, lr=1e-4)
+    for key in ("loss", "grad_norm"):
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-6), key
+    for name, p in b.model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], atol=1e-6, rtol=0, msg=name)
+    if not packed:
+        got = b.named_weights()
+        assert got.keys() == want_weights.keys()
+        for name in want_weights:
+            torch.testing.assert_close(got[name], want_weights[name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

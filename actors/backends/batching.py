@@ -1,5 +1,6 @@
 """Batch helpers both trainer backends share: input checks, token-budget
-micro-batches and per-token padding (right-padded rows, response positions)."""
+micro-batches, per-token padding (right-padded rows, response positions) and
+the one host-to-device copy a micro-batch's inputs take (:func:`to_device`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from contracts.sample import Sample
 
-__all__ = ["batch_error", "micro_batch_budget", "micro_batches", "pad_values"]
+__all__ = ["batch_error", "micro_batch_budget", "micro_batches", "pad_values", "to_device"]
 
 
 def batch_error(samples: list[Sample], advantages: list[float] | None = None,
@@ -60,13 +61,48 @@ def micro_batches(samples: list[Sample], budget: int, *, packed: bool = False) -
     return out
 
 
-def pad_values(samples: list[Sample], values: list[list[float]], what: str, *, like: torch.Tensor) -> torch.Tensor:
-    """Per-token values (one list per sample) as a zero-padded tensor shaped ``like`` ``[B, T]``."""
+def pad_values(samples: list[Sample], values: list[list[float]], what: str, width: int) -> np.ndarray:
+    """Per-token values (one list per sample) as a zero-padded float32 array ``[B, width]``."""
     if len(values) != len(samples):
         raise ValueError(f"got {what} for {len(values)} samples, expected {len(samples)}")
-    out = np.zeros(tuple(like.shape), dtype=np.float32)
+    out = np.zeros((len(samples), width), dtype=np.float32)
     for i, (s, v) in enumerate(zip(samples, values)):
         if len(v) != len(s.response_ids):
             raise ValueError(f"sample {s.uid!r} has {len(v)} {what} for {len(s.response_ids)} response tokens")
         out[i, : len(v)] = v
-    return torch.from_numpy(out).to(device=like.device, dtype=like.dtype)
+    return out
+
+
+#: Where every array starts in the staging buffer of :func:`to_device` (the widest element size).
+_ALIGN_BYTES = 8
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` as tensors on ``device`` (same dtypes and shapes), in one copy.
+
+    On CUDA they are staged back to back in one pinned buffer and copied with
+    ``non_blocking``: a copy from pageable memory, or one copy per array, would
+    each wait for the stream to drain (a host-device sync) in the middle of the
+    step. The tensors are views of that one device buffer. On a CPU they share
+    the arrays' memory (no copy)."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    return _one_copy(arrays, device)
+
+
+def _one_copy(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """:func:`to_device` through one staging buffer (pinned on CUDA), whatever the device."""
+    offsets, num_bytes = [], 0
+    for a in arrays:
+        offsets.append(num_bytes)
+        num_bytes += -(-a.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+    # the caching host allocator keeps the pinned block until the copy that reads it has run
+    staging = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = staging.numpy()
+    for a, o in zip(arrays, offsets):
+        host[o : o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    moved = staging.to(device, non_blocking=device.type == "cuda")
+    return [moved[o : o + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, o in zip(arrays, offsets)]

@@ -40,11 +40,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, num_tokens, chunk_tokens):
             e = min(s + chunk_tokens, num_tokens)
             logits = _chunk_logits(hidden[s:e], weight, bias)  # [C, V]
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
-            logprobs[s:e] = logits.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+            # out=: straight into the [T] results, no per-chunk temporaries copied over
+            torch.logsumexp(logits, dim=-1, out=lse[s:e])
+            torch.sub(logits.gather(1, targets[s:e, None]).squeeze(1), lse[s:e], out=logprobs[s:e])
             if with_entropy:
-                probs = torch.exp(logits - lse[s:e, None])
-                entropy[s:e] = lse[s:e] - torch.linalg.vecdot(probs, logits)
+                probs = torch.sub(logits, lse[s:e, None]).exp_()  # one [C, V] temporary, not two
+                torch.sub(lse[s:e], torch.linalg.vecdot(probs, logits), out=entropy[s:e])
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_tokens = chunk_tokens
         ctx.mark_non_differentiable(entropy)

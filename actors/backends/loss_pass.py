@@ -10,20 +10,26 @@ A micro-batch's loss is a token mean over it; scaled by its share of the
 batch's (data parallel: the global batch's) response tokens, the summed
 gradient is that of the token mean over the whole batch, and so are the
 summed metrics (:func:`accumulate_passes`).
+
+Nothing here waits on the device: a micro-batch's host inputs go over in one
+non-blocking copy (``batching.to_device``) and its metrics stay on the device
+(:class:`PassMetrics`) until the caller reads them all at once, at the end of
+the step, so the launch queue never drains in the middle of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from actors.backends.base import Loss
-from actors.backends.batching import pad_values
+from actors.backends.batching import pad_values, to_device
 from contracts.sample import Sample
 
-__all__ = ["Forward", "accumulate", "accumulate_passes", "padded_batch", "response_logprobs"]
+__all__ = ["Forward", "PassMetrics", "accumulate", "accumulate_passes", "padded_batch", "response_logprobs",
+           "run_passes"]
 
 #: A backend's forward over samples: (log-probs ``[B, T]``, entropy ``[B, T]``, mask ``[B, T]``).
 Forward = Callable[[list[Sample]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -53,8 +59,8 @@ def padded_batch(samples: list[Sample], pad_id: int, device: torch.device,
     attn = (np.arange(width)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
     resp = np.asarray([len(s.response_ids) for s in samples])
     mask = (np.arange(num_resp)[None, :] < resp[:, None]).astype(np.float32)
-    ids, attn, pos, mask = (torch.from_numpy(a) for a in (ids, attn, pos, mask))
-    return ids.to(device), attn.to(device), pos.to(device), mask.to(device)
+    ids, attn, pos, mask = to_device([ids, attn, pos, mask], device)  # one copy, not one per tensor
+    return ids, attn, pos, mask
 
 
 def response_logprobs(logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
@@ -71,47 +77,105 @@ def response_logprobs(logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
 
 
 def accumulate(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
-               proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, float]:
+               proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, torch.Tensor | float]:
     """Forward + backward of one micro-batch; its loss (a token mean over the
     micro-batch) is scaled by ``weight``, its share of the batch's tokens.
-    Returns the micro-batch's loss, entropy and the loss's metrics."""
+    Returns the micro-batch's loss, entropy and the loss's metrics, unread: 0-d
+    device tensors (a loss's metric may be a float already)."""
+    width = max(max(len(s.response_ids) for s in samples), 1)  # the [B, T] of every forward
+    host = [pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", width),
+            np.asarray(advantages, dtype=np.float32)]
+    if loss.needs_proximal and proximal_logprobs is not None:
+        host.append(pad_values(samples, proximal_logprobs, "proximal_logprobs", width))
     extra = {}
     if loss.needs_proximal and proximal_logprobs is None:
         # The weights before this step are the proximal policy.
         with torch.no_grad():
             extra["proximal_logprobs"] = forward(samples)[0]
     logprobs, entropy, mask = forward(samples)
-    if loss.needs_proximal and proximal_logprobs is not None:
-        extra["proximal_logprobs"] = pad_values(samples, proximal_logprobs, "proximal_logprobs", like=logprobs)
-    rollout = pad_values(samples, [s.rollout_logprobs for s in samples], "rollout_logprobs", like=logprobs)
-    adv = torch.tensor(advantages, dtype=logprobs.dtype, device=logprobs.device)
+    assert logprobs.shape == (len(samples), width), (tuple(logprobs.shape), width)
+    rollout, adv, *proximal = (t.to(logprobs.dtype) for t in to_device(host, logprobs.device))
+    if proximal:
+        extra["proximal_logprobs"] = proximal[0]
     value, metrics = loss(logprobs, rollout, adv, mask, **extra)
     (value * weight).backward()
-    num_tokens = float(mask.sum())
+    num_tokens = float(sum(len(s.response_ids) for s in samples))  # mask.sum(), known here
     return {
-        "loss": float(value.detach()),
-        "entropy": float((entropy.detach() * mask).sum() / max(num_tokens, 1.0)),
-        **{k: float(v) for k, v in metrics.items()},
+        "loss": value.detach(),
+        "entropy": (entropy.detach() * mask).sum() / max(num_tokens, 1.0),
+        **{k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()},
     }
+
+
+class PassMetrics:
+    """The metrics of a step's passes, left on the device until :meth:`read`.
+
+    Each pass's tensor metrics are stacked into one small tensor; :meth:`read`
+    moves them all (and whatever the caller adds, e.g. the grad norm) in one
+    transfer, then sums them weighted on the host in float64, in pass order:
+    the numbers a float() per metric per pass gave, for one sync per step."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []  # in the order the passes named them
+        # per pass: its weight, the names of its tensor metrics, them stacked [K], its float metrics
+        self._passes: list[tuple[float, list[str], torch.Tensor | None, dict[str, float]]] = []
+
+    def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
+        """A pass's metrics, ``weight`` its share of the batch's tokens."""
+        self.name(metrics)
+        names = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+        stacked = torch.stack([metrics[k].reshape(()) for k in names]) if names else None
+        self._passes.append((weight, names, stacked, {k: float(v) for k, v in metrics.items() if k not in names}))
+
+    def name(self, keys: Iterable[str]) -> None:
+        """Keys a weight-0 pass had: they appear in :meth:`read` (0 when no pass adds to them)."""
+        self.keys += [k for k in keys if k not in self.keys]
+
+    def read(self, sums: dict[str, float] | None = None, **extra: torch.Tensor | float) -> dict[str, float]:
+        """The token-weighted sums added into ``sums`` (new keys after its own), then
+        ``extra`` (0-d tensors or floats) as floats; returns ``sums``. One device-to-host
+        transfer for all of them."""
+        sums = {} if sums is None else sums
+        for k in self.keys:
+            sums.setdefault(k, 0.0)
+        tensors = [t for _, _, t, _ in self._passes if t is not None]
+        extra_keys = [k for k, v in extra.items() if isinstance(v, torch.Tensor)]
+        tensors += [extra[k].detach().reshape(1) for k in extra_keys]
+        values = iter(torch.cat(tensors).tolist() if tensors else [])  # the one sync (cat promotes dtypes)
+        for weight, names, stacked, floats in self._passes:
+            read = dict(zip(names, values)) if stacked is not None else {}
+            for k in self.keys:  # keys are visited in the same order as metrics were named
+                if k in read or k in floats:
+                    sums[k] += (read[k] if k in read else floats[k]) * weight
+        read_extra = dict(zip(extra_keys, values))
+        sums.update({k: read_extra[k] if k in read_extra else float(v) for k, v in extra.items()})
+        return sums
+
+
+def run_passes(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
+               proximal_logprobs: list[list[float]] | None, passes: list[list[int] | None],
+               total_tokens: float, filler: Sample | None = None) -> PassMetrics:
+    """:func:`accumulate` over ``passes`` (index lists into ``samples``; ``None``: a
+    weight-0 pass on ``filler``, whose collectives match a busier rank's), each
+    weighted by its share of ``total_tokens``. The metrics come back unread
+    (a weight-0 pass only names its keys)."""
+    out = PassMetrics()
+    for idx in passes:
+        if idx is None:
+            assert filler is not None, "a weight-0 pass needs a filler sample"
+            prox = None if proximal_logprobs is None else [[0.0]]
+            out.name(accumulate(loss, forward, [filler], [0.0], prox, 0.0))
+            continue
+        part = [samples[i] for i in idx]
+        prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
+        weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1)
+        out.add(accumulate(loss, forward, part, [advantages[i] for i in idx], prox, weight), weight)
+    return out
 
 
 def accumulate_passes(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
                       proximal_logprobs: list[list[float]] | None, passes: list[list[int] | None],
                       total_tokens: float, sums: dict[str, float], filler: Sample | None = None) -> dict[str, float]:
-    """:func:`accumulate` over ``passes`` (index lists into ``samples``; ``None``: a
-    weight-0 pass on ``filler``, whose collectives match a busier rank's), each
-    weighted by its share of ``total_tokens``. Adds the token-weighted metrics
-    into ``sums`` (a weight-0 pass only names its keys) and returns it."""
-    for idx in passes:
-        if idx is None:
-            assert filler is not None, "a weight-0 pass needs a filler sample"
-            prox = None if proximal_logprobs is None else [[0.0]]
-            for k in accumulate(loss, forward, [filler], [0.0], prox, 0.0):
-                sums.setdefault(k, 0.0)
-            continue
-        part = [samples[i] for i in idx]
-        prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
-        weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1)
-        for k, v in accumulate(loss, forward, part, [advantages[i] for i in idx], prox, weight).items():
-            sums[k] = sums.get(k, 0.0) + v * weight
-    return sums
+    """:func:`run_passes`, its token-weighted metrics read (one transfer) and added
+    into ``sums``, which it returns."""
+    return run_passes(loss, forward, samples, advantages, proximal_logprobs, passes, total_tokens, filler).read(sums)

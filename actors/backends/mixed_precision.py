@@ -9,6 +9,12 @@ Stepping bf16 params directly loses every update smaller than half a bf16
 ulp, which at RL learning rates is nearly all of them; the fp32 main params
 accumulate them until they move the rounded value. The model params are the
 weights the engines run, so a weight sync reads them as they are (no cast).
+
+The grad cast and the write-back are multi-tensor copies (``torch._foreach_copy_``,
+a few kernels for all params instead of one launch per param); the main grads
+live in one flat buffer per step, filled a bucket of params at a time so the
+model grads are freed as they go (the step's grad memory stays about what a
+per-param cast held).
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+
+#: Params per multi-tensor grad cast: the model grads of a bucket are freed before the next
+#: is cast, so at most ~1/_NUM_CAST_BUCKETS of them sit beside the full fp32 main grads.
+_NUM_CAST_BUCKETS = 4
 
 
 class MainParamsOptimizer:
@@ -48,15 +59,34 @@ class MainParamsOptimizer:
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Move the model grads to the main params, clip their global norm,
         step, and write the main params back into the model params. Returns
-        the norm before clipping."""
-        for p, m in zip(self.params, self.main):
-            m.grad = None if p.grad is None else p.grad.to(m.dtype)
-            p.grad = None
+        the norm before clipping (a 0-d device tensor, unread)."""
+        self._cast_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.main, max_norm)
         self.optimizer.step()
-        for p, m in zip(self.params, self.main):
-            p.copy_(m)  # round to the model dtype, as torch casts
+        torch._foreach_copy_(self.params, self.main)  # round to the model dtype, as copy_ does
         return norm
+
+    def _cast_grads(self) -> None:
+        """``main.grad`` = ``param.grad`` in the main dtype (None where the param has none:
+        the step skips it), views of one flat buffer per device; the model grads freed."""
+        for m in self.main:
+            m.grad = None
+        by_device: dict[torch.device, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        for p, m in zip(self.params, self.main):
+            if p.grad is not None:
+                by_device.setdefault(m.device, []).append((p, m))
+        for device, pairs in by_device.items():
+            main = [m for _, m in pairs]
+            flat = torch.empty(sum(m.numel() for m in main), dtype=main[0].dtype, device=device)
+            grads = torch._utils._unflatten_dense_tensors(flat, main)  # views shaped as the main params
+            step = -(-len(pairs) // _NUM_CAST_BUCKETS)
+            for start in range(0, len(pairs), step):
+                bucket = pairs[start : start + step]
+                torch._foreach_copy_(grads[start : start + step], [p.grad for p, _ in bucket])
+                for p, _ in bucket:
+                    p.grad = None
+            for m, g in zip(main, grads):
+                m.grad = g
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach() for m in self.main]}

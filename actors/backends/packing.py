@@ -2,17 +2,20 @@
 
     samples ─► packed_batch: input_ids / position_ids [1, N] (N = sum of prompt + response
                lengths; positions restart at 0 per sequence), cu_seqlens [S + 1] (int32),
-               the positions whose hidden state predicts a response token [T] and those tokens [T]
+               the positions whose hidden state predicts a response token [T], those tokens [T]
+               and where each lands in the padded [B, T_max] of the loss; built on the host
+               and moved in one non-blocking copy (batching.to_device)
             ─► the model with attn_implementation=PACKED_ATTENTION: attention never
                crosses a sequence boundary (cu_seqlens), RoPE sees each sequence from 0
-            ─► hidden [1, N, H] ─► logits_to_keep: the predicting positions' [1, T, H]
+            ─► hidden [1, N, H] ─► the predicting positions' [T, H]
             ─► the LM head in chunks (the torch backend's _head_gives_logprobs)
 
 Attention (:func:`packed_attention`, registered with Hugging Face's
 ``AttentionInterface``): ``torch.nn.attention.varlen.varlen_attn`` (the flash
 kernel over cumulative lengths) on CUDA in bf16 / fp16 where this torch has it;
 elsewhere (CPU, fp32, older torch) one causal SDPA per sequence, which is exact
-and what the CPU tests compare with the padded path.
+and what the CPU tests compare with the padded path. Nothing here reads a device
+tensor back: the sequence bounds travel to the attention as host ints too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from actors.backends.batching import to_device
 from contracts.sample import Sample
 
 try:  # torch >= 2.9; its signature changed across releases (read below)
@@ -51,15 +55,25 @@ class PackedBatch:
     input_ids: torch.Tensor  # [1, N] int64
     position_ids: torch.Tensor  # [1, N] int64, 0.. per sequence
     cu_seqlens: torch.Tensor  # [S + 1] int32, sequence boundaries in N
+    seq_bounds: tuple[int, ...]  # cu_seqlens on the host: the per-sequence attention slices by them
     max_len: int  # the longest sequence
     pred_positions: torch.Tensor  # [T] int64: the hidden state at N-index p predicts token p + 1
     targets: torch.Tensor  # [T] int64: the response tokens, sample by sample
+    resp_index: torch.Tensor  # [T] int64: where each target sits in mask.view(-1) (row-major)
     mask: torch.Tensor  # [B, T_max] float32: 1 on real response tokens (row-major = the order of targets)
 
     def attention_kwargs(self) -> dict:
-        """What the model's forward passes down to :func:`packed_attention` (Hugging Face's names)."""
+        """What the model's forward passes down to :func:`packed_attention` (Hugging Face's names,
+        and ``packed_seq_bounds``, which Hugging Face passes on untouched)."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_len, "max_length_k": self.max_len}
+                "max_length_q": self.max_len, "max_length_k": self.max_len, "packed_seq_bounds": self.seq_bounds}
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-target ``values`` ``[T, ...]`` laid out as the loss reads them: ``[B, T_max, ...]``,
+        zero on padding. Differentiable; an index copy (a masked scatter's backward would read
+        the mask's count back from the device)."""
+        flat = values.new_zeros(self.mask.numel(), *values.shape[1:]).index_copy(0, self.resp_index, values)
+        return flat.view(*self.mask.shape, *values.shape[1:])
 
 
 def packed_batch(samples: list[Sample], device: torch.device) -> PackedBatch:
@@ -85,10 +99,12 @@ def packed_batch(samples: list[Sample], device: torch.device) -> PackedBatch:
     positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts[:-1], lengths)
     width = max(int(num_resp.max()), 1)
     mask = (np.arange(width)[None, :] < num_resp[:, None]).astype(np.float32)
-    to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return PackedBatch(input_ids=to(ids)[None], position_ids=to(positions)[None],
-                       cu_seqlens=to(starts.astype(np.int32)), max_len=int(lengths.max()),
-                       pred_positions=to(pred), targets=to(targets), mask=to(mask))
+    resp_index = np.flatnonzero(mask)  # row-major, as targets
+    ids, positions, cu_seqlens, pred, targets, resp_index, mask = to_device(
+        [ids, positions, starts.astype(np.int32), pred, targets, resp_index, mask], device)
+    return PackedBatch(input_ids=ids[None], position_ids=positions[None], cu_seqlens=cu_seqlens,
+                       seq_bounds=tuple(starts.tolist()), max_len=int(lengths.max()), pred_positions=pred,
+                       targets=targets, resp_index=resp_index, mask=mask)
 
 
 def packing_unsupported(model: transformers.PreTrainedModel) -> str | None:
@@ -114,10 +130,12 @@ def packing_unsupported(model: transformers.PreTrainedModel) -> str | None:
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      sliding_window: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                     max_length_q: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     max_length_q: int | None = None, packed_seq_bounds: tuple[int, ...] | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sequence. ``query`` ``[1, H, N, D]``,
     ``key`` / ``value`` ``[1, H_kv, N, D]``; returns ``[1, N, H, D]`` (as Hugging Face's
-    eager attention does) and no weights."""
+    eager attention does) and no weights. ``packed_seq_bounds``: ``cu_seq_lens_q`` on the
+    host, which the per-sequence path slices by (else it reads them back, once per layer)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"attn_implementation={PACKED_ATTENTION!r} needs cu_seq_lens_q and max_length_q "
                            f"(a packed batch); this model was called without them")
@@ -128,11 +146,13 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                       cu_seq_lens_q, int(max_length_q), scaling)  # [N, H, D]
         return out[None], None
-    bounds = cu_seq_lens_q.tolist()
+    bounds = cu_seq_lens_q.tolist() if packed_seq_bounds is None else packed_seq_bounds
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     gqa = query.shape[1] != key.shape[1]
-    parts = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                                            scale=scaling, enable_gqa=gqa)
-             for s, e in zip(bounds[:-1], bounds[1:])]
+    # split, not one slice per sequence: its backward is one cat, where every slice's
+    # would write the whole [1, H, N, D] gradient, zeros but for its own rows
+    parts = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+             for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))]
     return torch.cat(parts, dim=2).transpose(1, 2), None
 
 

@@ -8,6 +8,7 @@ worker thread so the event loop never waits on a matmul.
             ─► forward ─► log-probs of the response tokens [B, T_resp]
                (packed: the LM head in chunks of response tokens, actors.backends.chunked_logprobs)
             ─► loss(logprobs, rollout_logprobs, advantages, mask) ─► AdamW step
+            ─► metrics and grad norm read back in one transfer, the step's only sync
             ─► version += 1 ─► named_weights() for the weight sync
 
 Data parallel (FSDP2) when ``torch.distributed`` is initialised with world size
@@ -42,7 +43,7 @@ from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_tr
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.config import TrainerConfig
-from actors.backends.loss_pass import accumulate_passes, padded_batch, response_logprobs
+from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.backends.packing import PACKED_ATTENTION, packed_batch, packing_unsupported
 from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
@@ -183,25 +184,26 @@ class TorchBackend(TrainerBackend):
         (a training forward; zeros otherwise: nobody reads it)."""
         batch = packed_batch(samples, self.device)
         with_entropy = torch.is_grad_enabled()
-        with self._head_gives_logprobs(batch.targets, with_entropy):
+        with self._head_gives_logprobs(batch.pred_positions, batch.targets, with_entropy):
             out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                             logits_to_keep=batch.pred_positions, **batch.attention_kwargs()).logits[0]  # [T, 2]
-        real = batch.mask.bool()  # row-major order of real response tokens = the order of targets
-        logprobs = torch.zeros_like(batch.mask).masked_scatter(real, out[:, 0])
-        entropy = torch.zeros_like(batch.mask).masked_scatter(real, out[:, 1])
+                             **batch.attention_kwargs()).logits[0]  # [T, 2]
+        logprobs, entropy = batch.scatter(out).unbind(-1)  # [B, T_max] each
         return logprobs, entropy, batch.mask
 
     @contextlib.contextmanager
-    def _head_gives_logprobs(self, targets: torch.Tensor, with_entropy: bool) -> Iterator[None]:
+    def _head_gives_logprobs(self, positions: torch.Tensor, targets: torch.Tensor,
+                             with_entropy: bool) -> Iterator[None]:
         """While open, the LM head returns ``[1, T, 2]``: each target's log-prob and the entropy,
         from :func:`chunked_logprobs`, instead of logits. It runs inside the model's own forward,
-        so FSDP2 has gathered its weight (tied or not) and reduces its gradient as any other's,
-        and ``logits_to_keep`` hands it the response positions' hidden states only."""
+        so FSDP2 has gathered its weight (tied or not) and reduces its gradient as any other's;
+        it takes the hidden states at ``positions`` (those that predict a response token) only,
+        by ``index_select``, whose backward is one index add (``logits_to_keep`` would index,
+        and its backward sorts the positions first)."""
         head = self.model.get_output_embeddings()
 
-        def forward(hidden: torch.Tensor) -> torch.Tensor:  # [1, T, H]
-            logprobs, entropy = chunked_logprobs(hidden[0], head.weight, head.bias, targets,
-                                                 self.logprob_chunk_tokens, with_entropy=with_entropy)
+        def forward(hidden: torch.Tensor) -> torch.Tensor:  # [1, N, H]
+            logprobs, entropy = chunked_logprobs(hidden[0].index_select(0, positions), head.weight, head.bias,
+                                                 targets, self.logprob_chunk_tokens, with_entropy=with_entropy)
             entropy = entropy if with_entropy else torch.zeros_like(logprobs)
             return torch.stack([logprobs[None], entropy[None]], dim=-1)  # a new tensor, not a view: FSDP2 hooks it
 
@@ -239,7 +241,8 @@ class TorchBackend(TrainerBackend):
             self.model.reshard()  # the root keeps its params gathered after a forward
         else:
             logprobs, _, _ = self._response_logprobs(samples)
-        return [logprobs[i, : len(s.response_ids)].tolist() for i, s in enumerate(samples)]
+        rows = logprobs[: len(samples)].tolist()  # one transfer for the batch
+        return [row[: len(s.response_ids)] for row, s in zip(rows, samples)]
 
     def train_step(
         self,
@@ -260,9 +263,10 @@ class TorchBackend(TrainerBackend):
         passes, total_tokens = self._plan_passes(samples, advantages, proximal_logprobs)
         self.optimizer.zero_grad(set_to_none=True)
         # a None pass is a weight-0 one on the filler row: its collectives match a busier rank's
-        sums = accumulate_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
-                                 passes, total_tokens, {}, filler=self._filler())
+        metrics = run_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
+                             passes, total_tokens, filler=self._filler())
         if self.world_size > 1:  # the ranks' token-weighted sums add up to the batch's means
+            sums = metrics.read()
             totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
             sums = dict(zip(sums, totals.tolist()))
@@ -280,8 +284,11 @@ class TorchBackend(TrainerBackend):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
         self._version += 1
-        return {**sums, "grad_norm": float(grad_norm), "tokens": float(total_tokens),
-                "version": float(self._version)}
+        counts = {"tokens": float(total_tokens), "version": float(self._version)}
+        if self.world_size > 1:
+            return {**sums, "grad_norm": float(grad_norm), **counts}
+        # the step's one device-to-host transfer, once everything is launched
+        return {**metrics.read(grad_norm=grad_norm), **counts}
 
     def _enable_activation_checkpointing(self) -> None:
         """Hugging Face's per-layer checkpointing, which runs only in training mode:
