@@ -20,7 +20,8 @@ tokens. Each token counts the same wherever it sits, so long responses are
 not down-weighted per token as a per-sequence mean would do (DAPO's choice),
 and the loss scale does not depend on how the batch was padded.
 
-``metrics`` holds plain floats (token means over the mask).
+``metrics`` holds detached 0-d tensors (token means over the mask): the trainer reads
+them from the device once a step, with its grad norm (``actors.backends.loss_pass.PassMetrics``).
 
 A trainer backend gets its loss injected as a :class:`Loss`: the function
 picked by name with its options bound, built by the composition root::
@@ -33,12 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def _metric(x: torch.Tensor) -> torch.Tensor:
+    """A metric as a detached 0-d tensor: read from the device with the step's others, not here."""
+    return x.detach().reshape(())
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -65,8 +72,8 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tenso
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv
     with torch.no_grad():
         metrics = {
-            "clip_frac": float(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
-            "ratio_mean": float(_token_mean(ratio, mask)),
+            "clip_frac": _metric(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
+            "ratio_mean": _metric(_token_mean(ratio, mask)),
         }
     return torch.minimum(unclipped, clipped), metrics
 
@@ -99,7 +106,7 @@ def ppo_clip(
     ratio = torch.exp(logprobs - rollout_logprobs)
     surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high)
     loss = _token_mean(-surrogate, mask)
-    metrics["kl_behav"] = float(_token_mean(rollout_logprobs - logprobs, mask).detach())
+    metrics["kl_behav"] = _metric(_token_mean(rollout_logprobs - logprobs, mask))
     return loss, metrics
 
 
@@ -153,9 +160,9 @@ def decoupled_ppo(
     loss = _token_mean(-weight * surrogate, mask)
     with torch.no_grad():
         metrics |= {
-            "behav_weight_mean": float(_token_mean(weight, mask)),
-            "behav_capped_frac": float(_token_mean(capped.to(mask.dtype), mask)),
-            "kl_behav": float(_token_mean(rollout_logprobs - logprobs, mask)),
+            "behav_weight_mean": _metric(_token_mean(weight, mask)),
+            "behav_capped_frac": _metric(_token_mean(capped.to(mask.dtype), mask)),
+            "kl_behav": _metric(_token_mean(rollout_logprobs - logprobs, mask)),
         }
     return loss, metrics
 
@@ -186,9 +193,9 @@ def tis_token(
     weight = ratio.clamp(max=cap)
     loss = _token_mean(-weight * adv * logprobs, mask)
     metrics = {
-        "is_weight_mean": float(_token_mean(weight, mask)),
-        "truncated_frac": float(_token_mean((ratio > cap).to(mask.dtype), mask)),
-        "ratio_mean": float(_token_mean(ratio, mask)),
+        "is_weight_mean": _metric(_token_mean(weight, mask)),
+        "truncated_frac": _metric(_token_mean((ratio > cap).to(mask.dtype), mask)),
+        "ratio_mean": _metric(_token_mean(ratio, mask)),
     }
     return loss, metrics
 
@@ -217,13 +224,13 @@ def tis_seq(
     adv = _per_token(advantages, logprobs).to(logprobs.dtype)
     log_ratio_seq = ((logprobs.detach() - rollout_logprobs) * mask).sum(dim=-1)  # [B]
     # Clamp in log space: exp of a long sequence's summed log-ratio overflows.
-    weight = torch.exp(log_ratio_seq.clamp(max=torch.log(torch.tensor(cap)).item()))  # [B]
+    weight = torch.exp(log_ratio_seq.clamp(max=math.log(cap)))  # [B]
     loss = _token_mean(-weight.unsqueeze(-1) * adv * logprobs, mask)
     has_tokens = (mask.sum(dim=-1) > 0).to(mask.dtype)
     num_seqs = has_tokens.sum().clamp(min=1)
     metrics = {
-        "is_weight_mean": float((weight * has_tokens).sum() / num_seqs),
-        "truncated_frac": float(((log_ratio_seq > torch.log(torch.tensor(cap))).to(mask.dtype) * has_tokens).sum() / num_seqs),
+        "is_weight_mean": _metric((weight * has_tokens).sum() / num_seqs),
+        "truncated_frac": _metric(((log_ratio_seq > math.log(cap)).to(mask.dtype) * has_tokens).sum() / num_seqs),
     }
     return loss, metrics
 

@@ -40,7 +40,7 @@ class Loss(Protocol):
     """The loss a backend runs, with its options bound (``policies.losses.Loss``).
 
     Called as ``loss(logprobs, rollout_logprobs, advantages, mask,
-    proximal_logprobs=None) -> (scalar loss, {metric: float})`` on ``[B, T]``
+    proximal_logprobs=None) -> (scalar loss, {metric: 0-d tensor or float})`` on ``[B, T]``
     tensors (``advantages`` ``[B]``); ``needs_proximal``: it needs the log-probs of
     the weights before the step; ``name`` goes into checkpoints. It travels to
     child processes and Ray actors, so it must pickle by reference.
