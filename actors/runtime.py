@@ -475,7 +475,26 @@ class RayRuntime(Runtime):
             if self.address is not None:
                 join_ray_cluster(ray, self.address, self.connect_timeout_s)
             else:
-                ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
+                # A cluster of our own listens on loopback only (docs/ray-clusters.md). Ray takes
+                # 127.0.0.1 as the node IP only where it holds multi-node clusters off (its macOS
+                # default; an explicit _node_ip_address="127.0.0.1" becomes the interface address):
+                # the flag read at import for this process, the variable for those it starts now.
+                from ray._private import ray_constants
+
+                env, flag = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), getattr(
+                    ray_constants, "ENABLE_RAY_CLUSTER", None)  # another Ray: its own default
+                os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+                if flag is not None:
+                    ray_constants.ENABLE_RAY_CLUSTER = False
+                try:
+                    ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
+                finally:
+                    if flag is not None:
+                        ray_constants.ENABLE_RAY_CLUSTER = flag
+                    if env is None:
+                        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+                    else:
+                        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env
                 self._started_cluster = True
         return ray
 

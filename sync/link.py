@@ -78,21 +78,40 @@ def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+_LISTENING: list[socket.socket] = []  # the stores' own sockets: closing one would end its store
+
+
+def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> Any:
+    """The group's rendezvous store. Its master listens on ``host`` only: given a
+    host, torch's store still binds every interface, so it gets a socket bound here."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=_TIMEOUT)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    _LISTENING.append(sock)
+    del _LISTENING[:-4]  # a group re-forms seldom: those of earlier groups are long gone
+    return dist.TCPStore(host, port, world_size, True, timeout=_TIMEOUT, master_listen_fd=sock.fileno())
+
+
 def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> Any:
     """Join the weight-sync process group (blocking: every member at once).
     Over gloo it is a group of its own, not the default one (data-parallel
     trainers have theirs); ``None`` means the default group (NCCL)."""
     import torch.distributed as dist
 
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    store = _tcp_store(host.strip("[]"), int(port), world_size, rank == 0)
     if backend == "gloo":
-        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
-        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=_TIMEOUT)
         return dist.ProcessGroupGloo(dist.PrefixStore("asyncrl/weights", store), rank, world_size, _TIMEOUT)
     if dist.is_initialized():
         raise RuntimeError("a weight broadcast over NCCL needs the default process group of its own; "
                            "data-parallel trainers on GPUs of one host push over CUDA IPC (sync.transport=auto)")
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=_TIMEOUT)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
     return None
 
 

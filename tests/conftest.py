@@ -3,12 +3,25 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 import pytest
 
 # the helpers assert as the test modules they came from did: with pytest's messages
 pytest.register_assert_rewrite("tests.helpers")
+
+# Network tests stay on loopback, Ray's included. Ray takes 127.0.0.1 as a node's IP (and
+# its GCS, raylets, object managers and workers then listen on loopback only) where it
+# holds multi-node clusters to be off, as on macOS; elsewhere it takes the interface
+# address, and turns an explicit 127.0.0.1 (``ray.init(_node_ip_address=...)``) into
+# that address too. Set before any test imports ray, and inherited by every process
+# Ray and the tests start; ``ray.cluster_utils.Cluster``'s nodes on this machine still
+# join one another (only ``ray start --address`` refuses to).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+if "ray._private.ray_constants" in sys.modules:  # imported before this file: read at call time
+    sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -61,6 +74,7 @@ def ray_cluster(ray_num_cpus: int):
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=ray_num_cpus, include_dashboard=False, log_to_driver=False)
+        assert ray.util.get_node_ip_address() == "127.0.0.1"  # loopback only (see the top)
     yield ray
     if started:
         ray.shutdown()

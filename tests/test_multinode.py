@@ -36,7 +36,7 @@ RUN = ("runtime.type=ray", "transfer_queue.deployment=ray", "transfer_queue.num_
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Three raylets on this machine; the test process is the driver."""
+    """Three raylets on this machine, on loopback; the test process is the driver."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -48,6 +48,8 @@ def cluster():
              "c": c.add_node(num_cpus=2, resources={"rollout_slot": 2, "store_slot": 2}, labels={"zone": "c"})}
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     c.wait_for_nodes()
+    # every node on loopback (tests/conftest.py): GCS, raylets, workers and this driver
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}, ray.nodes()
     yield c, {k: n.node_id for k, n in nodes.items()}
     ray.shutdown()
     c.shutdown()

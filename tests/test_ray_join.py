@@ -62,12 +62,13 @@ def test_a_failed_join_is_one_line_within_the_timeout_and_leaves_nothing_running
 def test_the_probe_lets_a_real_gcs_through_at_once():
     """The checks must never refuse a live cluster: a GCS answers the HTTP/2 preface
     and gives its cluster id to a process holding the token (ray.init made one here).
-    Probed on loopback (the GCS listens on every interface)."""
+    Probed on loopback, the only interface the tests' GCS listens on (tests/conftest.py)."""
     import ray
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        port = int(ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
+        host, port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+        assert host == "127.0.0.1"
         start = time.monotonic()
         _probe_ray_address(f"127.0.0.1:{port}", timeout_s=5)
         _check_gcs(f"127.0.0.1:{port}", "runtime.address")
