@@ -240,6 +240,12 @@ class FullyAsyncPolicy(PolicyBase):
             self._fail(err)  # a trainer waiting for a batch hears of it too
             raise
 
+    async def settle(self, step: int | None = None) -> None:
+        await super().settle(step)
+        if step is None and self._push_owed:  # a push left to the step after an evaluation: made now
+            await self._after_step()
+            await self._push_finished()
+
     async def _push_finished(self, step: int | None = None) -> None:
         if self._sync is None or (step is not None and self._sync_step > step):
             return

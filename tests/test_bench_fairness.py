@@ -117,8 +117,10 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
                 run["engine_tokens_per_s"] / run["engine_standalone_tokens_per_s"])
             assert run["trainer_step_ms_median"] > 0 and run["trainer_standalone_step_ms"] > 0
             assert "trainer_mfu" in run  # null on a CPU: its peak is not known
-            # a weight sync after each of the 2 timed steps
-            assert run["num_syncs"] == 2 and run["sync_total_ms_max"] >= run["sync_total_ms_median"] > 0
+            # a weight sync after each of the 2 timed steps; fully-async's steps beside an evaluation
+            # (one after every step here) leave their push to the step after it (policy.eval_overlap_steps)
+            assert run["num_syncs"] == 2 if name == "sync" else 1 <= run["num_syncs"] <= 2
+            assert run["sync_total_ms_max"] >= run["sync_total_ms_median"] > 0
             assert run["sync_paused_ms_max"] >= run["sync_paused_ms_median"] >= 0
             assert 0 < run["pipeline_efficiency"] <= 1.5 and run["pipeline_bound_by"] in ("engine", "trainer")
             assert run["step_s"] == pytest.approx(1 / run["steps_per_s"])
