@@ -81,7 +81,10 @@ def _per_row_ratio(shape: str) -> float:
 
 def _load(name: str, runtime: str | None = None) -> dict[str, Any]:
     """A kept run as ``bench.async_vs_sync`` printed it (``runtime``: one of its ``other_runtimes``)."""
+    name, _, key = name.partition("#")  # file#key: one of the runs a file keeps under "runs"
     d = json.loads((RESULTS / name).read_text())
+    if key:
+        d = d["runs"][key]
     if name == "h200_trainer_and_length_probe.json":
         d = d["untrained_16_token_responses"]
     r = dict(d.get("result", d))
@@ -231,9 +234,17 @@ def seed_inputs(run: dict[str, Any], spec: RunSpec, s: dict[str, Any], ov: Overh
                   push_encode_s=parts["encode"] / 1e3 if parts.get("encode") else push / 2,
                   lengths=_lengths(run, spec, rlen), prompt_len=_prompt_len(run), samples_per_step=b,
                   group_size=_group_size(run), step_overhead_s=ov.driver_overhead_s,
-                  max_running=ENGINE_MAX_NUM_SEQS, sample_overhead_s=ov.sample_overhead_s,
+                  max_running=_max_num_seqs(run), sample_overhead_s=ov.sample_overhead_s,
                   eval_every=int(run.get("eval_every") or 0) if _evals_in_window(run, warmup) else 0,
                   eval_samples=int(run.get("eval_prompts") or 0), eval_in_wall=bool(run.get("eval_in_window")))
+
+
+def _max_num_seqs(run: dict[str, Any]) -> int:
+    """The engines' ``max_num_seqs``: the run's override of it, else asyncrl's default."""
+    for o in run.get("overrides") or []:
+        if o.startswith("rollout.engine.max_num_seqs="):
+            return int(o.split("=", 1)[1])
+    return ENGINE_MAX_NUM_SEQS
 
 
 def standalone_inputs(run: dict[str, Any], spec: RunSpec, s: dict[str, Any], ov: Overheads, policy: str,
@@ -364,7 +375,11 @@ SETUPS: dict[str, dict[str, Any]] = {
         "calibrate": RunSpec("async_vs_sync_h200_smollm2_fair.json", shape="smollm2"),
         "validate": [RunSpec("async_vs_sync_h200_smollm2_steps.json", shape="smollm2", in_flight="keep",
                              why="in-flight mode: README row, sync.in_flight auto (keep); its engines counted no "
-                                 "aborts (engine.num_aborted 0) with samples running (engine.num_running 26-39)")],
+                                 "aborts (engine.num_aborted 0) with samples running (engine.num_running 26-39)"),
+                     *(RunSpec(f"async_vs_sync_h200_smollm2_knobs.json#{k}", shape="smollm2", in_flight="keep",
+                               why="fully-async alone, one seed, no throw-away run; settings in the file "
+                                   "(staleness_threshold, max_num_seqs, runtime), in-flight auto (keep)")
+                       for k in "ABCD")],
     },
 }
 
@@ -379,7 +394,8 @@ LEFT_OUT = {
 
 
 def _label(spec: RunSpec) -> str:
-    return spec.file + (f" [{spec.runtime}]" if spec.runtime else "")
+    name, _, key = spec.file.partition("#")
+    return name + (f" [{spec.runtime}]" if spec.runtime else "") + (f" [{key}]" if key else "")
 
 
 INPUTS = {
@@ -441,7 +457,7 @@ def validate() -> dict[str, Any]:
             for policy in run["policies"]:
                 row["policies"][policy] = predict_policy(run, vs, policy, ov)
                 errors.append(abs(row["policies"][policy]["relative_error"]))
-            if run.get("standalone"):
+            if len((run.get("standalone") or {}).get("engine", {})) >= 2:  # a decode line needs two concurrencies
                 row["standalone_inputs"] = {
                     "what": "not counted: the same prediction with the engine's and the trainer's clocks replaced "
                             "by the run's standalone section (measured outside the timed window); the push keeps "

@@ -300,6 +300,8 @@ class _Engine:
             prefill_tokens += s.prompt_len + (s.length - s.left)
             if s.prefilled:
                 self.sim.reprefill_tokens += s.prompt_len + (s.length - s.left)
+            elif not s.eval:  # its first token's version, which the trainer's age bound reads
+                s.version = self.sim.version
             s.prefilled = True
             s.finish_at = self.clock + s.left
             self.running[s.uid] = s
