@@ -75,6 +75,6 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """An evaluation runs beside training: the engines keep its step's weights
     until it ends, so the pushes due meanwhile wait for it. Fully-async: the
     trainer takes up to this many more steps on what rollout generated before
-    it waits too (each adds one version to the samples' staleness, within
-    ``max_staleness``); the baselines wait at their next push. 0: the trainer
-    waits at its next push."""
+    it waits too (each adds one version to the samples' staleness: at most
+    ``max_staleness - 1`` steps, so they stay trainable); the baselines wait at
+    their next push. 0: the trainer waits at its next push."""

@@ -16,7 +16,8 @@
 
 An evaluation (``policy.eval_every``) runs beside training on the weights of its
 step: pushes wait for it, the trainer goes on for up to ``policy.eval_overlap_steps``
-steps (each opening its sync window without a push), then waits at its push.
+steps (at most ``max_staleness - 1``; each opens its sync window without a push), then
+waits at its push.
 
 The policy holds requests, reports and counters; samples go rollout actor →
 TransferQueue → trainer actor, weights trainer → engines.
@@ -208,7 +209,7 @@ class FullyAsyncPolicy(PolicyBase):
         it and the trainer goes on, for up to ``policy.eval_overlap_steps`` steps."""
         if self.step % self.cfg.policy.trigger_parameter_sync_step != 0 and not self._push_owed:
             return
-        if self.evaluating() and self._steps_beside_eval < self.cfg.policy.eval_overlap_steps:
+        if self.evaluating() and self._steps_beside_eval < self._eval_overlap_steps:
             # the push waits; its window opens all the same, so rollout (on the evaluated
             # weights, samples aging by a version a step: max_staleness bounds them) feeds the steps
             self._steps_beside_eval += 1
@@ -229,6 +230,13 @@ class FullyAsyncPolicy(PolicyBase):
             encoded.cancel()
             if self._sync.done():
                 await self._push_finished()  # finished already, or failed: raise here
+
+    @property
+    def _eval_overlap_steps(self) -> int:
+        """Steps the trainer takes beside an evaluation: ``policy.eval_overlap_steps``, at most
+        ``max_staleness - 1``, so what rollout generated on the evaluated weights stays trainable."""
+        p = self.cfg.policy
+        return min(p.eval_overlap_steps, max(0, p.max_staleness - 1))
 
     async def _sync_and_open(self, released: asyncio.Event) -> None:
         try:

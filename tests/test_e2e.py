@@ -229,12 +229,17 @@ def test_held_out_eval_reward_is_logged_every_n_steps(tmp_path):
         assert m["eval/at_trained"] == m["trained"]
 
 
-@pytest.mark.parametrize("policy_type,overlap", [("fully_async", 2), ("fully_async", 0), ("sync", 2)])
-def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path, policy_type, overlap):
+@pytest.mark.parametrize("policy_type,overlap,max_staleness,pushed", [
+    ("fully_async", 2, 4, [1, 2, 3, 6, 9]), ("fully_async", 2, 2, [1, 2, 3, 5, 6, 8, 9]),
+    ("fully_async", 0, 4, list(range(1, 10))), ("sync", 2, 4, list(range(1, 10)))])
+def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path, policy_type, overlap,
+                                                                         max_staleness, pushed):
     """The evaluation of step s keeps the engines on version s to its end (no push starts
-    meanwhile), while fully-async trains up to ``eval_overlap_steps`` more steps beside it."""
+    meanwhile), while fully-async trains up to ``eval_overlap_steps`` more steps beside it
+    (at most ``max_staleness - 1``); the pushes due meanwhile wait, the latest weights go."""
     run = launch(ROOT / "fully_async.yaml", *SHORT, f"policy.type={policy_type}", "policy.eval_every=3",
-                 "policy.eval_prompts=4", f"policy.eval_overlap_steps={overlap}", f"run.output_dir={tmp_path}")
+                 "policy.eval_prompts=4", f"policy.eval_overlap_steps={overlap}",
+                 f"policy.max_staleness={max_staleness}", f"run.output_dir={tmp_path}")
     with run:
         policy = run.policy
         evals, pushes, real_evaluate, real_push = [], [], policy._evaluate, policy.weight_sync
@@ -256,16 +261,15 @@ def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path
         assert version == version_end == step  # the engines held the evaluated step's weights to its end
         assert not any(t0 < t < t1 for _, t in pushes)
     (_, steps_beside), *_ = [(e[0][0], e[1][0] - e[0][0]) for e in evals if e[0][0] == 3]
-    beside = policy_type == "fully_async" and overlap > 0
-    assert steps_beside == (overlap + 1 if policy_type == "fully_async" else 1)
-    pushed = [step for step, _ in pushes]
-    # the pushes due beside an evaluation wait for it; fully-async then pushes the latest weights only
-    assert pushed == ([1, 2, 3, 6, 9] if beside else list(range(1, 10)))
+    beside = min(overlap, max_staleness - 1) if policy_type == "fully_async" else 0
+    assert steps_beside == beside + 1
+    assert [step for step, _ in pushes] == pushed
+    assert not any(m["dropped"] for m in run.history)  # nothing generated beside an evaluation went stale
     lines = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(10))
     assert [m["step"] for m in lines if "eval/reward" in m] == [0, 3, 6, 9]
     assert all(m["eval/at_trained"] == m["trained"] for m in lines[1:] if "eval/reward" in m)
-    assert all(m["staleness_max"] <= 2 for m in lines[1:])  # policy.max_staleness holds beside evaluations
+    assert all(m["staleness_max"] <= max_staleness for m in lines[1:])  # the age bound holds beside evaluations
 
 
 def test_startup_is_timed_by_phase_to_the_first_step_and_reported_once(tmp_path):
