@@ -237,8 +237,11 @@ def _serve(conn: Any, imports: tuple[str, ...]) -> None:
     what its setup will need), then take its actor from the pipe and serve it."""
     _actor_process_settings()
     _leave_signals_to_the_driver()
-    for module in imports:
-        importlib.import_module(module)
+    for module in imports:  # a warm-up: what fails to import here fails, with its error, where it is used
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001
+            pass
     try:
         job = conn.recv_bytes()
     except (EOFError, OSError):  # never used: the driver shut its runtime down, or is gone
