@@ -20,8 +20,9 @@
 Schedules: ``sync`` (generate B, train, push), ``one_step_off`` (generate batch k+1
 while training batch k; the whole push follows both), ``fully_async`` (admission window
 of ``policies.admission``: ``ceil((1 + s) · K · B)`` samples per sync window, carried
-ones included; the trainer drops samples older than ``max_staleness`` versions; the
-rollout keeps generating through evaluations). In-flight mode at a push (fully-async):
+ones included (every sample of an unfinished group, queued or being trained, as
+``policies.fully_async`` counts them at a push); the trainer drops samples older than
+``max_staleness`` versions; the rollout keeps generating through evaluations). In-flight mode at a push (fully-async):
 ``abort`` (running samples are aborted, resubmitted to their engine behind the requests
 waiting there and re-prefilled on prompt + partial), ``keep`` (only the pause),
 ``recompute`` (re-prefill in place).
@@ -341,7 +342,10 @@ class _Sim:
         self.queue: deque[int] = deque()  # finished groups, oldest first
         self.num_queued = 0  # samples in those groups
         self.num_groups = 0
-        self.in_flight = 0  # admitted samples not finished
+        # admitted samples whose group is not finished (policies.fully_async's in_flight: a group
+        # is one request, reported whole), and those the trainer holds (leased until its step acks)
+        self.in_flight = 0
+        self.training = 0
         self.reprefill_tokens = 0.0
         self.dropped = 0
         self.max_ahead = 0
@@ -398,7 +402,7 @@ class _Sim:
         self.in_flight += len(seqs)
         # A group is one request to one rollout actor (generate_group): its samples share an engine.
         min(self.engines, key=_Engine.load).waiting.extend(seqs)
-        self.max_ahead = max(self.max_ahead, self.in_flight + self.queued_samples())
+        self.max_ahead = max(self.max_ahead, self.in_flight + self.queued_samples() + self.training)
 
     def finished(self, s: _Seq, t: float) -> None:
         if s.eval:
@@ -406,9 +410,9 @@ class _Sim:
             if not self.eval_left:
                 self.at(t, "eval_done")
             return
-        self.in_flight -= 1
         self.groups_left[s.group] -= 1
         if self.groups_left[s.group] == 0:
+            self.in_flight -= len(self.group_seqs[s.group])
             self.queue.append(s.group)
             self.num_queued += len(self.group_seqs[s.group])
             b = self.group_batch[s.group]
@@ -476,11 +480,13 @@ class _Sim:
             dur *= self.inp.contention
         dur += self.inp.step_overhead_s
         self.trainer_busy = True
+        self.training = len(batch)
         self.trainer_busy_s += dur
         self.at(self.t + dur, "train_done")
 
     def on_train_done(self) -> None:
         self.trainer_busy = False
+        self.training = 0
         self.steps += 1
         self.history.append((self.timed(), self.trained_tokens, self.trained_samples, self.decode_steps(),
                              self.eval_s))
@@ -533,7 +539,7 @@ class _Sim:
                                 + len(e.running) * self.inp.prefill_per_seq_s)
         self.pushing = False
         if self.sched.type == "fully_async":
-            self.carried, self.admitted_in_window = self.in_flight + self.queued_samples(), 0
+            self.carried, self.admitted_in_window = self.in_flight + self.queued_samples() + self.training, 0
         if self.push_pending:
             self.begin_push()
             return
