@@ -471,6 +471,59 @@ def validate() -> dict[str, Any]:
     return out
 
 
+# What-if: the kept SmolLM2 step-by-step runs, re-scheduled with evaluations beside training
+# (policy.eval_overlap_steps, built after they ran). Every input is the runs' own clocks.
+FORECAST_SETUP = "h200_smollm2_text_arithmetic"
+FORECAST_SYNC = RunSpec("async_vs_sync_h200_smollm2_steps.json", shape="smollm2", in_flight="keep")
+FORECAST_FULLY_ASYNC = {
+    "staleness 2, 128 seqs (the paired run's fully-async, 3 seeds)": FORECAST_SYNC,
+    "staleness 4, 256 seqs (knobs run C, 1 seed)": RunSpec("async_vs_sync_h200_smollm2_knobs.json#C",
+                                                           shape="smollm2", in_flight="keep"),
+}
+FORECAST_OVERLAP = 2  # policy.eval_overlap_steps' default
+
+
+def _forecast_policy(run: dict[str, Any], spec: RunSpec, policy: str, ov: Overheads,
+                     max_staleness: int | None = None) -> dict[str, float]:
+    """Trained tokens/s predicted from each seed's clocks: evaluations waited for (as the run had
+    them; a check against what it measured) and beside training."""
+    warmup, steps = _warmup_steps(run, spec.warmup_steps), int(run["steps"])
+    sched = schedule_of(run, policy, spec)
+    if max_staleness is not None:
+        sched = dataclasses.replace(sched, max_staleness=max_staleness)
+    seeds = [seed_inputs(run, spec, s, ov, sched.sync_every) for s in _seeds(run["policies"][policy])]
+    waited = _mean([predict(i, sched, steps, warmup)[0] for i in seeds])
+    beside = _mean([predict(i, dataclasses.replace(sched, eval_overlap_steps=FORECAST_OVERLAP), steps, warmup)[0]
+                    for i in seeds])
+    return {"measured": round(_measured(run["policies"][policy]), 1), "predicted_waited": round(waited, 1),
+            "predicted_beside": round(beside, 1)}
+
+
+def forecast() -> dict[str, Any]:
+    """fully-async / sync, trained tokens/s, predicted for the kept SmolLM2 runs with evaluations
+    beside training, next to the same prediction with evaluations waited for (as they ran)."""
+    ov = calibrate(SETUPS[FORECAST_SETUP]["calibrate"])
+    sync = _forecast_policy(_load(FORECAST_SYNC.file), FORECAST_SYNC, "sync", ov)
+    out: dict[str, Any] = {
+        "bench": "simulate --forecast", "machine": _machine(),
+        "what": "a prediction, not a measurement: the kept H200 SmolLM2-135M-Instruct step-by-step runs "
+                "(10 timed steps, an evaluation of 64 prompts every 5 steps inside the window) re-scheduled "
+                f"by bench.simulate_model with evaluations beside training (policy.eval_overlap_steps "
+                f"{FORECAST_OVERLAP}), from each seed's own component clocks; the waited-for prediction "
+                "checks the model against what the run measured",
+        "unit": "trained tokens/s", "sync": sync, "fully_async": {}}
+    for label, spec in FORECAST_FULLY_ASYNC.items():
+        run = _load(spec.file)
+        rows = {"as run": _forecast_policy(run, spec, "fully_async", ov),
+                "max_staleness 6": _forecast_policy(run, spec, "fully_async", ov, max_staleness=6)}
+        for row in rows.values():
+            row["over_sync_measured_waited"] = round(row["measured"] / sync["measured"], 2)
+            row["over_sync_predicted_waited"] = round(row["predicted_waited"] / sync["predicted_waited"], 2)
+            row["over_sync_predicted_beside"] = round(row["predicted_beside"] / sync["predicted_beside"], 2)
+        out["fully_async"][label] = rows
+    return out
+
+
 def _machine() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return (f"{platform.machine()} VM, {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -480,12 +533,16 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--validate", action="store_true", help="predicted vs measured on kept runs not calibrated on")
+    ap.add_argument("--forecast", action="store_true",
+                    help="the kept SmolLM2 runs re-scheduled with evaluations beside training (a prediction)")
     ap.add_argument("--model", default="0.5b,7b", help="model sizes for scaling predictions: 0.5b, 7b")
     ap.add_argument("--gpus", default="8,32,128", help="total GPU counts, comma-separated")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     if args.validate:
         result = validate()
+    elif args.forecast:
+        result = forecast()
     else:
         models = [m.strip().lower() for m in args.model.split(",") if m.strip()]
         try:

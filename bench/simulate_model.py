@@ -192,6 +192,12 @@ class Schedule:
     sync_every: int = 1
     in_flight: Literal["abort", "keep", "recompute"] = "abort"
     overlap_push: bool = False
+    eval_overlap_steps: int | None = None
+    """``None``: the trainer waits for every evaluation (what the code before evaluations ran
+    beside training did). An int: ``policy.eval_overlap_steps``, evaluations run beside
+    training: the push due after one waits for it; fully-async trains on for up to
+    ``min(eval_overlap_steps, max_staleness - 1)`` steps meanwhile, each opening its admission
+    window without a push (the sync baselines: the next batch generates beside it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +326,9 @@ class _Sim:
         if inp.samples_per_step % inp.group_size:
             raise ValueError(f"samples_per_step {inp.samples_per_step} is not a multiple of "
                              f"group_size {inp.group_size}")
+        if sched.eval_overlap_steps is not None and not inp.eval_in_wall:
+            raise ValueError("evaluations beside training (eval_overlap_steps) are timed in the wall "
+                             "clock: eval_in_wall must be true")
         if sched.sync_every < 1 or sched.staleness_threshold < 0 or sched.max_staleness < 0:
             raise ValueError(f"bad schedule {sched}")
         self.inp, self.sched, self.num_steps = inp, sched, num_steps
@@ -355,6 +364,9 @@ class _Sim:
         self.eval_due = False  # the step just trained ends with an evaluation
         self.eval_left = self.num_eval_seqs = 0
         self.eval_t0 = 0.0
+        self.evaluating = False  # an evaluation beside training is running (Schedule.eval_overlap_steps)
+        self.owed = 0  # fully-async steps trained beside it whose push waits for it
+        self.push_after_eval = False  # the trainer waits at a push until the evaluation ends
         # after each step: (timed clock, trained tokens, trained samples, decode steps of all engines,
         # evaluation seconds)
         self.history: list[tuple[float, int, int, float, float]] = []
@@ -442,7 +454,7 @@ class _Sim:
         versions old is dropped, and its admission slots go back."""
         keep: deque[int] = deque()
         for g in self.queue:
-            if self.version - min(s.version for s in self.group_seqs[g]) <= self.sched.max_staleness:
+            if self.version + self.owed - min(s.version for s in self.group_seqs[g]) <= self.sched.max_staleness:
                 keep.append(g)
                 continue
             n = len(self.group_seqs.pop(g))
@@ -471,7 +483,7 @@ class _Sim:
         tokens = sum(s.length + s.prompt_len for s in batch)
         self.trained_tokens += sum(s.length for s in batch)
         self.trained_samples += len(batch)
-        self.max_lag = max(self.max_lag, max(self.version - s.version for s in batch))
+        self.max_lag = max(self.max_lag, max(self.version + self.owed - s.version for s in batch))
         if typ == "one_step_off" and self.gen_started < self.num_steps:
             self.start_generation()  # batch k+1 generates while batch k trains
         self.sync_engines()
@@ -492,7 +504,9 @@ class _Sim:
                              self.eval_s))
         self.eval_due = (self.inp.eval_every > 0 and self.steps % self.inp.eval_every == 0
                          and self.steps < self.num_steps)
-        if self.steps % self.sched.sync_every:
+        if self.beside():
+            self.after_step_beside()
+        elif self.steps % self.sched.sync_every:
             if not self.eval_due:
                 self.try_train()
             elif self.pushing:
@@ -504,6 +518,44 @@ class _Sim:
             self.trainer_blocked = True
         else:
             self.begin_push()
+
+    def beside(self) -> bool:
+        return self.sched.eval_overlap_steps is not None
+
+    def overlap_steps(self) -> int:
+        """Fully-async steps beside an evaluation without their push (policies.fully_async)."""
+        return min(self.sched.eval_overlap_steps or 0, max(0, self.sched.max_staleness - 1))
+
+    def after_step_beside(self) -> None:
+        """``policies``' after-step with evaluations beside training: a push due waits for a
+        running evaluation (fully-async first trains on, without it, ``overlap_steps`` steps);
+        an evaluation due starts once its step's push is done, and the trainer goes on."""
+        if self.evaluating and self.eval_due:
+            # one evaluation at a time: the driver waits for the last one before it starts one
+            self.trainer_blocked = self.push_after_eval = True
+            return
+        if self.steps % self.sched.sync_every == 0 or self.owed:
+            if not self.evaluating:
+                if self.pushing:
+                    self.push_pending = True  # an overlapped push is still being applied
+                    self.trainer_blocked = True
+                else:
+                    self.begin_push()
+                return
+            if self.sched.type == "fully_async" and self.owed < self.overlap_steps():
+                self.owed += 1
+                self.open_window()
+                self.feed()
+            else:
+                self.trainer_blocked = self.push_after_eval = True
+                return
+        if self.eval_due and not self.pushing:
+            self.start_eval()
+        self.try_train()
+
+    def open_window(self) -> None:
+        """policies.admission's window opens: whatever is outstanding is carried into it."""
+        self.carried, self.admitted_in_window = self.in_flight + self.queued_samples() + self.training, 0
 
     def begin_push(self) -> None:
         self.pushing, self.push_pending = True, False
@@ -521,7 +573,8 @@ class _Sim:
         self.at(self.t + self.inp.push_paused_s, "push_done")
 
     def on_push_done(self) -> None:
-        self.version += 1
+        self.version += 1 + self.owed
+        self.owed = 0
         mode = self.sched.in_flight if self.sched.type == "fully_async" else "keep"
         for e in self.engines:
             e.paused = False
@@ -539,11 +592,13 @@ class _Sim:
                                 + len(e.running) * self.inp.prefill_per_seq_s)
         self.pushing = False
         if self.sched.type == "fully_async":
-            self.carried, self.admitted_in_window = self.in_flight + self.queued_samples() + self.training, 0
+            self.open_window()
         if self.push_pending:
             self.begin_push()
             return
-        if self.eval_due:
+        if self.eval_due and self.beside():
+            self.start_eval()  # beside training: the trainer goes on below
+        elif self.eval_due:
             if self.sched.type == "fully_async":
                 self.feed()  # the feeder is not the driver: the window that opened is filled now
             self.start_eval()
@@ -557,7 +612,10 @@ class _Sim:
         """The driver evaluates (``policies.base``'s ``evaluate``): one response per held-out
         prompt, spread over the engines behind what waits there; the trainer waits for all."""
         self.eval_due = False
-        self.trainer_blocked = True
+        if self.beside():
+            self.evaluating = True
+        else:
+            self.trainer_blocked = True
         self.eval_t0 = self.t
         self.eval_left = self.inp.eval_samples
         for i in range(self.inp.eval_samples):
@@ -570,6 +628,12 @@ class _Sim:
 
     def on_eval_done(self) -> None:
         self.eval_s += self.t - self.eval_t0
+        if self.beside():
+            self.evaluating = False
+            if self.push_after_eval:  # the push (or the evaluation) the trainer waits at goes now
+                self.push_after_eval = self.trainer_blocked = False
+                self.after_step_beside()
+            return
         self.trainer_blocked = False
         if self.sched.type == "sync" and self.gen_started < self.num_steps:
             self.start_generation()
@@ -612,7 +676,7 @@ class _Sim:
                 elif kind == "eval_done":
                     self.on_eval_done()
                 else:  # trainer_free: an overlapped push's encode is done
-                    if not self.push_pending and not self.eval_due:
+                    if not self.push_pending and not self.push_after_eval and (not self.eval_due or self.beside()):
                         self.trainer_blocked = False
                     self.try_train()
             else:

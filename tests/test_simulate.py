@@ -159,6 +159,39 @@ def test_fully_async_keeps_generating_through_an_evaluation_taken_out_of_the_wal
     assert hidden.trained_tokens_per_s > counted.trained_tokens_per_s
 
 
+def test_sync_hides_an_evaluation_beside_training_behind_its_next_batch():
+    # the evaluation (8 x 100 tokens) shares the engine with the next batch's generation, which
+    # takes as long (1 ms a decode step, whatever the batch): the push after that batch's training
+    # finds it done, so it costs sync nothing; waited for, it adds 0.1 s every second step
+    inp = _inputs(eval_every=2, eval_samples=8)
+    beside = simulate(inp, Schedule("sync", eval_overlap_steps=0), num_steps=6, warmup_steps=2)
+    waited = simulate(inp, Schedule("sync"), num_steps=6, warmup_steps=2)
+    assert beside.steps_per_s == pytest.approx(1 / 0.3, rel=1e-6)
+    assert waited.steps_per_s == pytest.approx(2 / (0.3 + 0.3 + 0.1), rel=1e-6)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 3])
+def test_fully_async_trains_beside_an_evaluation_within_its_staleness(max_staleness):
+    # evaluations of 64 prompts (their longest response ~2.5 trainer steps: geometric lengths)
+    # every 4 steps: waited for, they stop the trainer; beside training it takes
+    # 1 + min(overlap, max_staleness - 1) steps meanwhile, on samples no older than max_staleness
+    inp = _inputs(train_fixed_s=0.05, lengths=LengthDist.geometric(30, 1000), eval_every=4, eval_samples=64)
+    sched = Schedule("fully_async", staleness_threshold=1.0, max_staleness=max_staleness)
+    runs = {k: simulate(inp, dataclasses.replace(sched, eval_overlap_steps=k), num_steps=16, warmup_steps=4)
+            for k in (None, 0, 2)}
+    assert runs[0].steps_per_s > 1.1 * runs[None].steps_per_s
+    if max_staleness > 1:
+        assert runs[2].steps_per_s > 1.1 * runs[0].steps_per_s
+    else:  # the cap leaves no step without its push
+        assert runs[2].steps_per_s == runs[0].steps_per_s
+    assert all(r.max_version_lag <= max_staleness for r in runs.values())
+
+
+def test_an_evaluation_beside_training_is_timed_in_the_wall():
+    with pytest.raises(ValueError, match="eval_in_wall"):
+        simulate(_inputs(eval_every=1, eval_samples=8, eval_in_wall=False), Schedule("sync", eval_overlap_steps=0))
+
+
 def test_per_sample_and_per_prefill_costs_stall_the_engine():
     # 32 samples a step, fixed 100 tokens at 1 ms: generation 0.1 s + 32 x (prefill + result handling)
     inp = _inputs(prefill_per_seq_s=2e-4, sample_overhead_s=3e-4)
@@ -299,3 +332,15 @@ def test_a_seed_gives_the_same_run_every_time():
     sched = Schedule("fully_async", staleness_threshold=1.0, max_staleness=2)
     runs = [simulate(inp, sched, num_steps=15, seed=7) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_forecast_reschedules_the_kept_runs_with_evaluations_beside_training(capsys):
+    assert cli.main(["--forecast"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sync = out["sync"]
+    assert out["unit"] == "trained tokens/s" and "not a measurement" in out["what"]
+    assert abs(sync["predicted_waited"] - sync["measured"]) / sync["measured"] < 0.2
+    for rows in out["fully_async"].values():
+        for row in rows.values():
+            assert abs(row["predicted_waited"] - row["measured"]) / row["measured"] < 0.2
+            assert row["predicted_beside"] >= row["predicted_waited"]
