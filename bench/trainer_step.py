@@ -6,7 +6,8 @@
 
 Backends: ``torch`` (packed sequences and the chunked LM head, ``trainer.packed``),
 ``torch_padded`` (the same backend with ``packed: false``: right-padded rows, full
-logits) and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
+logits), ``torch_compiled`` (``torch`` with ``trainer.compile``: each decoder layer
+``torch.compile``-d) and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
 ``bench.make_model``'s Qwen2.5-0.5B body over the built-in vocabulary, 358M
 parameters; ``smollm2-135m``, SmolLM2-135M's Llama shape with its 49152-token
 vocabulary and tied head, 135M; bf16, random weights; ``--small``: the tiny
@@ -23,8 +24,14 @@ lowers MFU), peak device memory (``torch.cuda.max_memory_allocated`` while that
 backend stepped, and the same over what was allocated before its steps: the
 step's own activations, logits and gradients), each backend's step time over
 the first one's, and ``speedup_vs_padded`` (torch_padded's step time over
-torch's). ``--profile`` adds the busiest device kernels of one step, and on CUDA
+torch's). A compiled backend compiles in its warm-up steps, outside the timed
+window: its row adds ``compile_s`` (the warm-up calls that compiled),
+``compiled_graphs`` and ``graphs_compiled_while_timed`` (0 unless a new batch
+length recompiled), and ``speedup_compiled`` is torch's step time over
+torch_compiled's. ``--profile`` adds the busiest device kernels of one step, and on CUDA
 how many kernels and host-device syncs it ran and their summed device time.
+
+    python -m bench.trainer_step --device cuda --shape smollm2-135m --backends torch,torch_compiled --profile
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                     initializer_range=0.041666666666666664, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-#: Bench backend name -> (trainer.backend, trainer.packed).
-BACKENDS = {"torch": ("torch", True), "torch_padded": ("torch", False), "megatron": ("megatron", False)}
+#: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile).
+BACKENDS = {"torch": ("torch", True, False), "torch_padded": ("torch", False, False),
+            "torch_compiled": ("torch", True, True), "megatron": ("megatron", False, False)}
 
 
 def _build_model(out: str, args: argparse.Namespace) -> str:
@@ -85,10 +93,10 @@ def _make_backend(name: str, model_dir: str, args: argparse.Namespace) -> Any:
 
     if name not in BACKENDS:
         raise SystemExit(f"--backends: {name!r} is unknown (known: {', '.join(BACKENDS)})")
-    backend_type, packed = BACKENDS[name]
+    backend_type, packed, compile = BACKENDS[name]
     cfg = TrainerConfig(backend=backend_type, device=args.device, dtype=args.dtype, lr=1e-6,
                         micro_batch_tokens=args.micro_batch_tokens, packed=packed,
-                        logprob_chunk_tokens=args.logprob_chunk_tokens)
+                        logprob_chunk_tokens=args.logprob_chunk_tokens, compile=compile)
     backend = make_backend(cfg, model_dir, seed=0, loss=make_loss("ppo_clip"))
     backend.setup()
     return backend
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--backends", default="torch,torch_padded",
-                   help="comma list: torch (packed), torch_padded, megatron (CUDA only)")
+                   help="comma list: torch (packed), torch_padded, torch_compiled, megatron (CUDA only)")
     p.add_argument("--small", action="store_true", help="the tiny model in fp32 (a CPU smoke test)")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "smollm2-135m", "tiny"])
     p.add_argument("--logprob-chunk-tokens", type=int, default=2048)
@@ -188,9 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         rng = random.Random(0)
         batches = [_batch(rng, vocab, args) for _ in range(args.steps)]
         adv = [(-1.0) ** i for i in range(args.groups * args.n)]
-        for backend in backends.values():
+        for backend in backends.values():  # a compiled backend compiles here, untimed
             for i in range(args.warmup):
                 backend.train_step(batches[i % len(batches)], adv)
+        warm_graphs = {name: getattr(b, "compiled_graphs", 0) for name, b in backends.items()}
         times: dict[str, list[float]] = {name: [] for name in names}
         memory = {name: {"peak_gib": 0.0, "step_peak_gib": 0.0} for name in names}
         cuda = args.device.startswith("cuda")
@@ -239,10 +248,16 @@ def main(argv: list[str] | None = None) -> None:
                 **({k: round(v, 3) for k, v in memory[name].items()} if cuda else {}),
                 "step_over_first": step / first,
             }
+            if getattr(backends[name], "compile", False):
+                graphs = backends[name].compiled_graphs
+                out["backends"][name].update(compile_s=round(backends[name].compile_s, 2), compiled_graphs=graphs,
+                                             graphs_compiled_while_timed=graphs - warm_graphs[name])
             if args.profile:
                 out["backends"][name]["profile"] = _profile(backends[name], batches[0], adv, args.device)
         if "torch" in times and "torch_padded" in times:
             out["speedup_vs_padded"] = statistics.median(times["torch_padded"]) / statistics.median(times["torch"])
+        if "torch" in times and "torch_compiled" in times:
+            out["speedup_compiled"] = statistics.median(times["torch"]) / statistics.median(times["torch_compiled"])
     print(json.dumps(out))
 
 

@@ -49,4 +49,5 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) 
     return TorchBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
                         lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
                         micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=cfg.activation_checkpointing,
-                        packed=cfg.packed, logprob_chunk_tokens=cfg.logprob_chunk_tokens)
+                        packed=cfg.packed, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+                        compile=cfg.compile)

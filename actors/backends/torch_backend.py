@@ -25,6 +25,11 @@ default group (dim 0 of every parameter, uneven like ``torch.chunk``)::
 
 The update equals one worker's on the union of the ranks' samples (up to fp32
 reduction order). Checkpoints are the same files whatever the world size.
+
+``trainer.compile`` (one worker): each decoder layer and the final norm run
+``torch.compile``-d, the packed attention an opaque op inside them
+(:mod:`actors.backends.compile`); ``compile_s`` / ``compiled_graphs`` say what
+compiling cost, also in every step's metrics.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from torch.distributed.tensor import DTensor
 from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_trainer_version, write_trainer_state
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.chunked_logprobs import chunked_logprobs
+from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, compile_context, compile_model,
+                                     compiled_attention_kwargs)
 from actors.backends.config import TrainerConfig
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
@@ -90,6 +97,7 @@ class TorchBackend(TrainerBackend):
         activation_checkpointing: bool = _DEFAULTS.activation_checkpointing,
         packed: bool = _DEFAULTS.packed,
         logprob_chunk_tokens: int = _DEFAULTS.logprob_chunk_tokens,
+        compile: bool = _DEFAULTS.compile,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -115,6 +123,8 @@ class TorchBackend(TrainerBackend):
         # packed: what was asked for until setup(), then what runs (padded_reason says why not)
         self.packed, self.logprob_chunk_tokens = packed, logprob_chunk_tokens
         self.padded_reason: str | None = None
+        self.compile = compile
+        self._compile_watch = CompileWatch()
         self.seed = seed
         self._version = 0
         self.model = None
@@ -132,6 +142,9 @@ class TorchBackend(TrainerBackend):
         model_dir = resolve_model_path(self.model_path)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.compile and self.world_size > 1:
+            raise ValueError(f"trainer.compile: not with {self.world_size} data-parallel ranks (FSDP2); "
+                             f"one worker only")
         # Sharded, the params are the optimizer's own, in master_dtype when the
         # model's dtype is lower (see _shard_model): no MainParamsOptimizer then.
         load_dtype = (self.master_dtype or self.dtype) if self.world_size > 1 else self.dtype
@@ -142,6 +155,8 @@ class TorchBackend(TrainerBackend):
             self._enable_packing()
         if self.activation_checkpointing:
             self._enable_activation_checkpointing()
+        if self.compile:
+            compile_model(self.model)
         def adamw(params):  # fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
             fused = self.device.type == "cuda" and self.world_size == 1
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -165,6 +180,16 @@ class TorchBackend(TrainerBackend):
     def version(self) -> int:
         return self._version
 
+    @property
+    def compile_s(self) -> float:
+        """``trainer.compile``: wall seconds of the calls that compiled (0 until the first forward)."""
+        return self._compile_watch.seconds
+
+    @property
+    def compiled_graphs(self) -> int:
+        """``trainer.compile``: graphs compiled so far (a count that grows after warm-up is a recompilation)."""
+        return self._compile_watch.graphs
+
     def _require_setup(self) -> None:
         if self.model is None:
             raise RuntimeError("TorchBackend.setup() must be called before use")
@@ -176,7 +201,8 @@ class TorchBackend(TrainerBackend):
         if self.packed:
             return self._packed_logprobs(samples)
         ids, attn, pos, mask = padded_batch(samples, self.pad_id, self.device)
-        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
+        with self._compiled():
+            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
         return response_logprobs(logits, ids, pos, mask)
 
     def _packed_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,9 +210,10 @@ class TorchBackend(TrainerBackend):
         (a training forward; zeros otherwise: nobody reads it)."""
         batch = packed_batch(samples, self.device)
         with_entropy = torch.is_grad_enabled()
-        with self._head_gives_logprobs(batch.pred_positions, batch.targets, with_entropy):
+        attention = compiled_attention_kwargs(batch) if self.compile else batch.attention_kwargs()
+        with self._head_gives_logprobs(batch.pred_positions, batch.targets, with_entropy), self._compiled():
             out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                             **batch.attention_kwargs()).logits[0]  # [T, 2]
+                             **attention).logits[0]  # [T, 2]
         logprobs, entropy = batch.scatter(out).unbind(-1)  # [B, T_max] each
         return logprobs, entropy, batch.mask
 
@@ -213,13 +240,18 @@ class TorchBackend(TrainerBackend):
         finally:
             del head.forward  # the class's forward again
 
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        """Where the model's forward runs: as it is, or under ``trainer.compile``'s dynamo settings."""
+        return compile_context(self.activation_checkpointing) if self.compile else contextlib.nullcontext()
+
     def _enable_packing(self) -> None:
         """Run the model on packed rows (:mod:`actors.backends.packing`), or padded when it
-        cannot, saying why once."""
+        cannot, saying why once. Compiled, the attention is the same behind a custom op."""
         reason = packing_unsupported(self.model)
+        attention = PACKED_COMPILED_ATTENTION if self.compile else PACKED_ATTENTION
         if reason is None:
-            self.model.set_attn_implementation(PACKED_ATTENTION)
-            if self.model.config._attn_implementation != PACKED_ATTENTION:
+            self.model.set_attn_implementation(attention)
+            if self.model.config._attn_implementation != attention:
                 kept = self.model.config._attn_implementation
                 reason = f"{type(self.model).__name__} kept attn_implementation={kept!r}"
         if reason is not None:
@@ -234,6 +266,10 @@ class TorchBackend(TrainerBackend):
         Data parallel: every rank calls it at once with its own samples (none is
         fine there: the rank still joins the forward's all-gathers)."""
         self._require_setup()
+        with self._compile_watch("compute_logprobs"):
+            return self._compute_logprobs(samples)
+
+    def _compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         if self.world_size > 1:
             self._agree(batch_error(samples), [])
             # one forward on every rank, a filler row where a rank has no samples
@@ -260,6 +296,14 @@ class TorchBackend(TrainerBackend):
         here from the current weights (one extra forward pass).
         """
         self._require_setup()
+        with self._compile_watch("train_step"):
+            metrics = self._train_step(samples, advantages, proximal_logprobs)
+        if self.compile:  # cumulative: a figure that grows after warm-up is a recompilation
+            metrics.update(compile_s=self.compile_s, compiled_graphs=float(self.compiled_graphs))
+        return metrics
+
+    def _train_step(self, samples: list[Sample], advantages: list[float],
+                    proximal_logprobs: list[list[float]] | None) -> dict[str, float]:
         passes, total_tokens = self._plan_passes(samples, advantages, proximal_logprobs)
         self.optimizer.zero_grad(set_to_none=True)
         # a None pass is a weight-0 one on the filler row: its collectives match a busier rank's
