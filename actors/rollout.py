@@ -86,7 +86,10 @@ class RolloutActor(Actor):
     ``absorb(sample, output, budget)`` are the resume-budget rule; ``queue``:
     the TransferQueue client finished groups go to."""
 
-    preload = ("actors.engines.torch_engine", "transformers.models.auto.tokenization_auto")  # ProcessRuntime.prestart
+    # What setup needs, imported while the process waits for its actor (ProcessRuntime.prestart): the
+    # built-in engine, and the task with its tokenizer, light where the model directory allows
+    # (policies/tokenizer.py: no transformers). vLLM and SGLang import theirs when they start.
+    preload = ("actors.engines.torch_engine", "policies.tasks", "policies.tokenizer")
 
     def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
@@ -112,7 +115,8 @@ class RolloutActor(Actor):
 
     async def setup(self) -> None:
         t0 = time.perf_counter()
-        quiet_transformers()
+        if self.engine_cfg.type != "torch":  # the built-in engine and a light tokenizer never import transformers
+            quiet_transformers()
         self.note_startup("import_s", t0)
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)

@@ -30,17 +30,19 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
 
 
 def load_tokenizer(model_path: str | None, task: str):
-    """The tokenizer in the model directory ``model_path``, from local files only.
+    """The tokenizer in the model directory ``model_path``, from local files only:
+    the light one (``tokenizers`` + jinja2, no transformers) where it gives
+    transformers' results, else ``AutoTokenizer`` (``policies/tokenizer.py`` decides).
     Raises ``ValueError`` naming the path when there is none or it cannot be read."""
     if not model_path:
         raise ValueError(f"task {task!r} needs the model directory for its tokenizer: "
                          f"build it with make_task({task!r}, model_path=...)")
     if not pathlib.Path(model_path).is_dir():
         raise ValueError(f"task {task!r}: model path {str(model_path)!r} is not a directory")
-    import transformers  # about 1 s to import: only a task that loads a tokenizer pays it
+    from policies.tokenizer import load_local_tokenizer  # jinja2: only a task that loads a tokenizer pays it
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        return load_local_tokenizer(model_path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a bad directory
         raise ValueError(f"task {task!r}: cannot load a tokenizer from {str(model_path)!r}: "
                          f"{type(e).__name__}: {e}") from None
