@@ -58,6 +58,10 @@ from actors.training import RunStopped
 
 __all__ = ["Run", "RunStopped", "launch", "main"]
 
+#: The process runtime's children need nothing defined here: spawn does not import this
+#: module (and torch with it) again in each of them (actors.runtime._main_kept_out).
+SPAWN_IMPORTS_MAIN = False
+
 _DEFAULT_CONFIG = "fully_async.yaml"
 
 

@@ -20,7 +20,10 @@ TransferQueue's sockets and weights over the weight link (``sync.link``). Use it
 one process would make the actors' Python share one GIL: a trainer's step
 and an engine's scheduler then run side by side instead of taking turns.
 As with any spawn-based multiprocessing, a script that starts a run must
-guard its entry point with ``if __name__ == "__main__":``. The actor's end of
+guard its entry point with ``if __name__ == "__main__":``; spawn imports it
+again in every child (as ``__mp_main__``) unless it says its children need
+nothing from it (``SPAWN_IMPORTS_MAIN = False``, as ``actors.launch`` does:
+importing it costs torch's import, seconds, in a queue host that needs none). The actor's end of
 the pipe is ``actors/actor_host.py``; ``ray`` checks the address of a cluster it
 joins first (``actors/ray_address.py``).
 """
@@ -31,6 +34,7 @@ import abc
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import importlib
 import inspect
@@ -44,7 +48,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import loop as global_loop
@@ -232,6 +236,31 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     pass
 
 
+_MAIN_LOCK = threading.Lock()  # processes start from executor threads too: one hides __main__ at a time
+
+
+@contextlib.contextmanager
+def _main_kept_out() -> Iterator[None]:
+    """Start a spawn child without the driver's ``__main__`` when that module says its
+    children need nothing from it (``SPAWN_IMPORTS_MAIN = False``): spawn finds no main
+    module to import again (``multiprocessing.spawn.get_preparation_data`` reads its
+    ``__spec__`` and ``__file__``), so the child imports only what its actor needs."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "SPAWN_IMPORTS_MAIN", True):
+        yield
+        return
+    with _MAIN_LOCK:
+        spec, missing = getattr(main, "__spec__", None), object()
+        file = main.__dict__.pop("__file__", missing)
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__spec__ = spec
+            if file is not missing:
+                main.__file__ = file
+
+
 def _serve(conn: Any, imports: tuple[str, ...]) -> None:
     """A ``process`` actor's process: import ``imports`` (its class's module and
     what its setup will need), then take its actor from the pipe and serve it."""
@@ -401,7 +430,8 @@ class ProcessRuntime(Runtime):
         imports = (cls.__module__, *getattr(cls, "preload", ()))
         # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
         proc = self._ctx.Process(target=_serve, args=(child, imports), name=f"asyncrl-{name}")
-        proc.start()
+        with _main_kept_out():
+            proc.start()
         child.close()
         _idle_procs.add(proc)
         return proc, parent

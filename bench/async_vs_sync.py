@@ -139,6 +139,8 @@ from actors.launch import launch
 from bench import pipeline_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Runs are built from YAML overrides: a process runtime's children need nothing defined here.
+SPAWN_IMPORTS_MAIN = False
 POLICIES = {
     "sync": ["policy.type=sync"],
     "one_step_off": ["policy.type=one_step_off"],

@@ -216,3 +216,36 @@ async def test_process_runtime_prestarts_processes_that_import_ahead_and_ends_un
     finally:
         await rt.shutdown()
     assert not any(p.is_alive() for p in idle)  # the one never used too
+
+
+_ENTRY = """
+import asyncio
+import xml.dom.minidom  # imported by this module only: in a child, the sign that it ran there
+{marker}
+if __name__ == "__main__":
+    from actors.runtime import ProcessRuntime
+    from test_runtime import PreloadingActor
+
+    async def main():
+        rt = ProcessRuntime()
+        try:
+            a = await rt.spawn(PreloadingActor, name="a", scale=1)
+            print("child imported main:", await a.has_module("xml.dom.minidom"))
+        finally:
+            await rt.shutdown()
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("marker", ["", "SPAWN_IMPORTS_MAIN = False"])
+def test_a_process_child_imports_the_drivers_main_module_unless_it_says_not_to(tmp_path, marker):
+    import pathlib
+    import subprocess
+
+    (tmp_path / "entry_mod.py").write_text(_ENTRY.format(marker=marker))
+    here = pathlib.Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(here), str(here.parent)])}
+    out = subprocess.run([sys.executable, "-m", "entry_mod"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"child imported main: {not marker}" in out.stdout
