@@ -164,11 +164,13 @@ class Training:
             bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
         out: list[dict[str, Any]] = []
         unwritten: list[dict[str, Any]] = []  # steps' records not final yet (a push or an evaluation runs on)
-        if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1
+        if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1,
+            # evaluated beside the first steps (their pushes wait for it); written first, once it is in
             t0 = time.perf_counter()
-            self.initial_eval = {"step": 0, **await self.policy.evaluate()}
-            self._metrics_file.write(json.dumps(self.initial_eval) + "\n")
-            if "total_s" not in self.startup:
+            self.initial_eval = {"step": 0}
+            await self.policy.evaluate_beside(self.initial_eval)
+            unwritten.append(self.initial_eval)
+            if "total_s" not in self.startup:  # what the first step waited for it: starting it
                 self.startup["initial_eval_s"] = time.perf_counter() - t0
         every = checkpoint_every(self.cfg)
         try:

@@ -256,13 +256,13 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             self.last_sync, self._record = {}, (self.step, record)
             every = self.cfg.policy.eval_every
             if every and self.step % every == 0:
-                await self._start_eval(record)
+                await self.evaluate_beside(record)
             out.append(record)
         return out
 
     # -- evaluations ----------------------------------------------------------
 
-    async def _start_eval(self, record: dict[str, Any]) -> None:
+    async def evaluate_beside(self, record: dict[str, Any]) -> None:
         """Evaluate this step's weights beside the steps that follow; the result goes
         into ``record`` (final once :meth:`settled`). The engines keep these weights
         until it ends: every push waits for it (:meth:`sync_weights`); fully-async

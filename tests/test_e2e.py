@@ -230,13 +230,14 @@ def test_held_out_eval_reward_is_logged_every_n_steps(tmp_path):
 
 
 @pytest.mark.parametrize("policy_type,overlap,max_staleness,pushed", [
-    ("fully_async", 2, 4, [1, 2, 3, 6, 9]), ("fully_async", 2, 2, [1, 2, 3, 5, 6, 8, 9]),
+    ("fully_async", 2, 4, [3, 6, 9]), ("fully_async", 2, 2, [2, 3, 5, 6, 8, 9]),
     ("fully_async", 0, 4, list(range(1, 10))), ("sync", 2, 4, list(range(1, 10)))])
 def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path, policy_type, overlap,
                                                                          max_staleness, pushed):
     """The evaluation of step s keeps the engines on version s to its end (no push starts
     meanwhile), while fully-async trains up to ``eval_overlap_steps`` more steps beside it
-    (at most ``max_staleness - 1``); the pushes due meanwhile wait, the latest weights go."""
+    (at most ``max_staleness - 1``); the pushes due meanwhile wait, the latest weights go.
+    The first evaluation (step 0, the weights before training) runs beside step 1 so."""
     run = launch(ROOT / "fully_async.yaml", *SHORT, f"policy.type={policy_type}", "policy.eval_every=3",
                  "policy.eval_prompts=4", f"policy.eval_overlap_steps={overlap}",
                  f"policy.max_staleness={max_staleness}", f"run.output_dir={tmp_path}")
@@ -263,6 +264,7 @@ def test_an_evaluation_runs_beside_training_and_no_push_lands_during_it(tmp_path
     (_, steps_beside), *_ = [(e[0][0], e[1][0] - e[0][0]) for e in evals if e[0][0] == 3]
     beside = min(overlap, max_staleness - 1) if policy_type == "fully_async" else 0
     assert steps_beside == beside + 1
+    assert [e[1][0] for e in evals if e[0][0] == 0] == [beside + 1]  # step 0's too: no wait before step 1
     assert [step for step, _ in pushes] == pushed
     assert not any(m["dropped"] for m in run.history)  # nothing generated beside an evaluation went stale
     lines = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
