@@ -3,14 +3,27 @@
 
     python -m bench.engine                                   # CPU, small model, batch 16
     python -m bench.engine --device cuda --batch 64 256 --check   # H200, Qwen2.5-0.5B shape
+    python -m bench.engine --shape tiny --batch 64 256 --new-tokens 128 --threads 1 --skip-hf   # host overhead
 
 Prints one JSON object (and writes it to ``--out`` when given). Every
 request is a fixed-length rollout: random prompt of ``--prompt-len`` tokens,
-exactly ``--new-tokens`` new tokens (no stop token), sampled at T=1.
-Tokens/s counts new tokens over wall time from submitting the batch to the
-last token, prefill included. HF is timed both sampling (T=1) and greedy;
-``ratio`` is against the faster of the two (the engine always samples). ``--check`` first verifies the engine against
-HF on the device (greedy tokens, log-probs, sleep freeing memory).
+exactly ``--new-tokens`` new tokens (no stop token), sampled at T=1
+(``--varied-lengths``: request i stops after a length drawn in
+[new_tokens / 8, new_tokens], so requests end on different steps and the
+running set changes often, as in RL). Tokens/s counts new tokens over wall
+time from submitting the batch to the last token, prefill included. HF is
+timed both sampling (T=1) and greedy; ``ratio`` is against the faster of the
+two (the engine always samples). ``--check`` first verifies the engine
+against HF on the device (greedy tokens, log-probs, sleep freeing memory).
+
+``engine_turn_us`` splits the engine thread's turns (admission, prefill,
+decode, posting; idle waits for work are not in them) per turn: ``host`` is
+everything but the model's forward calls, the sampler and the waits for the
+device, i.e. the Python bookkeeping between launches; ``forward`` and
+``sample`` are compute on CPU and launch time on CUDA; ``device_wait`` is
+the host blocked on the device. On CPU with the ``tiny`` shape the forward is
+small, so ``host`` shows the per-turn Python cost (a smoke test of it, not a
+GPU figure).
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ from actors.engines import GenerateRequest, SamplingParams, triton_kernels, trit
 from actors.engines.torch_engine import TorchEngine
 
 SHAPES = {
+    # the per-turn host cost made visible on a CPU: the forward is a small part of a turn
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
     # a small model that still has real matmuls on a laptop CPU
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=4096),
@@ -71,37 +87,56 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device: str, do_samp
     return prompts.shape[0] * new_tokens / elapsed
 
 
-async def _run_batch(engine: TorchEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
+def request_lengths(batch: int, new_tokens: int, varied: bool) -> list[int]:
+    """New tokens per request: all ``new_tokens``, or (varied) drawn in [new_tokens / 8, new_tokens]."""
+    if not varied:
+        return [new_tokens] * batch
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(max(1, new_tokens // 8), new_tokens + 1, (batch,), generator=g).tolist()
+
+
+async def _run_batch(engine: TorchEngine, prompts: list[list[int]], lengths: list[int], tag: str) -> float:
     sampling = SamplingParams(temperature=1.0)
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(engine.generate(GenerateRequest(
-        request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=new_tokens, sampling=sampling))
-        for i, p in enumerate(prompts)))
+        request_id=f"{tag}-{i}", prompt_ids=p, max_tokens=n, sampling=sampling))
+        for i, (p, n) in enumerate(zip(prompts, lengths))))
     elapsed = time.perf_counter() - t0
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    return len(prompts) * new_tokens / elapsed
+    assert [len(o.token_ids) for o in outs] == lengths
+    return sum(lengths) / elapsed
+
+
+def turn_split_us(timing: dict) -> dict | None:
+    """Per engine turn: host bookkeeping, forward, sampler, waits for the device (see the module doc)."""
+    turns = timing.get("num_turns")
+    if not turns:  # an engine without these counters
+        return None
+    parts = {k: timing[k + "_s"] for k in ("forward", "sample", "device_wait")}
+    return {"host": round((timing["turn_s"] - sum(parts.values())) / turns * 1e6, 1),
+            **{k: round(v / turns * 1e6, 1) for k, v in parts.items()}, "num_turns": turns}
 
 
 async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
                        cuda_graphs: bool, overlap_steps: bool | None = None, micro: bool = True,
-                       compile_decode: bool | str = True) -> dict:
+                       compile_decode: bool | str = True, varied: bool = False) -> dict:
     engine = TorchEngine(path, device=device, dtype=dtype, max_num_seqs=len(prompts),
                          max_model_len=len(prompts[0]) + new_tokens, cuda_graphs=cuda_graphs,
                          overlap_steps=overlap_steps, compile_decode=compile_decode)
     await engine.setup()
     try:
-        await _run_batch(engine, prompts, min(new_tokens, 16), "warm")  # captures the decode graph
+        await _run_batch(engine, prompts, [min(new_tokens, 16)] * len(prompts), "warm")  # captures the graph
         timing = engine._core.timing
         for k in timing:
             timing[k] = type(timing[k])(0)
-        tps = await _run_batch(engine, prompts, new_tokens, "timed")
+        tps = await _run_batch(engine, prompts, request_lengths(len(prompts), new_tokens, varied), "timed")
         stats = engine.statistics()
         micro = microbench(engine._core, len(prompts)) if micro and device.startswith("cuda") else None
     finally:
         await engine.close()
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
+            "turn_us": turn_split_us(stats),
             "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
-                       if k.startswith(("decode", "prefill", "num_decode"))}}
+                       if k.startswith(("decode", "prefill", "num_decode", "num_turns"))}}
 
 
 def microbench(core, batch: int, iters: int = 30) -> dict:
@@ -223,6 +258,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on CPU, 256 on CUDA")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--varied-lengths", action="store_true",
+                    help="request lengths drawn in [new_tokens / 8, new_tokens]: the running set changes often")
+    ap.add_argument("--skip-hf", action="store_true", help="time the engine only")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode of the engine's decode step, e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--check", action="store_true", help="verify against HF on the device first")
@@ -245,7 +283,8 @@ def main() -> None:
                                f"{os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
     result: dict = {"bench": "engine", "machine": machine, "device": args.device, "dtype": dtype, "model_shape": shape,
                     **{k: v for k, v in SHAPES[shape].items()}, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                    "sampling": "T=1, fixed length", "torch": torch.__version__, "transformers": transformers.__version__,
+                    "sampling": "T=1, " + ("varied lengths" if args.varied_lengths else "fixed length"),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
                     "cuda_graphs": cuda and not args.no_cuda_graphs, "compile_mode": args.compile_mode, "runs": []}
     with tempfile.TemporaryDirectory() as root:
         if args.check:
@@ -256,21 +295,25 @@ def main() -> None:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, prompt_len), generator=g)
             eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs,
-                                        compile_decode=args.compile_mode or True))
+                                        compile_decode=args.compile_mode or True, varied=args.varied_lengths))
             # ablation: the same engine reading each step's tokens back before launching the next
             serial = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype,
                                            not args.no_cuda_graphs, overlap_steps=False, micro=False,
-                                           compile_decode=args.compile_mode or True)) if cuda else None
-            hf_sample = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=True)
-            hf_greedy = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=False)
-            hf_best = max(hf_sample, hf_greedy)
-            result["runs"].append({"batch": batch, "engine_tokens_per_s": round(eng["tokens_per_s"], 1),
-                                   "hf_generate_tokens_per_s": round(hf_best, 1),
-                                   "ratio": round(eng["tokens_per_s"] / hf_best, 2),
-                                   "hf_generate_sample_tokens_per_s": round(hf_sample, 1),
-                                   "hf_generate_greedy_tokens_per_s": round(hf_greedy, 1),
-                                   "engine_no_overlap_tokens_per_s": serial and round(serial["tokens_per_s"], 1),
-                                   "kv_cache_bytes": eng["kv_cache_bytes"],
+                                           compile_decode=args.compile_mode or True,
+                                           varied=args.varied_lengths)) if cuda else None
+            run = {"batch": batch, "engine_tokens_per_s": round(eng["tokens_per_s"], 1),
+                   "engine_turn_us": eng["turn_us"],
+                   "engine_no_overlap_tokens_per_s": serial and round(serial["tokens_per_s"], 1),
+                   "engine_no_overlap_turn_us": serial and serial["turn_us"]}
+            if not args.skip_hf:  # HF runs fixed lengths only
+                hf_sample = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=True)
+                hf_greedy = bench_hf(hf, prompts.to(args.device), new_tokens, args.device, do_sample=False)
+                hf_best = max(hf_sample, hf_greedy)
+                run.update({"hf_generate_tokens_per_s": round(hf_best, 1),
+                            "ratio": None if args.varied_lengths else round(eng["tokens_per_s"] / hf_best, 2),
+                            "hf_generate_sample_tokens_per_s": round(hf_sample, 1),
+                            "hf_generate_greedy_tokens_per_s": round(hf_greedy, 1)})
+            result["runs"].append({**run, "kv_cache_bytes": eng["kv_cache_bytes"],
                                    "engine_timing_s": eng["timing"], "engine_micro_ms": eng["micro"]})
             if cuda:
                 torch.cuda.empty_cache()

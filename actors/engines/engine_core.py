@@ -6,11 +6,13 @@
 Each turn of the thread:
   1. drain commands in order: submit, abort, pause/resume, sleep/wake,
      weight update (applied here, between decode steps, before any new
-     request is prefilled), reset_prefix_cache, close;
+     request is prefilled), reset_prefix_cache, close; any but ``submit``
+     first finishes the decode step in flight (a submit only queues);
   2. unless paused or asleep: admit waiting requests into free slots and
      prefill them (sampling their first token), then run ONE decode step
      for every running request;
-  3. post the new tokens (one callback per turn) and finish what stopped.
+  3. post what the turn ended (a request's tokens, all at once) and the
+     streamed requests' new tokens: one callback, only in a turn that has any.
 
 Everything that touches torch runs on this thread. Requests preempted by a
 weight update or by ``sleep`` keep their tokens and are prefilled again from
@@ -30,9 +32,8 @@ import torch
 
 from actors.engines.cuda_graphs import DecodeGraphs
 from actors.engines.engine_steps import EngineOptions, Event, Scheduler, Seq
-from actors.engines.kv_cache import KVCache
+from actors.engines.kv_cache import KVCache, SlotTable
 from actors.engines.model import Model, ModelConfig
-from actors.engines.sampling import SamplingBatch
 from actors.engines.weights import FullWeights, WeightStore, update_targets
 from sync.apply import apply_update, stage_update
 
@@ -52,17 +53,26 @@ class EngineCore(Scheduler):
         self.version = 0
         self.paused = False
         self.closed = False
-        self.running: list[Seq] = []  # running[i].slot == i
+        self.running: list[Seq] = []  # running[i].slot == i; replaced, never changed in place
         self.waiting: deque[Seq] = deque()
         self._rng = random.Random(opts.seed)
-        self._params_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+        self._batch = None  # what the running set's decode steps share (Scheduler._batch_for)
+        self._num_ended = 0
+        self._ended: list[Seq] = []  # running requests ended since the last compaction
+        self._stop_ids: set[int] = set()
+        self._stop_tensor = torch.zeros(0, dtype=torch.int64)
+        self.num_generated_tokens = 0
         self.num_preemptions = 0
         self._inflight = None  # the decode step in flight (Scheduler._decode)
         self._admit_wait = 0  # turns the oldest waiting request has been held back
         self._pinned_turn = 0
-        # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU)
+        # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU);
+        # per turn of the data path (admission, prefill, decode, posting): its whole time, the
+        # model's forward calls and the sampler's (CPU: compute; CUDA: launches) and every wait
+        # for the device (prefill's first tokens too)
         self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
-                       "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0}
+                       "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0,
+                       "num_turns": 0, "turn_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "device_wait_s": 0.0}
 
     # ---- called from the event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -90,10 +100,11 @@ class EngineCore(Scheduler):
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
-            if commands and self._inflight is not None:
+            if self._inflight is not None and any(cmd[0] != "submit" for cmd in commands):
                 events: list[Event] = []
                 self._drain(events)
-                self._post(events, [])
+                if events:
+                    self._post(events, [])
             for cmd in commands:
                 self._handle(cmd)
             if self._can_step():
@@ -143,6 +154,8 @@ class EngineCore(Scheduler):
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
         self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, -(-o.max_model_len // 16) * 16,
                           self.cfg.head_dim, o.device, o.dtype)
+        self._readback_dtype = torch.float32 if self.cfg.vocab_size <= 1 << 24 else torch.float64  # exact ids
+        self.table = SlotTable(o.max_num_seqs, o.max_model_len, self._readback_dtype)
         self._noise = torch.Generator(device=o.device)
         self._noise.manual_seed(o.seed)
         self._pinned = [torch.empty(3 * o.max_num_seqs, dtype=torch.float64, pin_memory=True)
@@ -154,17 +167,23 @@ class EngineCore(Scheduler):
         if seq.seed < 0:
             seq.seed = self._rng.getrandbits(32)
         if seq.max_tokens <= 0:
-            self._post([(seq.stream, None, 0.0, 0.0, self.version, "length", None)], [])
+            self._post([(seq.stream, [], [], [], [], "length", None)], [])
             return
+        seq.num_prompt = len(seq.tokens)
+        seq.last_pos = min(len(seq.tokens) + seq.max_tokens, self.opts.max_model_len) - 1
+        seq.version_marks.append((0, self.version))
         self.waiting.append(seq)
 
     def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[Any]]:
         wanted = None if request_ids is None else set(request_ids)
         hit = [s for s in (*self.running, *self.waiting) if wanted is None or s.request_id in wanted]
-        events: list[Event] = []
+        events = [self._end(s, "abort") for s in hit]  # before the compaction moves their slots
         for s in hit:
-            s.finish = "abort"
-            events.append((s.stream, None, 0.0, 0.0, self.version, "abort", None))
+            if s.slot >= 0:
+                self._end_running(s, "abort")
+            else:
+                s.finish = "abort"
+        self._num_ended += len(hit)
         self.waiting = deque(s for s in self.waiting if s.finish is None)
         self._compact()
         return events, [s.stream for s in hit]
@@ -212,7 +231,7 @@ class EngineCore(Scheduler):
             self._post(events, [])
         try:
             t1 = time.perf_counter()
-            self.version = self._on_update_tensors(self._apply_weights, update)
+            self._set_version(self._on_update_tensors(self._apply_weights, update))
             apply_ms = (time.perf_counter() - t1) * 1e3
             if in_flight == "recompute":
                 self._preempt_all()
@@ -239,9 +258,16 @@ class EngineCore(Scheduler):
                 torch.cuda.current_stream().synchronize()
 
     def _apply_update(self, update: object) -> int:
-        self.version = self._apply_weights(update)
+        self._set_version(self._apply_weights(update))
         self._preempt_all()  # their KV was computed with the old weights
         return self.version
+
+    def _set_version(self, version: int) -> None:
+        """The weights' version from now on: the tokens each request samples after it carry it."""
+        if version != self.version:
+            for s in (*self.running, *self.waiting):
+                s.version_marks.append((self._num_generated(s), version))
+        self.version = version
 
     def _apply_weights(self, update: object) -> int:
         """Write ``update`` into the weights; the version it brings."""
@@ -259,8 +285,8 @@ class EngineCore(Scheduler):
         return None
 
     def _cmd_close(self) -> None:
-        events = [(s.stream, None, 0.0, 0.0, self.version, "abort", None) for s in (*self.running, *self.waiting)]
-        self.running, self.waiting = [], deque()
+        events = [self._end(s, "abort") for s in (*self.running, *self.waiting)]
+        self.running, self.waiting, self._ended = [], deque(), []
         self.closed = True
         if events:
             self._post(events, [])

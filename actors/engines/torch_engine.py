@@ -2,9 +2,11 @@
 preallocated slot KV cache, CUDA-graph decode on GPU.
 
 The coroutines here run on the caller's event loop; all torch work runs on
-the engine's one thread (:mod:`actors.engines.engine_core`), which streams
-tokens back with ``loop.call_soon_threadsafe``. Per request the loop side
-keeps a :class:`_Stream` (the cumulative output and an ``asyncio.Event``).
+the engine's one thread (:mod:`actors.engines.engine_core`), which posts a
+request's tokens back with ``loop.call_soon_threadsafe`` when it ends (every
+step for :meth:`TorchEngine.stream`): the loop's thread, which shares the
+GIL, is woken only when there is news. Per request the loop side keeps a
+:class:`_Stream` (the cumulative output and an ``asyncio.Event``).
 """
 
 from __future__ import annotations
@@ -87,7 +89,6 @@ class TorchEngine(RolloutEngine):
         self._streams: dict[str, _Stream] = {}
         self._version = 0
         self._asleep = False
-        self._num_tokens = 0  # tokens delivered to requests, ever
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -124,14 +125,13 @@ class TorchEngine(RolloutEngine):
             pass
 
     def _deliver(self, events: list[Event], callbacks: list) -> None:
-        for st, token, lp, raw, version, finish, error in events:
+        for st, tokens, lps, raws, versions, finish, error in events:
             out = st.out
-            if token is not None:
-                self._num_tokens += 1
-                out.token_ids.append(token)
-                out.logprobs.append(lp)
-                out.raw_logprobs.append(raw)
-                out.token_versions.append(version)
+            if tokens:
+                out.token_ids += tokens
+                out.logprobs += lps
+                out.raw_logprobs += raws
+                out.token_versions += versions
             if error is not None:
                 st.error = error
                 self._streams.pop(out.request_id, None)
@@ -166,7 +166,8 @@ class TorchEngine(RolloutEngine):
         return await fut
 
     # ---- generation ----------------------------------------------------------------------------
-    def _submit(self, request: GenerateRequest) -> _Stream:
+    def _submit(self, request: GenerateRequest, streamed: bool) -> _Stream:
+        """``streamed``: its tokens come every step (``stream``), not all at its end (``generate``)."""
         if self._core is None:
             raise RuntimeError("TorchEngine.setup() was not awaited")
         if self._core.closed:
@@ -193,7 +194,7 @@ class TorchEngine(RolloutEngine):
         self._streams[request.request_id] = st
         seed = -1 if sp.seed is None else sp.seed % (1 << 32)
         self._core.push("submit", Seq(request.request_id, st, list(request.prompt_ids),
-                                      request.max_tokens, sp, seed), None)
+                                      request.max_tokens, sp, seed, streamed), None)
         return st
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -202,7 +203,7 @@ class TorchEngine(RolloutEngine):
         return self._stream(request)
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        st = self._submit(request)
+        st = self._submit(request, streamed=True)
         try:
             while True:
                 await st.event.wait()
@@ -218,7 +219,7 @@ class TorchEngine(RolloutEngine):
                 self._core.push("abort", [request.request_id], None)  # consumer left early
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        st = self._submit(request)
+        st = self._submit(request, streamed=False)
         try:
             return await asyncio.shield(st.done)
         except asyncio.CancelledError:
@@ -283,6 +284,6 @@ class TorchEngine(RolloutEngine):
             "num_preemptions": core.num_preemptions if core else 0,
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
-            "num_generated_tokens": self._num_tokens,
+            "num_generated_tokens": core.num_generated_tokens if core else 0,
             **(core.timing if core else {}),
         }
