@@ -4,13 +4,17 @@
     python -m bench.engine                                   # CPU, small model, batch 16
     python -m bench.engine --device cuda --batch 64 256 --check   # H200, Qwen2.5-0.5B shape
     python -m bench.engine --shape tiny --batch 64 256 --new-tokens 128 --threads 1 --skip-hf   # host overhead
+    python -m bench.engine --shape tiny --batch 64 256 --varied-lengths --overlap on --skip-hf  # the chain on CPU
 
 Prints one JSON object (and writes it to ``--out`` when given). Every
 request is a fixed-length rollout: random prompt of ``--prompt-len`` tokens,
 exactly ``--new-tokens`` new tokens (no stop token), sampled at T=1
 (``--varied-lengths``: request i stops after a length drawn in
 [new_tokens / 8, new_tokens], so requests end on different steps and the
-running set changes often, as in RL). Tokens/s counts new tokens over wall
+running set changes often, as in RL; ``engine_num_chain_breaks`` then counts
+the overlapped steps read back before the next could launch from their tokens
+on the device). ``--overlap on`` runs the overlapped path on CPU too (a smoke
+test of its logic and host cost; there the device never runs ahead). Tokens/s counts new tokens over wall
 time from submitting the batch to the last token, prefill included. HF is
 timed both sampling (T=1) and greedy; ``ratio`` is against the faster of the
 two (the engine always samples). ``--check`` first verifies the engine
@@ -136,7 +140,7 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
             "turn_us": turn_split_us(stats),
             "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
-                       if k.startswith(("decode", "prefill", "num_decode", "num_turns"))}}
+                       if k.startswith(("decode", "prefill", "num_decode", "num_turns", "num_chain"))}}
 
 
 def microbench(core, batch: int, iters: int = 30) -> dict:
@@ -260,6 +264,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--varied-lengths", action="store_true",
                     help="request lengths drawn in [new_tokens / 8, new_tokens]: the running set changes often")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="overlapped decode steps: auto = on for CUDA only")
     ap.add_argument("--skip-hf", action="store_true", help="time the engine only")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode of the engine's decode step, e.g. max-autotune-no-cudagraphs")
@@ -278,6 +284,7 @@ def main() -> None:
     new_tokens = args.new_tokens or (256 if cuda else 64)
     dtype = "bfloat16" if cuda else "float32"
     torch_dtype = torch.bfloat16 if cuda else torch.float32
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
 
     machine = args.machine or (torch.cuda.get_device_name() if cuda else f"{platform.processor() or platform.machine()}, "
                                f"{os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
@@ -285,7 +292,7 @@ def main() -> None:
                     **{k: v for k, v in SHAPES[shape].items()}, "prompt_len": prompt_len, "new_tokens": new_tokens,
                     "sampling": "T=1, " + ("varied lengths" if args.varied_lengths else "fixed length"),
                     "torch": torch.__version__, "transformers": transformers.__version__,
-                    "cuda_graphs": cuda and not args.no_cuda_graphs, "compile_mode": args.compile_mode, "runs": []}
+                    "cuda_graphs": cuda and not args.no_cuda_graphs, "overlap": args.overlap, "compile_mode": args.compile_mode, "runs": []}
     with tempfile.TemporaryDirectory() as root:
         if args.check:
             result["check"] = loop.run(check_on_device(args.device, root))
@@ -295,7 +302,7 @@ def main() -> None:
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(1, SHAPES[shape]["vocab_size"], (batch, prompt_len), generator=g)
             eng = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype, not args.no_cuda_graphs,
-                                        compile_decode=args.compile_mode or True, varied=args.varied_lengths))
+                                        overlap_steps=overlap, compile_decode=args.compile_mode or True, varied=args.varied_lengths))
             # ablation: the same engine reading each step's tokens back before launching the next
             serial = loop.run(bench_engine(path, prompts.tolist(), new_tokens, args.device, dtype,
                                            not args.no_cuda_graphs, overlap_steps=False, micro=False,
@@ -303,6 +310,7 @@ def main() -> None:
                                            varied=args.varied_lengths)) if cuda else None
             run = {"batch": batch, "engine_tokens_per_s": round(eng["tokens_per_s"], 1),
                    "engine_turn_us": eng["turn_us"],
+                   **({"engine_num_chain_breaks": eng["timing"].get("num_chain_breaks")} if args.varied_lengths else {}),
                    "engine_no_overlap_tokens_per_s": serial and round(serial["tokens_per_s"], 1),
                    "engine_no_overlap_turn_us": serial and serial["turn_us"]}
             if not args.skip_hf:  # HF runs fixed lengths only

@@ -162,3 +162,40 @@ def test_a_turn_that_ends_no_request_does_not_wake_the_loop(tiny_models):
     posts, outs = loop.run(body())
     assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in outs)
     assert posts == [4]  # 20 steps, one post: the four ends
+
+
+def test_overlapped_steps_keep_the_chain_across_ends_and_deliver_nothing_past_them():
+    """All requests in one batch, overlapped: a request that stops or reaches
+    its length (one at the cache's end) stays in the batch as an idle row, so
+    ends break the chain of steps only once per few idle rows; the caller gets
+    exactly what serial steps give, and only delivered tokens are counted."""
+    from actors.engines.engine_steps import IDLE_ROWS_MIN
+
+    requests = _requests() + [GenerateRequest(  # ends by length at the KV cache's last position
+        request_id="long", prompt_ids=list(range(1, 21)), max_tokens=40, sampling=SamplingParams(seed=7))]
+
+    async def body(overlap: bool):
+        engine = TorchEngine(str(BUILTIN_MODEL_DIR), device="cpu", dtype="float32", max_num_seqs=16,
+                             max_model_len=48, seed=5, overlap_steps=overlap)
+        await engine.setup()
+        try:
+            await engine.pause()  # all admitted in one prefill: the chain is broken by ends only
+            tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+            await asyncio.sleep(0)
+            await engine.resume()
+            outs = await asyncio.gather(*tasks)
+            return outs, engine.statistics()
+        finally:
+            await engine.close()
+
+    serial, _ = loop.run(body(False))
+    overlapped, stats = loop.run(body(True))
+    assert {o.request_id: o.token_ids for o in overlapped} == {**PINNED, "long": serial[-1].token_ids}
+    for a, b in zip(serial, overlapped):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.token_versions == b.token_versions
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert len(overlapped[-1].token_ids) == 48 - 20 and overlapped[-1].finish_reason == "length"
+    assert stats["num_generated_tokens"] == sum(len(o.token_ids) for o in overlapped)
+    # a break drops more than IDLE_ROWS_MIN idle rows at once, but the last (every row ended)
+    assert 1 <= stats["num_chain_breaks"] <= len(requests) // (IDLE_ROWS_MIN + 1) + 1

@@ -57,8 +57,7 @@ class EngineCore(Scheduler):
         self.waiting: deque[Seq] = deque()
         self._rng = random.Random(opts.seed)
         self._batch = None  # what the running set's decode steps share (Scheduler._batch_for)
-        self._num_ended = 0
-        self._ended: list[Seq] = []  # running requests ended since the last compaction
+        self._ended: list[Seq] = []  # running requests ended since the last compaction (idle rows)
         self._stop_ids: set[int] = set()
         self._stop_tensor = torch.zeros(0, dtype=torch.int64)
         self.num_generated_tokens = 0
@@ -69,8 +68,9 @@ class EngineCore(Scheduler):
         # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU);
         # per turn of the data path (admission, prefill, decode, posting): its whole time, the
         # model's forward calls and the sampler's (CPU: compute; CUDA: launches) and every wait
-        # for the device (prefill's first tokens too)
-        self.timing = {"num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
+        # for the device (prefill's first tokens too); how often a step in flight was read back
+        # before the next could be launched from its tokens on the device (overlap only)
+        self.timing = {"num_chain_breaks": 0, "num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
                        "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0,
                        "num_turns": 0, "turn_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "device_wait_s": 0.0}
 
@@ -176,14 +176,14 @@ class EngineCore(Scheduler):
 
     def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[Any]]:
         wanted = None if request_ids is None else set(request_ids)
-        hit = [s for s in (*self.running, *self.waiting) if wanted is None or s.request_id in wanted]
+        hit = [s for s in (*self.running, *self.waiting)
+               if s.finish is None and (wanted is None or s.request_id in wanted)]  # not idle rows: ended
         events = [self._end(s, "abort") for s in hit]  # before the compaction moves their slots
         for s in hit:
             if s.slot >= 0:
                 self._end_running(s, "abort")
             else:
                 s.finish = "abort"
-        self._num_ended += len(hit)
         self.waiting = deque(s for s in self.waiting if s.finish is None)
         self._compact()
         return events, [s.stream for s in hit]
@@ -266,7 +266,8 @@ class EngineCore(Scheduler):
         """The weights' version from now on: the tokens each request samples after it carry it."""
         if version != self.version:
             for s in (*self.running, *self.waiting):
-                s.version_marks.append((self._num_generated(s), version))
+                if s.finish is None:
+                    s.version_marks.append((self._num_generated(s), version))
         self.version = version
 
     def _apply_weights(self, update: object) -> int:
@@ -285,7 +286,7 @@ class EngineCore(Scheduler):
         return None
 
     def _cmd_close(self) -> None:
-        events = [self._end(s, "abort") for s in (*self.running, *self.waiting)]
+        events = [self._end(s, "abort") for s in (*self.running, *self.waiting) if s.finish is None]
         self.running, self.waiting, self._ended = [], deque(), []
         self.closed = True
         if events:

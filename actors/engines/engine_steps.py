@@ -7,6 +7,13 @@ running request, overlapped with the next turn on CUDA.
                                                        └─── compact ◄─────┘           ▼ events
     (overlap, CUDA: step k+1 is launched before step k's tokens are read back)
 
+With overlap the chain of steps launched from the device's own tokens is
+kept across ends: a request that stops or reaches its length stays in the
+batch as an idle row (its later tokens are discarded, never delivered or
+counted) until the chain has to be rebuilt anyway (admission, a command) or
+idle rows exceed ``max(IDLE_ROWS_MIN, n // IDLE_ROWS_DIVISOR)`` of ``n``
+rows; then one compaction drops them all (``timing["num_chain_breaks"]``).
+
 :class:`Scheduler` is the half of :class:`~actors.engines.engine_core.EngineCore`
 that touches the model; the other half takes the loop's commands. Both run on
 the engine's one thread only.
@@ -43,6 +50,11 @@ from contracts.rollout import SamplingParams
 
 ADMIT_DELAY_STEPS = 4  # most decode steps a waiting request is held back to batch its prefill
 PREFILL_PAD = 16  # CUDA prefill pads prompts to a multiple of this many tokens
+# Idle rows (ended, still in the overlapped chain) a batch of n rows carries before the
+# chain is broken to drop them: each costs a row of decode compute per step, a break costs
+# the device an idle gap while the host reads back, compacts and relaunches.
+IDLE_ROWS_MIN = 2
+IDLE_ROWS_DIVISOR = 8
 
 # What a stream gets: (stream, token ids, logprobs, raw logprobs, versions, finish_reason | None,
 # error | None); the lists extend its output (all the request's tokens when it ends, one
@@ -99,7 +111,6 @@ class _Step:
     index: int  # among the batch's steps: at >= batch.first_end some row ends by length
     host: torch.Tensor  # [3, n] float32 (float64 past 2**24 ids): token, logprob, raw logprob
     done: Any  # torch.cuda.Event | None (CPU: already there)
-    num_ended: int  # the engine's count of ended requests at launch: unchanged, no row to skip
 
 
 @dataclass
@@ -130,7 +141,7 @@ class Scheduler:
     running: list[Seq]  # running[i].slot == i; replaced, never changed in place
     waiting: deque[Seq]
     num_preemptions: int
-    num_generated_tokens: int  # tokens sampled for requests, ever (not those of ended rows)
+    num_generated_tokens: int  # tokens sampled for requests, ever (not those of ended, idle rows)
     timing: dict[str, float]
     weights: WeightStore
     model: Model
@@ -141,8 +152,7 @@ class Scheduler:
     _inflight: _Step | None
     _admit_wait: int
     _batch: _Batch | None
-    _num_ended: int  # requests ended by a step or an abort, ever
-    _ended: list[Seq]  # running requests ended since the last compaction
+    _ended: list[Seq]  # running requests ended since the last compaction: idle rows of the batch
     _stop_ids: set[int]  # every stop token of a request ever admitted (a superset of the running ones')
     _stop_tensor: torch.Tensor  # the same, [k] on the host
     _readback_dtype: torch.dtype
@@ -179,10 +189,13 @@ class Scheduler:
 
     def _preempt_all(self) -> None:
         """Running requests go back to the head of the queue, tokens kept, KV dropped."""
-        self.num_preemptions += len(self.running)
+        self.num_preemptions += len(self.running) - len(self._ended)
         for s in reversed(self.running):
-            self._take_in(s)
-            self.waiting.appendleft(s)
+            if s.finish is None:
+                self._take_in(s)
+                self.waiting.appendleft(s)
+            else:  # ended: its slot's KV is dropped with the rest
+                s.slot = -1
         self.running, self._ended = [], []
 
     def _end_running(self, s: Seq, finish: str) -> None:
@@ -221,7 +234,7 @@ class Scheduler:
         slot), or ``ADMIT_DELAY_STEPS`` decode steps have passed. (On CUDA each
         admission also ends the chain of overlapped steps: one wait for the
         device per prefill batch.)"""
-        free = self.opts.max_num_seqs - len(self.running)
+        free = self.opts.max_num_seqs - (len(self.running) - len(self._ended))  # idle rows' slots are free
         if not self.waiting or free <= 0:
             self._admit_wait = 0
             return False
@@ -230,15 +243,27 @@ class Scheduler:
                 or self._admit_wait > ADMIT_DELAY_STEPS)
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
         events: list[Event] = []
+        try:
+            self._turn(events)
+        except BaseException:  # requests this turn ended get their ends; the rest fail (_fail_all)
+            if events:
+                self._post(events, [])
+            raise
+        if events:
+            self._post(events, [])
+
+    def _turn(self, events: list[Event]) -> None:
+        t0 = time.perf_counter()
         admit: list[Seq] = []
         if self._admit_now():
             self._admit_wait = 0
-            while self.waiting and len(self.running) + len(admit) < self.opts.max_num_seqs:
+            num_live = len(self.running) - len(self._ended)
+            while self.waiting and num_live + len(admit) < self.opts.max_num_seqs:
                 admit.append(self.waiting.popleft())
         if admit:
             self._drain(events)  # the batch changes: finish the step in flight first
+            self._compact()  # idle rows leave before the newcomers take slots n..
             t1 = time.perf_counter()
             self.timing["num_prefills"] += 1
             self.timing["num_prefill_seqs"] += len(admit)
@@ -247,8 +272,6 @@ class Scheduler:
             self.timing["prefill_s"] += time.perf_counter() - t1
         if self.running:
             self._decode(events)
-        if events:
-            self._post(events, [])
         timing = self.timing
         timing["num_turns"] += 1
         timing["turn_s"] += time.perf_counter() - t0
@@ -303,6 +326,7 @@ class Scheduler:
         reads or moves the running set: commands, admission, compaction)."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
+            self.timing["num_chain_breaks"] += 1
             self._finish_decode(step, events)
             self._compact()
 
@@ -312,24 +336,31 @@ class Scheduler:
         With ``overlap_steps`` the step is left in flight: the next turn
         launches step k+1 from step k's sampled tokens *on the device*, and
         only then reads step k's tokens back, so the host's bookkeeping and
-        launches run while the GPU computes. A request that stops (stop
-        token) at step k has had step k+1 computed for it; that token is
-        dropped. Whenever the running set would change, the chain ends.
-        Without overlap, a step whose running set is the last step's starts
-        from that step's tokens on the device all the same (no host copy)."""
+        launches run while the GPU computes. A request that ends at step k
+        (stop token or length) stays in the batch as an idle row: step k+1
+        was computed for it and later steps are too, their tokens dropped,
+        until the chain is rebuilt anyway or the idle rows pass the bound
+        (``IDLE_ROWS_*``); then the step in flight is read back, idle rows
+        are compacted out and the next step starts from the host's table
+        (a chain break, counted). Seeded requests sample the same tokens
+        either way; unseeded ones draw from the engine's generator over the
+        whole batch, idle rows included, so their draws depend on when idle
+        rows leave. Without overlap every step is read back and compacted
+        at once; a step whose running set is the last step's starts from
+        that step's tokens on the device all the same (no host copy)."""
         prev, self._inflight = self._inflight, None
-        # chained: the same running set, and no row of step k ends by length (known ahead)
-        chain = prev is not None and prev.batch.seqs is self.running and prev.index < prev.batch.first_end
+        n, num_idle = len(self.running), len(self._ended)
+        chain = (prev is not None and prev.batch.seqs is self.running and num_idle < n
+                 and num_idle <= max(IDLE_ROWS_MIN, n // IDLE_ROWS_DIVISOR))
         if prev is not None and not chain:
+            self.timing["num_chain_breaks"] += 1
             self._finish_decode(prev, events)
             self._compact()
             if not self.running:
                 return
         step = self._launch_decode()
-        if chain and self._finish_decode(prev, events):  # some stopped: the running set changes
-            self._finish_decode(step, events)
-            self._compact()
-            return
+        if chain:
+            self._finish_decode(prev, events)  # requests it ends stay in the batch, idle, for `step`
         if self.opts.overlap_steps:
             self._inflight = step
         else:
@@ -373,6 +404,8 @@ class Scheduler:
             tokens, positions = meta[0], meta[1]
         else:
             tokens, positions = batch.next
+            if self._ended:  # idle rows run on past their ends: keep them inside the cache and rotary table
+                positions = positions.clamp(max=self.kv.max_len - 1)
         t1 = time.perf_counter()
         if self.graphs is not None:
             logits = self.graphs.decode(self.weights, self.kv, tokens, positions)
@@ -399,13 +432,13 @@ class Scheduler:
         index = batch.num_steps
         batch.num_steps += 1
         if stacked.device.type != "cuda":
-            return _Step(batch, index, stacked, None, self._num_ended)
+            return _Step(batch, index, stacked, None)
         self._pinned_turn ^= 1
         host = self._pinned[self._pinned_turn].view(dtype)[: stacked.numel()].view(stacked.shape)
         host.copy_(stacked, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _Step(batch, index, host, done, self._num_ended)
+        return _Step(batch, index, host, done)
 
     def _finish_decode(self, step: _Step, events: list[Event], timed: bool = True) -> int:
         """Write a step's tokens into the table, end the requests it ended
@@ -423,8 +456,9 @@ class Scheduler:
         else:
             t.write_prefill(batch.slots, host)
             slots = batch.slots
-        # rows of requests that ended after this step was launched (in the chain: at the step before)
-        dropped = {s.slot for s in self._ended} if step.num_ended != self._num_ended else set()
+        # idle rows: requests of the running set that ended at an earlier step (a prefill's rows
+        # are new); their tokens here are past their ends
+        dropped = {s.slot for s in self._ended} if batch.slots is None and self._ended else set()
         ended: dict[int, str] = {}  # row -> finish reason
         if step.index >= batch.first_end:  # some row sampled at its last position
             ended = {i: "length" for i in (t.deadline[slots] < t.num_steps).nonzero()[:, 0].tolist()}
@@ -445,7 +479,6 @@ class Scheduler:
             self._end_running(s, reason)
             if not s.streamed:
                 events.append(self._end(s, reason))
-        self._num_ended += len(ended)
         if timed:
             timing = self.timing
             timing["decode_wait_s"] += t2 - t1
@@ -455,7 +488,7 @@ class Scheduler:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._inflight = None
-        events = [self._end(s, None, exc) for s in (*self.running, *self.waiting)]
+        events = [self._end(s, None, exc) for s in (*self.running, *self.waiting) if s.finish is None]
         self.running, self.waiting, self._ended = [], deque(), []
         if events:
             self._post(events, [])
