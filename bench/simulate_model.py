@@ -544,8 +544,7 @@ class _Sim:
                 return
             if self.sched.type == "fully_async" and self.owed < self.overlap_steps():
                 self.owed += 1
-                self.open_window()
-                self.feed()
+                self.open_window()  # filled by try_train's feed below
             else:
                 self.trainer_blocked = self.push_after_eval = True
                 return
@@ -603,6 +602,10 @@ class _Sim:
                 self.feed()  # the feeder is not the driver: the window that opened is filled now
             self.start_eval()
             return
+        self.resume_trainer()
+
+    def resume_trainer(self) -> None:
+        """Nothing holds the trainer now: sync's next batch starts generating, a step may start."""
         self.trainer_blocked = False
         if self.sched.type == "sync" and self.gen_started < self.num_steps:
             self.start_generation()
@@ -610,7 +613,8 @@ class _Sim:
 
     def start_eval(self) -> None:
         """The driver evaluates (``policies.base``'s ``evaluate``): one response per held-out
-        prompt, spread over the engines behind what waits there; the trainer waits for all."""
+        prompt, spread over the engines behind what waits there; the trainer waits for all,
+        or (``eval_overlap_steps``) goes on beside them."""
         self.eval_due = False
         if self.beside():
             self.evaluating = True
@@ -634,10 +638,7 @@ class _Sim:
                 self.push_after_eval = self.trainer_blocked = False
                 self.after_step_beside()
             return
-        self.trainer_blocked = False
-        if self.sched.type == "sync" and self.gen_started < self.num_steps:
-            self.start_generation()
-        self.try_train()
+        self.resume_trainer()
 
     def on_groups_changed(self) -> None:
         if self.pushing and self.sched.type == "one_step_off" and self.gen_done >= self.gen_started:
