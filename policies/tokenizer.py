@@ -282,28 +282,15 @@ def _template_messages(chat: Any) -> list[dict]:
     """The messages as the template sees them: dicts without None values, rebuilt of
     plain data, reasoning under its aliases."""
     messages = []
-    for message in _to_dicts(getattr(chat, "messages", chat)):
+    for given in getattr(chat, "messages", chat):
+        message = _plain(given)
         if not isinstance(message, dict):
-            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-        message = _plain({k: v for k, v in message.items() if v is not None})
+            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {given!r}.")
+        message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         messages.append(message if reasoning is None else
                         {"thinking": reasoning, **message, "reasoning_content": reasoning})
     return messages
-
-
-def _to_dicts(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _to_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_dicts(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _to_dicts(value.model_dump())
-    return value
 
 
 def _plain(value: Any) -> Any:

@@ -6,6 +6,7 @@ rollout actor's setup on such a directory never imports transformers."""
 from __future__ import annotations
 
 import json
+import dataclasses
 import pathlib
 import random
 import shutil
@@ -86,6 +87,31 @@ def test_chat_templated_prompts_render_and_encode_as_in_transformers(pair):
         assert light.apply_chat_template(c, add_generation_prompt=True)["input_ids"] == ids
     assert light.apply_chat_template(conversations[:3], tokenize=False) == full.apply_chat_template(
         conversations[:3], tokenize=False)  # a batch of conversations
+
+
+@dataclasses.dataclass
+class _Message:
+    role: str
+    content: str
+    name: str | None = None
+
+
+class _Model:  # a pydantic-like message: model_dump() gives its dict
+    def __init__(self, **fields) -> None:
+        self.fields = fields
+
+    def model_dump(self) -> dict:
+        return dict(self.fields)
+
+
+def test_dataclass_and_model_messages_render_as_in_transformers(pair):
+    _, light, full = pair
+    chat = [_Message("system", "Be brief."), _Model(role="user", content="2 + 3 =", name=None),
+            {"role": "assistant", "content": "5"}]
+    text = light.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == full.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(TypeError, match="should be dicts"):
+        light.apply_chat_template(["not a message"], tokenize=False)
 
 
 def test_raw_prompts_encode_as_in_transformers_with_and_without_special_tokens(pair):
