@@ -34,6 +34,7 @@ import yaml
 from msgspec import Meta
 
 from actors.backends.config import TrainerConfig, backend_unavailable
+from actors.backends.kernels import kernels_unavailable
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
 from actors.engines.config import EngineConfig, engine_unavailable
 from actors.loggers import loggers_unavailable
@@ -251,6 +252,8 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"rollout.engine.type: {reason}")
     if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
+    if (reason := kernels_unavailable(cfg.trainer.kernels, cfg.trainer.device)) is not None:
+        raise ConfigError(f"trainer.kernels: {reason}")
     if (reason := loggers_unavailable(cfg.run.loggers)) is not None:
         raise ConfigError(f"run.loggers: {reason}")
     if cfg.rollout.max_response_tokens >= cfg.rollout.engine.max_model_len:

@@ -7,7 +7,9 @@
 Backends: ``torch`` (packed sequences and the chunked LM head, ``trainer.packed``),
 ``torch_padded`` (the same backend with ``packed: false``: right-padded rows, full
 logits), ``torch_compiled`` (``torch`` with ``trainer.compile``: each decoder layer
-``torch.compile``-d) and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
+``torch.compile``-d), ``torch_liger`` (``torch`` with ``trainer.kernels: liger``: Liger-Kernel's
+fused RMSNorm / SwiGLU / RoPE; CUDA and the ``liger`` extra), ``torch_liger_compiled`` (both)
+and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
 ``bench.make_model``'s Qwen2.5-0.5B body over the built-in vocabulary, 358M
 parameters; ``smollm2-135m``, SmolLM2-135M's Llama shape with its 49152-token
 vocabulary and tied head, 135M; bf16, random weights; ``--small``: the tiny
@@ -28,7 +30,7 @@ torch's). A compiled backend compiles in its warm-up steps, outside the timed
 window: its row adds ``compile_s`` (the warm-up calls that compiled),
 ``compiled_graphs`` and ``graphs_compiled_while_timed`` (0 unless a new batch
 length recompiled), and ``speedup_compiled`` is torch's step time over
-torch_compiled's. ``--profile`` adds the busiest device kernels of one step, and on CUDA
+torch_compiled's (``speedup_liger`` likewise for torch_liger). ``--profile`` adds the busiest device kernels of one step, and on CUDA
 how many kernels and host-device syncs it ran and their summed device time.
 
     python -m bench.trainer_step --device cuda --shape smollm2-135m --backends torch,torch_compiled --profile
@@ -67,9 +69,10 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                     initializer_range=0.041666666666666664, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-#: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile).
-BACKENDS = {"torch": ("torch", True, False), "torch_padded": ("torch", False, False),
-            "torch_compiled": ("torch", True, True), "megatron": ("megatron", False, False)}
+#: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile, trainer.kernels).
+BACKENDS = {"torch": ("torch", True, False, "eager"), "torch_padded": ("torch", False, False, "eager"),
+            "torch_compiled": ("torch", True, True, "eager"), "torch_liger": ("torch", True, False, "liger"),
+            "torch_liger_compiled": ("torch", True, True, "liger"), "megatron": ("megatron", False, False, "eager")}
 
 
 def _build_model(out: str, args: argparse.Namespace) -> str:
@@ -93,10 +96,10 @@ def _make_backend(name: str, model_dir: str, args: argparse.Namespace) -> Any:
 
     if name not in BACKENDS:
         raise SystemExit(f"--backends: {name!r} is unknown (known: {', '.join(BACKENDS)})")
-    backend_type, packed, compile = BACKENDS[name]
+    backend_type, packed, compile, kernels = BACKENDS[name]
     cfg = TrainerConfig(backend=backend_type, device=args.device, dtype=args.dtype, lr=1e-6,
                         micro_batch_tokens=args.micro_batch_tokens, packed=packed,
-                        logprob_chunk_tokens=args.logprob_chunk_tokens, compile=compile)
+                        logprob_chunk_tokens=args.logprob_chunk_tokens, compile=compile, kernels=kernels)
     backend = make_backend(cfg, model_dir, seed=0, loss=make_loss("ppo_clip"))
     backend.setup()
     return backend
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--backends", default="torch,torch_padded",
-                   help="comma list: torch (packed), torch_padded, torch_compiled, megatron (CUDA only)")
+                   help="comma list: torch (packed), torch_padded, torch_compiled, torch_liger, "
+                        "torch_liger_compiled (CUDA only), megatron (CUDA only)")
     p.add_argument("--small", action="store_true", help="the tiny model in fp32 (a CPU smoke test)")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "smollm2-135m", "tiny"])
     p.add_argument("--logprob-chunk-tokens", type=int, default=2048)
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
             out["speedup_vs_padded"] = statistics.median(times["torch_padded"]) / statistics.median(times["torch"])
         if "torch" in times and "torch_compiled" in times:
             out["speedup_compiled"] = statistics.median(times["torch"]) / statistics.median(times["torch_compiled"])
+        if "torch" in times and "torch_liger" in times:
+            out["speedup_liger"] = statistics.median(times["torch"]) / statistics.median(times["torch_liger"])
     print(json.dumps(out))
 
 

@@ -44,10 +44,15 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) 
     if cfg.tensor_parallel_size != 1:
         raise ValueError(f"trainer.tensor_parallel_size: {cfg.tensor_parallel_size} needs backend: megatron "
                          f"(the torch backend is data parallel only)")
+    from actors.backends.kernels import kernels_unavailable
+
+    reason = kernels_unavailable(cfg.kernels, cfg.device)
+    if reason is not None:
+        raise ValueError(f"trainer.kernels: {reason}")
     from actors.backends.torch_backend import TorchBackend
 
     return TorchBackend(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
                         lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
                         micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=cfg.activation_checkpointing,
                         packed=cfg.packed, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-                        compile=cfg.compile)
+                        compile=cfg.compile, kernels=cfg.kernels)

@@ -99,6 +99,12 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step eager). Costs one compilation on the first steps (seconds to a minute,
     logged, ``train/compile_s``) and, packed, one more attention forward per
     layer in the backward. Only with ``backend: torch`` and one worker (``num_workers: 1``, no FSDP2)."""
+    kernels: Literal["eager", "liger"] = "eager"
+    """Torch backend: ``liger`` runs Liger-Kernel's fused Triton kernels for
+    RMSNorm, the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the
+    ``liger`` extra, ``trainer.device=cuda``) where ``eager`` runs the model's
+    own PyTorch ops. Fewer kernel launches a step, as ``compile`` gives without
+    its compilation; the two may be combined."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
@@ -107,6 +113,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.compile and self.backend != "torch":
             raise ValueError(f"compile must be false with backend {self.backend!r} (it compiles the torch "
+                             f"backend's Hugging Face model)")
+        if self.kernels != "eager" and self.backend != "torch":
+            raise ValueError(f"kernels must be eager with backend {self.backend!r} (it patches the torch "
                              f"backend's Hugging Face model)")
         if self.compile and self.num_workers > 1:
             raise ValueError(f"compile must be false with num_workers={self.num_workers} (compiled layers "

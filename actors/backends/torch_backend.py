@@ -29,7 +29,9 @@ reduction order). Checkpoints are the same files whatever the world size.
 ``trainer.compile`` (one worker): each decoder layer and the final norm run
 ``torch.compile``-d, the packed attention an opaque op inside them
 (:mod:`actors.backends.compile`); ``compile_s`` / ``compiled_graphs`` say what
-compiling cost, also in every step's metrics.
+compiling cost, also in every step's metrics. ``trainer.kernels: liger``: the model's
+RMSNorm, SwiGLU MLP and RoPE run Liger-Kernel's fused Triton kernels
+(:mod:`actors.backends.kernels`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from actors.backends.batching import batch_error, micro_batch_budget, micro_batc
 from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, compile_context, compile_model,
                                      compiled_attention_kwargs)
+from actors.backends.kernels import apply_kernels, kernels_scope
 from actors.backends.config import TrainerConfig
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
@@ -98,6 +101,7 @@ class TorchBackend(TrainerBackend):
         packed: bool = _DEFAULTS.packed,
         logprob_chunk_tokens: int = _DEFAULTS.logprob_chunk_tokens,
         compile: bool = _DEFAULTS.compile,
+        kernels: str = _DEFAULTS.kernels,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -123,7 +127,7 @@ class TorchBackend(TrainerBackend):
         # packed: what was asked for until setup(), then what runs (padded_reason says why not)
         self.packed, self.logprob_chunk_tokens = packed, logprob_chunk_tokens
         self.padded_reason: str | None = None
-        self.compile = compile
+        self.compile, self.kernels = compile, kernels
         self._compile_watch = CompileWatch()
         self.seed = seed
         self._version = 0
@@ -153,6 +157,7 @@ class TorchBackend(TrainerBackend):
         self.model.eval()
         if self.packed:
             self._enable_packing()
+        apply_kernels(self.model, self.kernels)
         if self.activation_checkpointing:
             self._enable_activation_checkpointing()
         if self.compile:
@@ -266,7 +271,7 @@ class TorchBackend(TrainerBackend):
         Data parallel: every rank calls it at once with its own samples (none is
         fine there: the rank still joins the forward's all-gathers)."""
         self._require_setup()
-        with self._compile_watch("compute_logprobs"):
+        with self._compile_watch("compute_logprobs"), kernels_scope(self.kernels):
             return self._compute_logprobs(samples)
 
     def _compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -296,7 +301,7 @@ class TorchBackend(TrainerBackend):
         here from the current weights (one extra forward pass).
         """
         self._require_setup()
-        with self._compile_watch("train_step"):
+        with self._compile_watch("train_step"), kernels_scope(self.kernels):
             metrics = self._train_step(samples, advantages, proximal_logprobs)
         if self.compile:  # cumulative: a figure that grows after warm-up is a recompilation
             metrics.update(compile_s=self.compile_s, compiled_graphs=float(self.compiled_graphs))
