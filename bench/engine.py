@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -128,7 +129,8 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
                          overlap_steps=overlap_steps, compile_decode=compile_decode)
     await engine.setup()
     try:
-        await _run_batch(engine, prompts, [min(new_tokens, 16)] * len(prompts), "warm")  # captures the graph
+        # warm-up on the timed run's lengths: every step and batch size it will see runs once untimed
+        await _run_batch(engine, prompts, request_lengths(len(prompts), new_tokens, varied), "warm")
         timing = engine._core.timing
         for k in timing:
             timing[k] = type(timing[k])(0)
@@ -138,6 +140,7 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
     finally:
         await engine.close()
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
+            "graph_capture_s": round(stats.get("graph_capture_s", 0.0), 3),
             "turn_us": turn_split_us(stats),
             "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
                        if k.startswith(("decode", "prefill", "num_decode", "num_turns", "num_chain"))}}
@@ -198,8 +201,9 @@ def microbench(core, batch: int, iters: int = 30) -> dict:
         for _ in range(3):
             sample(core.model.decode(core.weights, core.kv, tokens, positions), params, positions + 1)
         torch.cuda.synchronize()
-    print(f"--- top kernels, batch {batch}, 3 eager steps ---")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    print(f"--- top kernels, batch {batch}, 3 eager steps ---", file=sys.stderr)  # stdout: the JSON alone
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70),
+          file=sys.stderr)
     return out
 
 
@@ -309,7 +313,7 @@ def main() -> None:
                                            compile_decode=args.compile_mode or True,
                                            varied=args.varied_lengths)) if cuda else None
             run = {"batch": batch, "engine_tokens_per_s": round(eng["tokens_per_s"], 1),
-                   "engine_turn_us": eng["turn_us"],
+                   "engine_turn_us": eng["turn_us"], "engine_graph_capture_s": eng["graph_capture_s"],
                    **({"engine_num_chain_breaks": eng["timing"].get("num_chain_breaks")} if args.varied_lengths else {}),
                    "engine_no_overlap_tokens_per_s": serial and round(serial["tokens_per_s"], 1),
                    "engine_no_overlap_turn_us": serial and serial["turn_us"]}

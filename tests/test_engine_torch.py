@@ -290,3 +290,27 @@ def test_a_planned_full_update_is_staged_while_generating_and_applied_after(engi
     assert staged and unchanged and version == 1
     assert during == hf_greedy(hf_a, PROMPTS[0], 8)
     assert after == hf_greedy(hf_b, PROMPTS[0], 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_decode_graph_is_captured_at_setup_and_none_while_generating(tiny_models):
+    """No capture (nor a Triton compile of a new batch size) lands in a run's steps."""
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        engine = TorchEngine(path, device="cuda", dtype="bfloat16", max_num_seqs=40, max_model_len=256)
+        await engine.setup()
+        try:
+            graphs = engine._core.graphs
+            captured = dict(graphs._graphs)
+            outs = await asyncio.gather(*(engine.generate(req(f"r{i}", PROMPTS[i % len(PROMPTS)], 1 + 3 * i))
+                                          for i in range(40)))  # 40 rows ending one by one: every bucket down to 1
+            return graphs, captured, outs, engine.statistics()
+        finally:
+            await engine.close()
+
+    graphs, captured, outs, stats = loop.run(body())
+    assert sorted(captured) == graphs.buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert graphs._graphs == captured and stats["graph_capture_s"] > 0
+    assert all(0 < len(o.token_ids) <= 1 + 3 * i for i, o in enumerate(outs))

@@ -5,8 +5,11 @@ from Python it costs milliseconds of CPU time while the GPU idles. Captured
 once per bucket and replayed, a step is one launch. The graph reads its
 inputs from static buffers (tokens, positions) and the weights / KV cache
 tensors it was captured with: weight updates write in place (same
-addresses); ``sleep`` frees those tensors, so :meth:`reset` drops the graphs
-and they are re-captured lazily on the next decode.
+addresses). The engine captures every bucket when it starts
+(:meth:`capture_all`), so no capture (nor a Triton compile of a new batch
+size) lands inside a run's steps; ``sleep`` frees those tensors, so
+:meth:`reset` drops the graphs and they are re-captured lazily, each on its
+bucket's next decode.
 
 Capturing writes a throw-away key/value at position ``max_len - 1`` of the
 bucket's slots: a running request only attends to positions it has already
@@ -39,6 +42,12 @@ class DecodeGraphs:
     def reset(self) -> None:
         self._graphs.clear()
         self._pool = None
+
+    def capture_all(self, weights, kv) -> None:
+        """Capture every bucket's graph not captured yet."""
+        for b in self.buckets:
+            if b not in self._graphs:
+                self._capture(weights, kv, b)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -70,6 +70,7 @@ class EngineCore(Scheduler):
         # model's forward calls and the sampler's (CPU: compute; CUDA: launches) and every wait
         # for the device (prefill's first tokens too); how often a step in flight was read back
         # before the next could be launched from its tokens on the device (overlap only)
+        self.graph_capture_s = 0.0  # CUDA graphs: capturing every batch-size bucket at start
         self.timing = {"num_chain_breaks": 0, "num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
                        "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0,
                        "num_turns": 0, "turn_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "device_wait_s": 0.0}
@@ -161,6 +162,10 @@ class EngineCore(Scheduler):
         self._pinned = [torch.empty(3 * o.max_num_seqs, dtype=torch.float64, pin_memory=True)
                         for _ in range(2)] if cuda else []
         self.graphs = DecodeGraphs(self.model, o.max_num_seqs, o.device) if o.cuda_graphs and cuda else None
+        if self.graphs is not None:  # at start, not in the first steps of a run: each bucket once
+            t0 = time.perf_counter()
+            self.graphs.capture_all(self.weights, self.kv)
+            self.graph_capture_s = time.perf_counter() - t0
         return self.version
 
     def _cmd_submit(self, seq: Seq) -> None:

@@ -285,5 +285,6 @@ class TorchEngine(RolloutEngine):
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
             "num_generated_tokens": core.num_generated_tokens if core else 0,
+            "graph_capture_s": core.graph_capture_s if core else 0.0,
             **(core.timing if core else {}),
         }
