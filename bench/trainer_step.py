@@ -8,8 +8,7 @@ Backends: ``torch`` (packed sequences and the chunked LM head, ``trainer.packed`
 ``torch_padded`` (the same backend with ``packed: false``: right-padded rows, full
 logits), ``torch_compiled`` (``torch`` with ``trainer.compile``: each decoder layer
 ``torch.compile``-d), ``torch_liger`` (``torch`` with ``trainer.kernels: liger``: Liger-Kernel's
-fused RMSNorm / SwiGLU / RoPE; CUDA and the ``liger`` extra), ``torch_liger_compiled`` (both)
-and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
+fused RMSNorm / SwiGLU / RoPE; CUDA and the ``liger`` extra) and ``megatron``. Builds the model once (``--shape``: ``qwen2.5-0.5b``,
 ``bench.make_model``'s Qwen2.5-0.5B body over the built-in vocabulary, 358M
 parameters; ``smollm2-135m``, SmolLM2-135M's Llama shape with its 49152-token
 vocabulary and tied head, 135M; bf16, random weights; ``--small``: the tiny
@@ -72,7 +71,7 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
 #: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile, trainer.kernels).
 BACKENDS = {"torch": ("torch", True, False, "eager"), "torch_padded": ("torch", False, False, "eager"),
             "torch_compiled": ("torch", True, True, "eager"), "torch_liger": ("torch", True, False, "liger"),
-            "torch_liger_compiled": ("torch", True, True, "liger"), "megatron": ("megatron", False, False, "eager")}
+            "megatron": ("megatron", False, False, "eager")}
 
 
 def _build_model(out: str, args: argparse.Namespace) -> str:
@@ -159,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--backends", default="torch,torch_padded",
-                   help="comma list: torch (packed), torch_padded, torch_compiled, torch_liger, "
-                        "torch_liger_compiled (CUDA only), megatron (CUDA only)")
+                   help="comma list: torch (packed), torch_padded, torch_compiled, torch_liger (CUDA only), "
+                        "megatron (CUDA only)")
     p.add_argument("--small", action="store_true", help="the tiny model in fp32 (a CPU smoke test)")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "smollm2-135m", "tiny"])
     p.add_argument("--logprob-chunk-tokens", type=int, default=2048)

@@ -22,6 +22,8 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
                                 "(got 'cpu')"),
     (["trainer.kernels=liger", "trainer.backend=megatron", "trainer.device=cuda"],
      "trainer.kernels: must be eager with backend 'megatron'"),
+    (["trainer.kernels=liger", "trainer.compile=true", "trainer.device=cuda"],
+     "trainer.kernels: must be eager with compile true (dynamo cannot trace liger's kernels here); choose one"),
     (["trainer.kernels=fused"], "trainer.kernels: invalid enum value 'fused' (expected one of: eager, liger)"),
 ])
 def test_kernels_are_refused_at_load_where_they_cannot_run(overrides, line):

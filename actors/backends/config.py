@@ -104,7 +104,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     RMSNorm, the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the
     ``liger`` extra, ``trainer.device=cuda``) where ``eager`` runs the model's
     own PyTorch ops. Fewer kernel launches a step, as ``compile`` gives without
-    its compilation; the two may be combined."""
+    its compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
+    here: torch 2.11)."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
@@ -117,6 +118,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.kernels != "eager" and self.backend != "torch":
             raise ValueError(f"kernels must be eager with backend {self.backend!r} (it patches the torch "
                              f"backend's Hugging Face model)")
+        if self.kernels != "eager" and self.compile:
+            raise ValueError(f"kernels must be eager with compile true (dynamo cannot trace {self.kernels}'s "
+                             f"kernels here); choose one")
         if self.compile and self.num_workers > 1:
             raise ValueError(f"compile must be false with num_workers={self.num_workers} (compiled layers "
                              f"under FSDP2's hooks are untested here; one worker only)")
