@@ -14,10 +14,13 @@ the directory declares as the plain fast tokenizer (``tokenizer_class``
 ``PreTrainedTokenizerFast`` / ``TokenizersBackend``, which transformers runs as
 the file says) of a model type in :data:`LIGHT_MODEL_TYPES` (or of no model),
 special tokens that are special added tokens of the file, and only the
-``tokenizer_config.json`` keys it knows. Anything else (a model-specific class
-such as ``Qwen2Tokenizer``, which rebuilds its pipeline; cleanup or split
-options; named chat templates; legacy special-token files) gets a reason, and
-:func:`load_local_tokenizer` falls back to ``AutoTokenizer``.
+``tokenizer_config.json`` keys it knows (those transformers 5.17 saves too: ids
+that must be the named tokens' own, ``add_prefix_space`` false over a
+pre-tokenizer that adds none, ``clean_up_tokenization_spaces``, which transformers
+ignores for a BPE model). Anything else (a model-specific class such as
+``Qwen2Tokenizer``, which rebuilds its pipeline; cleanup of a non-BPE model or
+split options; named chat templates; legacy special-token files) gets a reason,
+and :func:`load_local_tokenizer` falls back to ``AutoTokenizer``.
 
 :class:`LightTokenizer` has exactly the part of a transformers tokenizer the
 project calls (tests/test_tokenizer_light.py holds it equal to transformers'):
@@ -56,12 +59,15 @@ LIGHT_MODEL_TYPES = frozenset({"llama", "gpt2", "gpt_neox", "olmo2"})
 _PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 #: Transformers' named special tokens: the template sees those that are set.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# tokenizer_config.json keys that change nothing here, or that are checked below
+# tokenizer_config.json keys that change nothing here, or that are checked below; transformers 5.17
+# saves the last five too (``legacy`` and ``model_type`` mean nothing to a plain fast tokenizer)
 _CONFIG_KEYS = frozenset({"backend", "tokenizer_class", "chat_template", "model_max_length", "added_tokens_decoder",
                           "extra_special_tokens", "additional_special_tokens", "clean_up_tokenization_spaces",
                           "split_special_tokens", "add_bos_token", "add_eos_token", "padding_side",
-                          "truncation_side", "model_input_names", *SPECIAL_TOKENS})
-_OFF_KEYS = ("clean_up_tokenization_spaces", "split_special_tokens", "add_bos_token", "add_eos_token")
+                          "truncation_side", "model_input_names", *SPECIAL_TOKENS,
+                          "add_prefix_space", "legacy", "model_type", *(f"{k}_id" for k in SPECIAL_TOKENS)})
+_OFF_KEYS = ("clean_up_tokenization_spaces", "split_special_tokens", "add_bos_token", "add_eos_token",
+             "add_prefix_space")
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, the first one standard
 
@@ -96,8 +102,6 @@ def try_light_tokenizer(model_dir: str | pathlib.Path) -> LightTokenizer | str:
         return f"tokenizer_config.json: tokenizer_class {config.get('tokenizer_class')!r} is not a plain fast tokenizer"
     if unknown := sorted(set(config) - _CONFIG_KEYS):
         return f"tokenizer_config.json: keys {unknown} are not handled here"
-    if on := [k for k in _OFF_KEYS if config.get(k)]:
-        return f"tokenizer_config.json: {on} set"
     if (d / "config.json").is_file() and model.get("model_type") not in LIGHT_MODEL_TYPES:
         return f"config.json: model_type {model.get('model_type')!r} is not in LIGHT_MODEL_TYPES"
     if (d / "chat_template.json").exists() or (d / "additional_chat_templates").exists():
@@ -114,6 +118,17 @@ def try_light_tokenizer(model_dir: str | pathlib.Path) -> LightTokenizer | str:
     backend = Tokenizer.from_file(str(d / "tokenizer.json"))
     if backend.truncation is not None or backend.padding is not None:
         return "tokenizer.json sets truncation or padding"
+    bpe = type(backend.model).__name__ == "BPE"  # transformers 5 ignores the clean-up of a BPE model's decodes
+    if on := [k for k in _OFF_KEYS if config.get(k) and not (k == "clean_up_tokenization_spaces" and bpe)]:
+        return f"tokenizer_config.json: {on} set"
+    pre = json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")).replace(" ", "")
+    if config.get("add_prefix_space") is False and '"add_prefix_space":true' in pre:
+        return "tokenizer_config.json: add_prefix_space false over a pre-tokenizer that adds one"
+    for name in SPECIAL_TOKENS:  # ids saved beside the named tokens must be theirs
+        if f"{name}_id" in config and (config[f"{name}_id"] is None) != (config.get(name) is None) or (
+                config.get(f"{name}_id") is not None and backend.token_to_id(_content(config[name]))
+                != config[f"{name}_id"]):
+            return f"tokenizer_config.json: {name}_id {config[f'{name}_id']!r} is not {name}'s id"
     added = backend.get_added_tokens_decoder()  # id -> AddedToken
     for idx, token in (config.get("added_tokens_decoder") or {}).items():
         mine = added.get(int(idx))

@@ -39,10 +39,24 @@ def byte_dir(tmp_path_factory) -> pathlib.Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["byte", *(p.name for p in SHIPPED)])
-def pair(request, byte_dir) -> tuple[pathlib.Path, LightTokenizer, object]:
+@pytest.fixture(scope="module")
+def saved_by_5_17(tmp_path_factory) -> pathlib.Path:
+    """The shipped SmolLM2 tokenizer with the keys transformers 5.17 writes beside the named tokens
+    (``tools.fetch_pretrained`` there): ``add_prefix_space``, ``legacy``, ``model_type``, the tokens' ids,
+    and ``clean_up_tokenization_spaces`` true, which transformers ignores for a BPE model."""
+    path = tmp_path_factory.mktemp("saved-by-5.17")
+    shutil.copytree(SHIPPED[0], path, dirs_exist_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(add_prefix_space=False, legacy=False, model_type="gpt2", clean_up_tokenization_spaces=True,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2, unk_token_id=0)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module", params=["byte", *(p.name for p in SHIPPED), "saved-by-5.17"])
+def pair(request, byte_dir, saved_by_5_17) -> tuple[pathlib.Path, LightTokenizer, object]:
     """(directory, light tokenizer, transformers' tokenizer) of one directory."""
-    path = byte_dir if request.param == "byte" else ROOT / "models" / request.param
+    path = {"byte": byte_dir, "saved-by-5.17": saved_by_5_17}.get(request.param, ROOT / "models" / request.param)
     if not (path / "tokenizer.json").is_file():
         pytest.skip(f"{path} is not here (python -m tools.fetch_pretrained)")
     light = try_light_tokenizer(path)
@@ -222,8 +236,11 @@ FALLBACKS = {
     "tokenizer_class 'Qwen2Tokenizer'": lambda p: _edit(p, "tokenizer_config.json",
                                                         lambda c: {**c, "tokenizer_class": "Qwen2Tokenizer"}),
     "model_type 'qwen2'": lambda p: _edit(p, "config.json", lambda c: {"model_type": "qwen2"}),
-    "['clean_up_tokenization_spaces'] set": lambda p: _edit(
-        p, "tokenizer_config.json", lambda c: {**c, "clean_up_tokenization_spaces": True}),
+    "['split_special_tokens'] set": lambda p: _edit(
+        p, "tokenizer_config.json", lambda c: {**c, "split_special_tokens": True}),
+    "['add_prefix_space'] set": lambda p: _edit(p, "tokenizer_config.json", lambda c: {**c, "add_prefix_space": True}),
+    "eos_token_id 5 is not eos_token's id": lambda p: _edit(
+        p, "tokenizer_config.json", lambda c: {**c, "eos_token_id": 5}),
     "keys ['image_token'] are not handled": lambda p: _edit(
         p, "tokenizer_config.json", lambda c: {**c, "image_token": "<|im_start|>"}),
     "not special added tokens": lambda p: _edit(p, "tokenizer_config.json", lambda c: {**c, "bos_token": "a"}),
