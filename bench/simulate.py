@@ -390,6 +390,11 @@ LEFT_OUT = {
                                        "cost on no other run's clocks",
     "async_vs_sync_h200_main_partial.txt": "no JSON: the log of an unfinished run (wall seconds per run only, no "
                                            "component times)",
+    "async_vs_sync_h200_smollm2_eval_beside.json": "the run the forecast (--forecast) was made for, measured after "
+                                                    "it (2.14x against the 2.47x predicted); not yet among the "
+                                                    "validated runs, whose figures it would change",
+    "async_vs_sync_h200_smollm2_mps.json": "one fully-async seed under NVIDIA MPS and no sync policy to calibrate "
+                                           "on: kernels of two processes at once, which the model does not have",
 }
 
 

@@ -40,23 +40,30 @@ def byte_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def saved_by_5_17(tmp_path_factory) -> pathlib.Path:
-    """The shipped SmolLM2 tokenizer with the keys transformers 5.17 writes beside the named tokens
+def saved_by_5_17(tmp_path_factory, byte_dir) -> pathlib.Path:
+    """The byte-level BPE directory with the keys transformers 5.17 writes beside the named tokens
     (``tools.fetch_pretrained`` there): ``add_prefix_space``, ``legacy``, ``model_type``, the tokens' ids,
     and ``clean_up_tokenization_spaces`` true, which transformers ignores for a BPE model."""
     path = tmp_path_factory.mktemp("saved-by-5.17")
-    shutil.copytree(SHIPPED[0], path, dirs_exist_ok=True)
+    shutil.copytree(byte_dir, path, dirs_exist_ok=True)
     config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(add_prefix_space=False, legacy=False, model_type="gpt2", clean_up_tokenization_spaces=True,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=2, unk_token_id=0)
+    ids = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+    config.update({f"{k}_id": {**ids, **added}[config[k] if isinstance(config[k], str) else config[k]["content"]]
+                   for k in ("bos_token", "eos_token", "pad_token", "unk_token") if config.get(k) is not None})
+    config.update(add_prefix_space=False, legacy=False, model_type="gpt2", clean_up_tokenization_spaces=True)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
 
+BUILT = {"byte": "byte_dir", "saved-by-5.17": "saved_by_5_17"}  # directories the tests build: their fixtures
+
+
 @pytest.fixture(scope="module", params=["byte", *(p.name for p in SHIPPED), "saved-by-5.17"])
-def pair(request, byte_dir, saved_by_5_17) -> tuple[pathlib.Path, LightTokenizer, object]:
+def pair(request) -> tuple[pathlib.Path, LightTokenizer, object]:
     """(directory, light tokenizer, transformers' tokenizer) of one directory."""
-    path = {"byte": byte_dir, "saved-by-5.17": saved_by_5_17}.get(request.param, ROOT / "models" / request.param)
+    name = request.param
+    path = request.getfixturevalue(BUILT[name]) if name in BUILT else ROOT / "models" / name
     if not (path / "tokenizer.json").is_file():
         pytest.skip(f"{path} is not here (python -m tools.fetch_pretrained)")
     light = try_light_tokenizer(path)
