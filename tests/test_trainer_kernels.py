@@ -41,6 +41,11 @@ def test_a_missing_liger_kernel_is_named_with_its_extra(monkeypatch, tmp_path):
         make_backend(TrainerConfig(kernels="liger", device="cuda"), str(tmp_path), seed=0, loss=make_loss("ppo_clip"))
 
 
+def test_the_backend_names_an_unknown_kernels_value(tmp_path):
+    with pytest.raises(ValueError, match=r"^kernels must be one of \['eager', 'liger'\], got 'fused'$"):
+        TorchBackend(str(tmp_path), loss=make_loss("ppo_clip"), kernels="fused")
+
+
 def _needs_liger() -> None:
     if not torch.cuda.is_available():
         pytest.skip("Liger's Triton kernels need a CUDA device")

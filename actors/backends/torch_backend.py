@@ -51,8 +51,8 @@ from actors.backends.batching import batch_error, micro_batch_budget, micro_batc
 from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, compile_context, compile_model,
                                      compiled_attention_kwargs)
-from actors.backends.kernels import apply_kernels, kernels_scope
 from actors.backends.config import TrainerConfig
+from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.backends.packing import PACKED_ATTENTION, packed_batch, packing_unsupported
@@ -105,6 +105,8 @@ class TorchBackend(TrainerBackend):
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {list(KERNELS)}, got {kernels!r}")
         if master_dtype is not None and master_dtype not in _DTYPES:
             raise ValueError(f"master_dtype must be one of {sorted(_DTYPES)} or None, got {master_dtype!r}")
         if lr <= 0:
