@@ -29,7 +29,10 @@ torch's). A compiled backend compiles in its warm-up steps, outside the timed
 window: its row adds ``compile_s`` (the warm-up calls that compiled),
 ``compiled_graphs`` and ``graphs_compiled_while_timed`` (0 unless a new batch
 length recompiled), and ``speedup_compiled`` is torch's step time over
-torch_compiled's (``speedup_liger`` likewise for torch_liger). ``--profile`` adds the busiest device kernels of one step, and on CUDA
+torch_compiled's (``speedup_liger`` likewise for torch_liger). ``torch_graphs`` and
+``torch_liger_graphs`` add ``trainer.cuda_graphs`` (CUDA): they warm up on every timed batch,
+so each padded shape's graphs are captured before the window (``graph_capture_s``,
+``cuda_graphs``, ``graphs_captured_while_timed``), and their MFU counts real tokens only. ``--profile`` adds the busiest device kernels of one step, and on CUDA
 how many kernels and host-device syncs it ran and their summed device time.
 
     python -m bench.trainer_step --device cuda --shape smollm2-135m --backends torch,torch_compiled --profile
@@ -68,10 +71,13 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                     initializer_range=0.041666666666666664, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-#: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile, trainer.kernels).
-BACKENDS = {"torch": ("torch", True, False, "eager"), "torch_padded": ("torch", False, False, "eager"),
-            "torch_compiled": ("torch", True, True, "eager"), "torch_liger": ("torch", True, False, "liger"),
-            "megatron": ("megatron", False, False, "eager")}
+#: Bench backend name -> (trainer.backend, trainer.packed, trainer.compile, trainer.kernels, trainer.cuda_graphs).
+BACKENDS = {"torch": ("torch", True, False, "eager", False), "torch_padded": ("torch", False, False, "eager", False),
+            "torch_compiled": ("torch", True, True, "eager", False),
+            "torch_liger": ("torch", True, False, "liger", False),
+            "torch_graphs": ("torch", True, False, "eager", True),
+            "torch_liger_graphs": ("torch", True, False, "liger", True),
+            "megatron": ("megatron", False, False, "eager", False)}
 
 
 def _build_model(out: str, args: argparse.Namespace) -> str:
@@ -95,10 +101,11 @@ def _make_backend(name: str, model_dir: str, args: argparse.Namespace) -> Any:
 
     if name not in BACKENDS:
         raise SystemExit(f"--backends: {name!r} is unknown (known: {', '.join(BACKENDS)})")
-    backend_type, packed, compile, kernels = BACKENDS[name]
+    backend_type, packed, compile, kernels, graphs = BACKENDS[name]
     cfg = TrainerConfig(backend=backend_type, device=args.device, dtype=args.dtype, lr=1e-6,
                         micro_batch_tokens=args.micro_batch_tokens, packed=packed,
-                        logprob_chunk_tokens=args.logprob_chunk_tokens, compile=compile, kernels=kernels)
+                        logprob_chunk_tokens=args.logprob_chunk_tokens, compile=compile, kernels=kernels,
+                        cuda_graphs=graphs)
     backend = make_backend(cfg, model_dir, seed=0, loss=make_loss("ppo_clip"))
     backend.setup()
     return backend
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--backends", default="torch,torch_padded",
                    help="comma list: torch (packed), torch_padded, torch_compiled, torch_liger (CUDA only), "
+                        "torch_graphs, torch_liger_graphs (CUDA only), "
                         "megatron (CUDA only)")
     p.add_argument("--small", action="store_true", help="the tiny model in fp32 (a CPU smoke test)")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "smollm2-135m", "tiny"])
@@ -199,10 +207,13 @@ def main(argv: list[str] | None = None) -> None:
         rng = random.Random(0)
         batches = [_batch(rng, vocab, args) for _ in range(args.steps)]
         adv = [(-1.0) ** i for i in range(args.groups * args.n)]
-        for backend in backends.values():  # a compiled backend compiles here, untimed
-            for i in range(args.warmup):
+        for backend in backends.values():  # a compiled backend compiles here, untimed; a graphed one
+            # captures a graph for every batch's shape (each batch once at least)
+            graphed = getattr(backend, "cuda_graphs", False)
+            for i in range(max(args.warmup, len(batches)) if graphed else args.warmup):
                 backend.train_step(batches[i % len(batches)], adv)
         warm_graphs = {name: getattr(b, "compiled_graphs", 0) for name, b in backends.items()}
+        warm_captures = {name: len(b._graphs.graphs) for name, b in backends.items() if getattr(b, "_graphs", None)}
         times: dict[str, list[float]] = {name: [] for name in names}
         memory = {name: {"peak_gib": 0.0, "step_peak_gib": 0.0} for name in names}
         cuda = args.device.startswith("cuda")
@@ -255,14 +266,20 @@ def main(argv: list[str] | None = None) -> None:
                 graphs = backends[name].compiled_graphs
                 out["backends"][name].update(compile_s=round(backends[name].compile_s, 2), compiled_graphs=graphs,
                                              graphs_compiled_while_timed=graphs - warm_graphs[name])
+            if name in warm_captures:
+                g = backends[name]._graphs
+                out["backends"][name].update(graph_capture_s=round(g.capture_s, 2), cuda_graphs=len(g.graphs),
+                                             graphs_captured_while_timed=len(g.graphs) - warm_captures[name])
             if args.profile:
                 out["backends"][name]["profile"] = _profile(backends[name], batches[0], adv, args.device)
         if "torch" in times and "torch_padded" in times:
             out["speedup_vs_padded"] = statistics.median(times["torch_padded"]) / statistics.median(times["torch"])
         if "torch" in times and "torch_compiled" in times:
             out["speedup_compiled"] = statistics.median(times["torch"]) / statistics.median(times["torch_compiled"])
-        if "torch" in times and "torch_liger" in times:
-            out["speedup_liger"] = statistics.median(times["torch"]) / statistics.median(times["torch_liger"])
+        for name in ("torch_compiled", "torch_liger", "torch_graphs", "torch_liger_graphs"):
+            if "torch" in times and name in times:
+                key = "speedup_compiled" if name == "torch_compiled" else "speedup_" + name.removeprefix("torch_")
+                out[key] = statistics.median(times["torch"]) / statistics.median(times[name])
     print(json.dumps(out))
 
 

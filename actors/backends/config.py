@@ -106,6 +106,16 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     own PyTorch ops. Fewer kernel launches a step, as ``compile`` gives without
     its compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
     here: torch 2.11)."""
+    cuda_graphs: bool = False
+    """Torch backend: replay each training micro-batch's forward and backward as CUDA
+    graphs (:mod:`actors.backends.graphs`), captured once per padded shape: the
+    tokens rounded up to a multiple of 2048, the sequences and the longest one
+    bucketed likewise. For steps bound by the host's kernel launches (small models,
+    short rows: SmolLM2-135M's ~4,500 launches a step eager). A run meets a few
+    shapes; each new one costs a capture (~1 s, ``train/graph_capture_s``) and keeps
+    its activations' memory in one shared pool. Needs ``device: cuda``, bf16 or fp16,
+    ``packed``, one worker; not with ``compile`` or ``activation_checkpointing``.
+    Works with ``kernels: liger``."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
@@ -121,6 +131,19 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.kernels != "eager" and self.compile:
             raise ValueError(f"kernels must be eager with compile true (dynamo cannot trace {self.kernels}'s "
                              f"kernels here); choose one")
+        if self.cuda_graphs and self.backend != "torch":
+            raise ValueError(f"cuda_graphs must be false with backend {self.backend!r} (it graphs the torch "
+                             f"backend's packed passes)")
+        if self.cuda_graphs and self.compile:
+            raise ValueError("cuda_graphs must be false with compile true (the compiled packed attention reads "
+                             "sequence bounds on the host, which a graph would freeze); choose one")
+        if self.cuda_graphs and self.num_workers > 1:
+            raise ValueError(f"cuda_graphs must be false with num_workers={self.num_workers} (one worker only)")
+        if self.cuda_graphs and (self.activation_checkpointing or not self.packed):
+            raise ValueError("cuda_graphs must be false with packed false or activation_checkpointing true")
+        if self.cuda_graphs and (not self.device.startswith("cuda") or self.dtype != "bfloat16"):
+            raise ValueError(f"cuda_graphs must be false unless device is cuda and dtype bfloat16 (the varlen "
+                             f"flash attention); got device {self.device!r}, dtype {self.dtype!r}")
         if self.compile and self.num_workers > 1:
             raise ValueError(f"compile must be false with num_workers={self.num_workers} (compiled layers "
                              f"under FSDP2's hooks are untested here; one worker only)")

@@ -37,7 +37,8 @@ try:  # torch >= 2.9; its signature changed across releases (read below)
 except ImportError:  # pragma: no cover - depends on the torch build
     _varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
-__all__ = ["PACKED_ATTENTION", "PackedBatch", "packed_attention", "packed_batch", "packing_unsupported"]
+__all__ = ["PACKED_ATTENTION", "PackedBatch", "packed_attention", "packed_batch", "packing_unsupported",
+           "varlen_available"]
 
 #: The attention implementation name a packed model runs with.
 PACKED_ATTENTION = "asyncrl_packed"
@@ -76,14 +77,31 @@ class PackedBatch:
         return flat.view(*self.mask.shape, *values.shape[1:])
 
 
-def packed_batch(samples: list[Sample], device: torch.device) -> PackedBatch:
-    """Concatenate each sample's prompt and response into one row (see :class:`PackedBatch`)."""
+def varlen_available() -> bool:
+    """Whether this torch has the varlen flash attention the packed path runs on CUDA."""
+    return _varlen_attn is not None
+
+
+def packed_batch(samples: list[Sample], device: torch.device, pad_to: tuple[int, int] | None = None,
+                 pad_piece: int = 128) -> PackedBatch:
+    """Concatenate each sample's prompt and response into one row (see :class:`PackedBatch`).
+    ``pad_to=(tokens, sequences)``: the row padded to ``tokens`` with sequences of pad id 0 of
+    at most ``pad_piece`` tokens each, then ``cu_seqlens`` to ``sequences`` with empty ones
+    (a fixed shape, for ``trainer.cuda_graphs``); the responses' fields are unchanged."""
     if not samples:
         raise ValueError("empty batch")
     lengths = np.asarray([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=np.int64)
     num_resp = np.asarray([len(s.response_ids) for s in samples], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    ids = np.empty(int(starts[-1]), dtype=np.int64)
+    seq_lengths = lengths
+    if pad_to is not None:
+        pad = pad_to[0] - int(lengths.sum())
+        pieces = [pad_piece] * (pad // pad_piece) + ([pad % pad_piece] if pad % pad_piece else [])
+        empty = pad_to[1] - len(samples) - len(pieces)
+        if pad < 0 or empty < 0:
+            raise ValueError(f"{len(samples)} samples of {int(lengths.sum())} tokens do not fit pad_to={pad_to}")
+        seq_lengths = np.concatenate([lengths, np.asarray(pieces + [0] * empty, dtype=np.int64)])
+    starts = np.concatenate([[0], np.cumsum(seq_lengths)])
+    ids = np.zeros(int(starts[-1]), dtype=np.int64)
     pred = np.empty(int(num_resp.sum()), dtype=np.int64)
     targets = np.empty_like(pred)
     t = 0
@@ -96,14 +114,14 @@ def packed_batch(samples: list[Sample], device: torch.device) -> PackedBatch:
         pred[t : t + n] = np.arange(o + p - 1, o + p - 1 + n)  # as padded_batch: P - 1 + j, shifted by o
         targets[t : t + n] = s.response_ids
         t += n
-    positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts[:-1], lengths)
+    positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts[:-1], seq_lengths)
     width = max(int(num_resp.max()), 1)
     mask = (np.arange(width)[None, :] < num_resp[:, None]).astype(np.float32)
     resp_index = np.flatnonzero(mask)  # row-major, as targets
     ids, positions, cu_seqlens, pred, targets, resp_index, mask = to_device(
         [ids, positions, starts.astype(np.int32), pred, targets, resp_index, mask], device)
     return PackedBatch(input_ids=ids[None], position_ids=positions[None], cu_seqlens=cu_seqlens,
-                       seq_bounds=tuple(starts.tolist()), max_len=int(lengths.max()), pred_positions=pred,
+                       seq_bounds=tuple(starts.tolist()), max_len=int(seq_lengths.max()), pred_positions=pred,
                        targets=targets, resp_index=resp_index, mask=mask)
 
 

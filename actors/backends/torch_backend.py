@@ -52,10 +52,11 @@ from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, compile_context, compile_model,
                                      compiled_attention_kwargs)
 from actors.backends.config import TrainerConfig
+from actors.backends.graphs import GraphedPasses, graphs_unsupported
 from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
-from actors.backends.packing import PACKED_ATTENTION, packed_batch, packing_unsupported
+from actors.backends.packing import PACKED_ATTENTION, PackedBatch, packed_batch, packing_unsupported
 from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
 from actors.models import load_causal_lm, resolve_model_path
 from contracts.sample import Sample
@@ -102,6 +103,7 @@ class TorchBackend(TrainerBackend):
         logprob_chunk_tokens: int = _DEFAULTS.logprob_chunk_tokens,
         compile: bool = _DEFAULTS.compile,
         kernels: str = _DEFAULTS.kernels,
+        cuda_graphs: bool = _DEFAULTS.cuda_graphs,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -129,7 +131,8 @@ class TorchBackend(TrainerBackend):
         # packed: what was asked for until setup(), then what runs (padded_reason says why not)
         self.packed, self.logprob_chunk_tokens = packed, logprob_chunk_tokens
         self.padded_reason: str | None = None
-        self.compile, self.kernels = compile, kernels
+        self.compile, self.kernels, self.cuda_graphs = compile, kernels, cuda_graphs
+        self._graphs: GraphedPasses | None = None  # cuda_graphs, from setup()
         self._compile_watch = CompileWatch()
         self.seed = seed
         self._version = 0
@@ -164,6 +167,14 @@ class TorchBackend(TrainerBackend):
             self._enable_activation_checkpointing()
         if self.compile:
             compile_model(self.model)
+        if self.cuda_graphs:
+            reason = graphs_unsupported(self.device, self.dtype, packed=self.packed, compile=self.compile,
+                                        activation_checkpointing=self.activation_checkpointing,
+                                        world_size=self.world_size)
+            if reason is not None:
+                raise ValueError(f"trainer.cuda_graphs: {reason}")
+            self._graphs = GraphedPasses(self.model, self._packed_forward, self.device)
+
         def adamw(params):  # fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
             fused = self.device.type == "cuda" and self.world_size == 1
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
@@ -215,14 +226,21 @@ class TorchBackend(TrainerBackend):
     def _packed_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`_response_logprobs` on one packed row. Entropy only where gradients are on
         (a training forward; zeros otherwise: nobody reads it)."""
+        if self._graphs is not None and torch.is_grad_enabled():
+            return self._graphs.logprobs(samples)
         batch = packed_batch(samples, self.device)
-        with_entropy = torch.is_grad_enabled()
-        attention = compiled_attention_kwargs(batch) if self.compile else batch.attention_kwargs()
-        with self._head_gives_logprobs(batch.pred_positions, batch.targets, with_entropy), self._compiled():
-            out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                             **attention).logits[0]  # [T, 2]
+        out = self._packed_forward(batch, batch.pred_positions, batch.targets, torch.is_grad_enabled())
         logprobs, entropy = batch.scatter(out).unbind(-1)  # [B, T_max] each
         return logprobs, entropy, batch.mask
+
+    def _packed_forward(self, batch: PackedBatch, positions: torch.Tensor, targets: torch.Tensor,
+                        with_entropy: bool) -> torch.Tensor:
+        """The model on a packed row: ``[T, 2]``, the log-prob of ``targets`` from the hidden
+        states at ``positions``, and the entropy there (zeros without ``with_entropy``)."""
+        attention = compiled_attention_kwargs(batch) if self.compile else batch.attention_kwargs()
+        with self._head_gives_logprobs(positions, targets, with_entropy), self._compiled():
+            return self.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                              **attention).logits[0]
 
     @contextlib.contextmanager
     def _head_gives_logprobs(self, positions: torch.Tensor, targets: torch.Tensor,
@@ -307,12 +325,16 @@ class TorchBackend(TrainerBackend):
             metrics = self._train_step(samples, advantages, proximal_logprobs)
         if self.compile:  # cumulative: a figure that grows after warm-up is a recompilation
             metrics.update(compile_s=self.compile_s, compiled_graphs=float(self.compiled_graphs))
+        if self._graphs is not None:  # cumulative, as compile's: a new bucket captures its graphs
+            metrics.update(graph_capture_s=self._graphs.capture_s, cuda_graphs=float(len(self._graphs.graphs)))
         return metrics
 
     def _train_step(self, samples: list[Sample], advantages: list[float],
                     proximal_logprobs: list[list[float]] | None) -> dict[str, float]:
         passes, total_tokens = self._plan_passes(samples, advantages, proximal_logprobs)
         self.optimizer.zero_grad(set_to_none=True)
+        if self._graphs is not None:  # the graphs' backwards add into these very tensors
+            self._graphs.attach_grads()
         # a None pass is a weight-0 one on the filler row: its collectives match a busier rank's
         metrics = run_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
                              passes, total_tokens, filler=self._filler())

@@ -1,0 +1,137 @@
+"""trainer.cuda_graphs: the torch backend's packed training passes replayed as CUDA graphs.
+
+On a CPU: the padded fixed-shape row a graph runs on gives the unpadded row's log-probs and
+entropy exactly (pad sequences and empty ones change nothing), and the setting is refused, in
+one line, where it cannot run. On a GPU (marked ``gpu``): graphed steps, one micro-batch or
+several, train as eager steps do, batch after batch, with a graph captured once per bucket."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from actors.backends import TrainerConfig
+from actors.backends.graphs import BUCKET_TOKENS, bucket_shape, max_len_bound
+from actors.backends.packing import packed_batch
+from actors.backends.torch_backend import TorchBackend
+from actors.config import ConfigError, load_config
+from contracts.sample import Sample
+from policies.losses import make_loss
+from tests.helpers import save_model, samples_for
+
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("graph_models")
+    return {"float32": str(save_model("llama", root / "fp32")),
+            "bfloat16": str(save_model("llama", root / "bf16", dtype=torch.bfloat16))}
+
+
+def test_bucket_shapes_round_tokens_and_sequences_up():
+    samples = samples_for(1000)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert bucket_shape(samples) == (BUCKET_TOKENS, 32)
+    long = [Sample(uid="x", group_id="g", prompt_ids=[1] * (BUCKET_TOKENS - tokens + 1), response_ids=[2])]
+    assert bucket_shape(samples + long)[0] == 2 * BUCKET_TOKENS
+    assert [max_len_bound(n) for n in (1, 128, 129, 300, 1024)] == [128, 128, 256, 512, 1024]
+
+
+def test_a_padded_row_gives_the_unpadded_rows_logprobs(model_dirs):
+    b = TorchBackend(model_dirs["float32"], loss=make_loss("ppo_clip"), seed=0)
+    b.setup()
+    samples = samples_for(b.model.config.vocab_size)
+    plain = packed_batch(samples, b.device)
+    padded = packed_batch(samples, b.device, pad_to=(300, 12), pad_piece=64)
+    n = plain.input_ids.shape[1]
+    bounds = padded.cu_seqlens.tolist()
+    pad = 300 - n
+    pieces = [64] * (pad // 64) + [pad % 64]
+    assert padded.input_ids.shape == (1, 300) and len(bounds) == 13 and 0 < pad % 64
+    assert bounds[:7] == plain.cu_seqlens.tolist()
+    assert [e - s for s, e in zip(bounds[6:], bounds[7:])] == pieces + [0] * (6 - len(pieces))  # empty ones last
+    assert padded.position_ids[0, n:n + 64].tolist() == list(range(64))
+    assert torch.equal(padded.input_ids[0, :n], plain.input_ids[0]) and not padded.input_ids[0, n:].any()
+    assert padded.max_len == 64 and torch.equal(padded.mask, plain.mask)
+    with torch.no_grad():
+        want = b._packed_forward(plain, plain.pred_positions, plain.targets, True)
+        everywhere = torch.arange(300)  # as the graphs run it: every position, the next token its target
+        got = b._packed_forward(padded, everywhere, torch.roll(padded.input_ids[0], -1), True)
+    torch.testing.assert_close(got.index_select(0, padded.pred_positions), want, atol=1e-5, rtol=0)
+
+
+def test_a_row_that_does_not_fit_its_padding_is_refused():
+    samples = samples_for(1000)
+    with pytest.raises(ValueError, match=r"^6 samples of \d+ tokens do not fit pad_to=\(10, 32\)$"):
+        packed_batch(samples, torch.device("cpu"), pad_to=(10, 32))
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["trainer.cuda_graphs=true"], "must be false unless device is cuda and dtype bfloat16 (the varlen flash "
+                                   "attention); got device 'cpu', dtype 'float32'"),
+    (["trainer.cuda_graphs=true", "trainer.device=cuda", "trainer.dtype=bfloat16", "trainer.compile=true"],
+     "must be false with compile true (the compiled packed attention reads sequence bounds on the host, "
+     "which a graph would freeze); choose one"),
+    (["trainer.cuda_graphs=true", "trainer.device=cuda", "trainer.dtype=bfloat16", "trainer.packed=false"],
+     "must be false with packed false or activation_checkpointing true"),
+])
+def test_cuda_graphs_are_refused_at_load_where_they_cannot_run(overrides, line):
+    with pytest.raises(ConfigError, match="^" + re.escape("trainer.cuda_graphs: " + line) + "$"):
+        load_config(None, overrides)
+    assert load_config(None, []).trainer.cuda_graphs is False
+
+
+def test_a_backend_built_in_code_refuses_graphs_on_a_cpu(model_dirs):
+    b = TorchBackend(model_dirs["float32"], loss=make_loss("ppo_clip"), cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"^trainer\.cuda_graphs: needs trainer\.device=cuda \(got 'cpu'\)$"):
+        b.setup()
+    assert TrainerConfig(cuda_graphs=True, device="cuda", dtype="bfloat16").cuda_graphs
+
+
+def _steps(path: str, graphs: bool, micro_batch_tokens: int, kernels: str = "eager"):
+    b = TorchBackend(path, loss=make_loss("ppo_clip"), lr=1e-4, seed=0, device="cuda", dtype="bfloat16",
+                     master_dtype="float32", micro_batch_tokens=micro_batch_tokens, cuda_graphs=graphs,
+                     kernels=kernels)
+    b.setup()
+    out = []
+    for step in range(3):  # a new batch each step, of other lengths: the graphs replay new inputs
+        samples = samples_for(b.model.config.vocab_size, seed=step, num=6 + 2 * step)
+        lps = b.compute_logprobs(samples)
+        for s, row in zip(samples, lps):
+            s.rollout_logprobs = [lp - 0.05 for lp in row]
+        out.append((lps, b.train_step(samples, (ADVANTAGES * 2)[: len(samples)])))
+    out.append((b.compute_logprobs(samples_for(b.model.config.vocab_size, seed=9)), {}))
+    return b, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("micro_batch_tokens", [0, 40])  # one pass; several, gradients added up
+def test_graphed_steps_train_as_eager_steps(model_dirs, micro_batch_tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA device")
+    graphed, got = _steps(model_dirs["bfloat16"], True, micro_batch_tokens)
+    _, want = _steps(model_dirs["bfloat16"], False, micro_batch_tokens)
+    assert len(graphed._graphs.graphs) >= 1 and got[0][1]["cuda_graphs"] >= 1
+    for (lps_g, m_g), (lps_e, m_e) in zip(got, want):  # the last: log-probs after three steps
+        for a, b in zip(lps_g, lps_e):
+            assert a == pytest.approx(b, abs=2e-2)
+        for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
+            if key in m_e:
+                assert m_g[key] == pytest.approx(m_e[key], rel=2e-2, abs=1e-3), key
+
+
+@pytest.mark.gpu
+def test_graphs_run_with_liger_kernels(model_dirs):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA device")
+    pytest.importorskip("liger_kernel.transformers")
+    _, got = _steps(model_dirs["bfloat16"], True, 0, kernels="liger")
+    _, want = _steps(model_dirs["bfloat16"], False, 0, kernels="liger")
+    for (lps_g, m_g), (lps_e, m_e) in zip(got, want):
+        for a, b in zip(lps_g, lps_e):
+            assert a == pytest.approx(b, abs=2e-2)
+        if m_e:
+            assert m_g["grad_norm"] == pytest.approx(m_e["grad_norm"], rel=2e-2)
