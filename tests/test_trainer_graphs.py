@@ -37,7 +37,7 @@ def test_bucket_shapes_round_tokens_and_sequences_up():
     assert bucket_shape(samples) == (BUCKET_TOKENS, 32)
     long = [Sample(uid="x", group_id="g", prompt_ids=[1] * (BUCKET_TOKENS - tokens + 1), response_ids=[2])]
     assert bucket_shape(samples + long)[0] == 2 * BUCKET_TOKENS
-    assert [max_len_bound(n) for n in (1, 128, 129, 300, 1024)] == [128, 128, 256, 512, 1024]
+    assert [max_len_bound(n) for n in (1, 300, 1024, 1025, 3000)] == [1024, 1024, 1024, 2048, 4096]
 
 
 def test_a_padded_row_gives_the_unpadded_rows_logprobs(model_dirs):

@@ -10,7 +10,7 @@ A graph runs fixed shapes, so each micro-batch is padded to a *bucket*:
     samples ─► packed_batch(pad_to=(N_b, S_b)): the tokens rounded up to a multiple of
                BUCKET_TOKENS with pad sequences of at most PAD_PIECE tokens, the sequences
                to S_b with empty ones (cu_seqlens repeats its end), the longest sequence
-               to a power of two (L_b, the varlen kernel's bound)
+               to a power of two of at least 1024 (L_b, the varlen kernel's bound)
             ─► one graph pair per (N_b, S_b, L_b), captured the first time it is met:
                forward   ids, positions, cu_seqlens ─► the model ─► [N_b, 2] (log-prob of
                          the next token, entropy) at every position; the LM head in chunks
@@ -48,6 +48,7 @@ __all__ = ["BUCKET_TOKENS", "GraphedPasses", "bucket_shape", "graphs_unsupported
 
 BUCKET_TOKENS = 2048  # a micro-batch's tokens are rounded up to a multiple of this
 PAD_PIECE = 128  # the padding is split into sequences of at most this many tokens
+MIN_MAX_LEN = 1024  # the least bound on the longest sequence a bucket has
 _SEQ_ROUND = 32
 _WARMUP = 2  # eager forward + backward passes before a capture (lazy inits, autotuning)
 
@@ -63,8 +64,10 @@ def bucket_shape(samples: list[Sample]) -> tuple[int, int]:
 
 
 def max_len_bound(max_len: int) -> int:
-    """The varlen kernel's bound on a sequence's length in a bucket: a power of two, at least PAD_PIECE."""
-    return 1 << (max(max_len, PAD_PIECE) - 1).bit_length()
+    """The varlen kernel's bound on a sequence's length in a bucket: a power of two, at least
+    MIN_MAX_LEN (a longer bound than needed only adds blocks that exit at once; one bound for
+    every row of up to 1024 tokens saves the captures a bound per power of two would cost)."""
+    return 1 << (max(max_len, MIN_MAX_LEN) - 1).bit_length()
 
 
 def graphs_unsupported(device: torch.device, dtype: torch.dtype, *, packed: bool, compile: bool,
