@@ -155,7 +155,8 @@ def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_t
     with _cpu_threads(t.device):
         backend = make_backend(t, model_path, seed=cfg.run.seed, loss=make_loss_from_config(t))
         backend.setup()
-        for i in range(warmup):
+        # a graphed trainer captures each batch's padded shape once: before the timed steps
+        for i in range(max(warmup, steps) if getattr(backend, "cuda_graphs", False) else warmup):
             backend.train_step(batches[i], adv)
         times = []
         for batch in batches[:steps]:
