@@ -223,6 +223,14 @@ def save_model(kind: str, path: pathlib.Path, dtype: torch.dtype | None = None) 
     return path
 
 
+def llama_dirs(root: pathlib.Path) -> dict[str, str]:
+    """The tiny Llama (its own lm_head) saved under ``root`` in fp32 and in bf16, by dtype name."""
+    import torch
+
+    return {"float32": str(save_model("llama", root / "fp32")),
+            "bfloat16": str(save_model("llama", root / "bf16", dtype=torch.bfloat16))}
+
+
 def samples_for(vocab: int, seed: int = 0, num: int = 6) -> list[Sample]:
     """Three groups of two responses, prompts and responses of different lengths."""
     import torch

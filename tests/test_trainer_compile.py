@@ -26,7 +26,7 @@ from actors.backends.torch_backend import TorchBackend
 from actors.config import ConfigError, load_config
 from contracts.sample import Sample
 from policies.losses import make_loss
-from tests.helpers import save_model, samples_for
+from tests.helpers import llama_dirs, samples_for
 
 _CXX = next((c for c in (os.environ.get("CXX"), "g++", "clang++") if c and shutil.which(c)), None)
 pytestmark = pytest.mark.skipif(_CXX is None, reason="torch.compile (inductor) on a CPU needs a C++ compiler: "
@@ -37,9 +37,7 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """A tiny Llama (its own lm_head) in fp32 and in bf16."""
-    root = tmp_path_factory.mktemp("compile_models")
-    return {"float32": str(save_model("llama", root / "fp32")),
-            "bfloat16": str(save_model("llama", root / "bf16", dtype=torch.bfloat16))}
+    return llama_dirs(tmp_path_factory.mktemp("compile_models"))
 
 
 @pytest.fixture(autouse=True)

@@ -19,16 +19,14 @@ from actors.backends.torch_backend import TorchBackend
 from actors.config import ConfigError, load_config
 from contracts.sample import Sample
 from policies.losses import make_loss
-from tests.helpers import save_model, samples_for
+from tests.helpers import llama_dirs, samples_for
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("graph_models")
-    return {"float32": str(save_model("llama", root / "fp32")),
-            "bfloat16": str(save_model("llama", root / "bf16", dtype=torch.bfloat16))}
+    return llama_dirs(tmp_path_factory.mktemp("graph_models"))
 
 
 def test_bucket_shapes_round_tokens_and_sequences_up():
