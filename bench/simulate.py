@@ -395,6 +395,11 @@ LEFT_OUT = {
                                                     "validated runs, whose figures it would change",
     "async_vs_sync_h200_smollm2_mps.json": "one fully-async seed under NVIDIA MPS and no sync policy to calibrate "
                                            "on: kernels of two processes at once, which the model does not have",
+    "async_vs_sync_h100_smollm2_graphs.json": "an H100 run: every setup is calibrated on H200 runs, and its "
+                                              "graphed trainer's step is a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_graphs_local.json": "the same H100 lease, one seed under the local runtime",
+    "async_vs_sync_h100_smollm2_graphs_mps.json": "the same H100 lease, one seed under NVIDIA MPS: kernels of two "
+                                                  "processes at once, which the model does not have",
 }
 
 
