@@ -324,9 +324,13 @@ class RolloutActor(Actor):
         return self.engine.version
 
     async def statistics(self) -> dict[str, Any]:
-        """The engine's counters and step timings (when it keeps them), and this actor's."""
+        """The engine's counters and step timings (when it keeps them), and this actor's.
+        ``loop_cpu_s``: CPU seconds of the thread that runs this actor's event loop (its
+        process's own under ``process`` and Ray; the driver's loop, shared, under ``local``);
+        ``process_cpu_s``: of its whole process, every thread."""
         engine = {} if self.engine is None else self.engine.statistics()
-        return {**engine, "num_reward_errors": self.num_reward_errors,
+        return {**engine, "loop_cpu_s": time.thread_time(), "process_cpu_s": time.process_time(),
+                "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()

@@ -50,7 +50,10 @@ batches, the runs' ``trainer`` config) on the runs' batch shape: the JSON's
   evaluations' tokens: the engines count samples and steps, not tokens),
   ``engine_busy_ratio`` and ``engine_decode_rows_mean`` from the engines'
   counters, ``engine_standalone_tokens_per_s`` and
-  ``engine_in_loop_over_standalone``;
+  ``engine_in_loop_over_standalone``; the CPU shares of the window of the
+  engine's thread, the rollout actor's event-loop thread and its process
+  (``engine_thread_cpu_share``, ``rollout_loop_cpu_share``,
+  ``rollout_process_cpu_share``);
 - ``trainer_step_ms_median`` (a record's ``train_s``) and ``trainer_mfu``
   (``train/mfu``; null where the device's peak is unknown) beside
   ``trainer_standalone_step_ms`` (scaled to the run's tokens per step),
@@ -368,6 +371,7 @@ SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "train
                 "train_tflops_mean", "mfu_mean", "eval_s",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
                 "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
+                "engine_thread_cpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share",
                 "trainer_step_ms_median", "trainer_mfu", "trainer_in_loop_over_standalone",
                 "sync_total_ms_median", "sync_total_ms_max", "sync_paused_ms_median", "sync_paused_ms_max",
                 "startup_s", "pipeline_efficiency")

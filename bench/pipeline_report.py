@@ -42,6 +42,12 @@ FIELDS = {
     "engine_busy_ratio": "share of the window the engines spent in prefill or decode steps (their statistics' "
                          "prefill_s + decode_*_s, summed over engines)",
     "engine_decode_rows_mean": "tokens per decode step in the window (the loop's decode batch)",
+    "engine_thread_cpu_share": "CPU seconds the built-in engine's thread used in the window over its wall time, "
+                               "per engine (its Python and launches: the host side of its steps)",
+    "rollout_loop_cpu_share": "the same for the thread that runs the rollout actor's event loop (scoring, "
+                              "queue puts, calls; it takes the GIL from the engine's thread; under the local "
+                              "runtime the driver's loop, shared with everything else)",
+    "rollout_process_cpu_share": "the same for the rollout actor's whole process (every thread)",
     "engine_concurrency": "sequences the engine may run at once for this policy: min(max_num_seqs, in-flight "
                           "samples per engine); the standalone engine ran at it",
     "engine_standalone_tokens_per_s": "the standalone engine's tokens/s at engine_concurrency (x engines)",
@@ -203,7 +209,7 @@ def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -
 def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
     keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
-            "decode_wait_s", "decode_post_s")
+            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
 
 
@@ -228,6 +234,10 @@ def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, 
         "trainer_mfu": statistics.fmean(m["train/mfu"] for m in hist) if "train/mfu" in hist[-1] else None,
         "num_syncs": len(syncs),
     }
+    # CPU shares of the window, per rollout actor (absent where its statistics do not carry the clock)
+    for key, clock in (("engine_thread_cpu_share", "thread_cpu_s"), ("rollout_loop_cpu_share", "loop_cpu_s"),
+                       ("rollout_process_cpu_share", "process_cpu_s")):
+        out[key] = d[clock] / (wall_s * num_engines) if d[clock] > 0 else None
     for key in ("total", "paused"):
         values = [m.get(f"sync/{key}_ms", 0.0) for m in syncs]
         out[f"sync_{key}_ms_median"] = statistics.median(values) if values else None

@@ -124,6 +124,9 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
             assert run["sync_paused_ms_max"] >= run["sync_paused_ms_median"] >= 0
             assert 0 < run["pipeline_efficiency"] <= 1.5 and run["pipeline_bound_by"] in ("engine", "trainer")
             assert run["step_s"] == pytest.approx(1 / run["steps_per_s"])
+            # CPU clocks over the window (local runtime: the loop and the process are the driver's)
+            assert 0 < run["engine_thread_cpu_share"] <= 1.05 and 0 < run["rollout_loop_cpu_share"] <= 1.05
+            assert run["rollout_process_cpu_share"] >= run["engine_thread_cpu_share"]
             phases = {k: v for k, v in run["startup"].items() if k != "total_s"}
             assert {"actors_s", "first_step_s"} <= set(phases)
             assert sum(phases.values()) <= run["startup_s"] + 0.006  # each rounded to the millisecond

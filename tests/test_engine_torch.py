@@ -32,6 +32,20 @@ class TestTorchEngineContract(EngineContract):
     pass
 
 
+def test_statistics_carry_the_engine_threads_cpu_seconds(engine_factory, tiny_models):
+    path, _ = tiny_models["qwen2"]
+
+    async def body():
+        async with running(engine_factory, path) as engine:
+            before = engine.statistics()["thread_cpu_s"]
+            await asyncio.gather(*(engine.generate(req(f"r{i}", p, 30)) for i, p in enumerate(PROMPTS)))
+            return before, engine.statistics()
+
+    before, after = loop.run(body())
+    # the thread ran every decode step: its CPU time grew, by no more than the steps' own time
+    assert 0 < after["thread_cpu_s"] - before <= after["turn_s"] + 0.05
+
+
 def test_kv_cache_is_allocated_once_and_not_grown_by_decoding(engine_factory, tiny_models):
     path, _ = tiny_models["qwen2"]
 

@@ -36,6 +36,7 @@ would freeze) -- :func:`graphs_unsupported` says which is missing.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,14 @@ class GraphedPasses:
         return self._forward(batch, everywhere, torch.roll(ids, -1), True)
 
     def _capture(self, batch: PackedBatch, max_len: int) -> _Graph:
+        # The params' AccumulateGrad nodes date from eager steps on the default stream, and
+        # autograd warns (once a capture) that the side and capture streams differ from theirs:
+        # a possible wait at capture time only, none in the replays.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+            return self._capture_quiet(batch, max_len)
+
+    def _capture_quiet(self, batch: PackedBatch, max_len: int) -> _Graph:
         t0 = time.perf_counter()
         if self.grads is None:
             self.attach_grads()

@@ -79,6 +79,14 @@ class EngineCore(Scheduler):
     def start(self) -> None:
         self._thread.start()
 
+    def thread_cpu_s(self) -> float | None:
+        """CPU seconds the engine's thread has used (Linux; None elsewhere or once it ended):
+        beside the decode timings, how much of a step the host spends running Python."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError, TypeError):  # no such clock here, thread not started or gone
+            return None
+
     def push(self, *command) -> None:
         with self._cond:
             self._commands.append(command)

@@ -287,4 +287,5 @@ class TorchEngine(RolloutEngine):
             "num_generated_tokens": core.num_generated_tokens if core else 0,
             "graph_capture_s": core.graph_capture_s if core else 0.0,
             **(core.timing if core else {}),
+            **({"thread_cpu_s": cpu} if core and (cpu := core.thread_cpu_s()) is not None else {}),
         }
