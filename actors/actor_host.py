@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from actors import gc_clock
+
 if TYPE_CHECKING:
     from actors.runtime import Actor
 
@@ -41,6 +43,8 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
         if isinstance(actor, BaseException):  # the constructor failed: every call gets its error
             raise actor
         value = await getattr(actor, method)(*args, **kwargs)
+        if method == "setup":
+            gc_clock.freeze()
         try:
             ok, payload = True, pickle.dumps(value, protocol=5)
         except Exception as exc:

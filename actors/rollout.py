@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 import torch
 
+from actors import gc_clock
 from actors.engines import EngineConfig, RolloutEngine, make_engine
 from actors.runtime import Actor, quiet_transformers
 from contracts.placement import Placement, placement as placement_of
@@ -115,6 +116,7 @@ class RolloutActor(Actor):
 
     async def setup(self) -> None:
         t0 = time.perf_counter()
+        gc_clock.install()  # statistics() carries the collector's pauses: each stops the engine's thread too
         if self.engine_cfg.type != "torch":  # the built-in engine and a light tokenizer never import transformers
             quiet_transformers()
         self.note_startup("import_s", t0)
@@ -329,7 +331,7 @@ class RolloutActor(Actor):
         process's own under ``process`` and Ray; the driver's loop, shared, under ``local``);
         ``process_cpu_s``: of its whole process, every thread."""
         engine = {} if self.engine is None else self.engine.statistics()
-        return {**engine, "loop_cpu_s": time.thread_time(), "process_cpu_s": time.process_time(),
+        return {**engine, "loop_cpu_s": time.thread_time(), "process_cpu_s": time.process_time(), **gc_clock.snapshot(),
                 "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),

@@ -52,6 +52,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import loop as global_loop
+from actors import gc_clock
 from actors.actor_host import STOP, serve_calls
 from actors.ray_address import join_ray_cluster
 from transfer_queue.rpc import PendingReplies
@@ -481,6 +482,7 @@ def _adopting(cls: type[Actor]) -> type[Actor]:
             global_loop.adopt()  # Ray's (uvloop) loop, which runs every call of this actor
             _actor_process_settings()
             await super().setup()
+            gc_clock.freeze()
 
     _RayActor.__name__ = _RayActor.__qualname__ = cls.__name__
     return _RayActor

@@ -257,7 +257,7 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
     eval_s = sum(m.get("eval/s", 0.0) for m in hist)
     wall_s = wall_with_eval_s if args.eval_in_window else wall_with_eval_s - eval_s
     # the engine's counters over the timed steps only (gauges such as num_running: at the end)
-    gauges = ("num_running", "num_waiting", "kv_cache_bytes", "weights_bytes")
+    gauges = ("num_running", "num_waiting", "kv_cache_bytes", "weights_bytes", "gc_pause_max_s")
     engine = {k: v if k in gauges or not isinstance(v, (int, float)) else round(v - engine0.get(k, 0), 4)
               for k, v in engine1.items()}
     k = max(1, len(hist) // 10)
@@ -371,7 +371,7 @@ SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "train
                 "train_tflops_mean", "mfu_mean", "eval_s",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
                 "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
-                "engine_thread_cpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share",
+                "engine_thread_cpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share", "rollout_gc_share",
                 "trainer_step_ms_median", "trainer_mfu", "trainer_in_loop_over_standalone",
                 "sync_total_ms_median", "sync_total_ms_max", "sync_paused_ms_median", "sync_paused_ms_max",
                 "startup_s", "pipeline_efficiency")

@@ -48,6 +48,8 @@ FIELDS = {
                               "queue puts, calls; it takes the GIL from the engine's thread; under the local "
                               "runtime the driver's loop, shared with everything else)",
     "rollout_process_cpu_share": "the same for the rollout actor's whole process (every thread)",
+    "rollout_gc_share": "share of the window the rollout actor's process spent in garbage collections (each "
+                        "holds the GIL: the engine's thread stands still; actors/gc_clock.py)",
     "engine_concurrency": "sequences the engine may run at once for this policy: min(max_num_seqs, in-flight "
                           "samples per engine); the standalone engine ran at it",
     "engine_standalone_tokens_per_s": "the standalone engine's tokens/s at engine_concurrency (x engines)",
@@ -209,7 +211,8 @@ def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -
 def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
     keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
-            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s")
+            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s",
+            "gc_full_collections")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
 
 
@@ -236,7 +239,7 @@ def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, 
     }
     # CPU shares of the window, per rollout actor (absent where its statistics do not carry the clock)
     for key, clock in (("engine_thread_cpu_share", "thread_cpu_s"), ("rollout_loop_cpu_share", "loop_cpu_s"),
-                       ("rollout_process_cpu_share", "process_cpu_s")):
+                       ("rollout_process_cpu_share", "process_cpu_s"), ("rollout_gc_share", "gc_pause_s")):
         out[key] = d[clock] / (wall_s * num_engines) if d[clock] > 0 else None
     for key in ("total", "paused"):
         values = [m.get(f"sync/{key}_ms", 0.0) for m in syncs]

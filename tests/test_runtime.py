@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -39,6 +40,9 @@ class EchoActor(Actor):
     async def switch_interval(self) -> float:
         return sys.getswitchinterval()
 
+    async def frozen(self) -> int:
+        return gc.get_freeze_count()
+
 
 async def _exercise(runtime_type: str) -> dict:
     rt = make_runtime(runtime_type, num_cpus=2)
@@ -50,7 +54,8 @@ async def _exercise(runtime_type: str) -> dict:
         with pytest.raises(Exception, match="model.path"):
             await rt.spawn(EchoActor, name="bad", num_cpus=0.5, scale=1, fail_setup=True)
         return {"results": results, "both": both, "threads": await a.worker_threads(),
-                "same_process": await a.pid() == os.getpid(), "switch_interval": await a.switch_interval()}
+                "same_process": await a.pid() == os.getpid(), "switch_interval": await a.switch_interval(),
+                "frozen": await a.frozen()}
     finally:
         await rt.shutdown()
 
@@ -61,6 +66,7 @@ async def test_local_runtime_runs_actors_in_process_with_one_worker_thread_each(
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and out["same_process"]
     assert out["switch_interval"] == sys.getswitchinterval()  # the user's process is left as it is
+    assert out["frozen"] == gc.get_freeze_count()  # ... its garbage collector too
 
 
 @pytest.mark.ray
@@ -73,6 +79,7 @@ async def test_ray_runtime_gives_the_same_results_in_other_processes():
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and not out["same_process"]
     assert out["switch_interval"] == ACTOR_SWITCH_INTERVAL_S  # loop answers within 0.5 ms of a busy thread
+    assert out["frozen"] > 0  # what setup left alive: out of every later full collection
     assert not ray.is_initialized()  # the cluster it started is stopped
 
 
@@ -137,6 +144,7 @@ async def test_process_runtime_runs_each_actor_in_its_own_process():
     assert out["results"] == [3 * i for i in range(20)] and out["both"] == [6, 10]
     assert len(out["threads"]) == 1 and not out["same_process"]
     assert out["switch_interval"] == ACTOR_SWITCH_INTERVAL_S
+    assert out["frozen"] > 0  # what setup left alive: out of every later full collection
 
 
 @pytest.mark.asyncio
