@@ -113,7 +113,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bucketed likewise. For steps bound by the host's kernel launches (small models,
     short rows: SmolLM2-135M's ~4,500 launches a step eager). A run meets a few
     shapes; each new one costs a capture (~1 s, ``train/graph_capture_s``) and keeps
-    its activations' memory in one shared pool. Needs ``device: cuda``, bf16 or fp16,
+    its activations' memory in one shared pool. Needs ``device: cuda``, ``dtype: bfloat16``,
     ``packed``, one worker; not with ``compile`` or ``activation_checkpointing``.
     Works with ``kernels: liger``."""
     peak_tflops: PosFloat | None = None
