@@ -244,9 +244,13 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         warmup_weight_version = loop.run(run.policy.rollouts[0].get_version())
         warmup_evals = len(evals) + (run.initial_eval is not None) + sum("eval/reward" in m for m in warm)
         engines0 = loop.run(_statistics(run))
+        probes: list[dict[str, float]] = []
+        probe = loop.get_loop().create_task(pipeline_report.probe_samples(run.policy, probes))
         t0 = time.perf_counter()
         hist = run.train(args.steps)
         wall_with_eval_s = time.perf_counter() - t0
+        probe.cancel()
+        loop.run(asyncio.gather(probe, return_exceptions=True))
         engines1 = loop.run(_statistics(run))
         engine0, engine1 = engines0[0], engines1[0]
         evals += [m for m in warm + hist if "eval/reward" in m]
@@ -311,6 +315,7 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         "engine": engine,
         # issue 29 (bench/pipeline_report.py): the engines and trainer in the loop, sync cost, startup
         **pipeline,
+        **pipeline_report.where_samples_are(probes),
         "startup_s": run.startup["total_s"],
         "startup": {k: round(v, 3) for k, v in run.startup.items()},
         "startup_actors": run.startup_actors,
@@ -372,6 +377,8 @@ SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "train
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
                 "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
                 "engine_thread_cpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share", "rollout_gc_share",
+                "samples_admitted_mean", "samples_in_engine_mean", "samples_finished_in_rollout_mean",
+                "samples_queued_mean", "samples_in_trainer_mean",
                 "trainer_step_ms_median", "trainer_mfu", "trainer_in_loop_over_standalone",
                 "sync_total_ms_median", "sync_total_ms_max", "sync_paused_ms_median", "sync_paused_ms_max",
                 "startup_s", "pipeline_efficiency")

@@ -22,6 +22,7 @@ field names and their meaning are in :data:`FIELDS`, which the JSON carries.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import math
@@ -48,6 +49,15 @@ FIELDS = {
                               "queue puts, calls; it takes the GIL from the engine's thread; under the local "
                               "runtime the driver's loop, shared with everything else)",
     "rollout_process_cpu_share": "the same for the rollout actor's whole process (every thread)",
+    "samples_admitted_mean": "fully-async: samples admitted and not yet trained (its admission window's "
+                             "count), averaged over the window's probes (every 50 ms); the next four split the "
+                             "policy's samples by where they are",
+    "samples_in_engine_mean": "in the engines: decoding or waiting for a slot (their num_running + num_waiting; "
+                              "running counts rows that ended at the step in flight too)",
+    "samples_finished_in_rollout_mean": "in the rollout actors, finished, waiting for the rest of their group "
+                                        "(or being scored)",
+    "samples_queued_mean": "in the TransferQueue, not yet taken by the trainer",
+    "samples_in_trainer_mean": "taken by the trainer, not yet acknowledged (its step)",
     "rollout_gc_share": "share of the window the rollout actor's process spent in garbage collections (each "
                         "holds the GIL: the engine's thread stands still; actors/gc_clock.py)",
     "engine_concurrency": "sequences the engine may run at once for this policy: min(max_num_seqs, in-flight "
@@ -214,6 +224,40 @@ def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
             "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s",
             "gc_full_collections")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
+
+
+BUDGET_PROBE_S = 0.05  # how often the window's samples are counted by where they are
+
+
+async def probe_samples(policy: Any, out: list[dict[str, float]]) -> None:
+    """Every ``BUDGET_PROBE_S`` until cancelled, count the policy's samples by where they
+    are (appended to ``out``): admitted and not yet trained (fully-async's admission
+    window), in the rollout actors, in their engines (running or waiting), queued, in the
+    trainer's hands. One statistics call per rollout actor and one to the queue a probe."""
+    admission = getattr(policy, "admission", None)
+    while True:
+        await asyncio.sleep(BUDGET_PROBE_S)
+        try:
+            engines = await asyncio.gather(*(h.statistics() for h in policy.rollouts))
+            queue = await policy.queue.statistics_async()
+        except Exception:  # noqa: BLE001 - an actor lost mid-window: the run reports that, not the probe
+            return
+        out.append({"outstanding": admission.carried + admission.admitted_in_window if admission else math.nan,
+                    "in_rollout": policy.in_flight,
+                    "in_engine": sum(e.get("num_running", 0) + e.get("num_waiting", 0) for e in engines),
+                    "queued": queue.pending, "in_trainer": queue.in_flight})
+
+
+def where_samples_are(probes: list[dict[str, float]]) -> dict[str, Any]:
+    """:func:`probe_samples`' counts, averaged over the window: ``samples_*_mean``."""
+    if not probes:
+        return {}
+    mean = {k: statistics.fmean(p[k] for p in probes) for k in probes[0]}
+    return {"samples_admitted_mean": None if math.isnan(mean["outstanding"]) else mean["outstanding"],
+            "samples_in_engine_mean": mean["in_engine"],
+            "samples_finished_in_rollout_mean": max(0.0, mean["in_rollout"] - mean["in_engine"]),
+            "samples_queued_mean": mean["queued"], "samples_in_trainer_mean": mean["in_trainer"],
+            "num_probes": len(probes)}
 
 
 def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, float], after: dict[str, float],

@@ -127,6 +127,10 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
             # CPU clocks over the window (local runtime: the loop and the process are the driver's)
             assert 0 < run["engine_thread_cpu_share"] <= 1.05 and 0 < run["rollout_loop_cpu_share"] <= 1.05
             assert run["rollout_process_cpu_share"] >= run["engine_thread_cpu_share"]
+            if run.get("num_probes"):  # the window's samples by where they are (a probe every 50 ms)
+                assert (run["samples_admitted_mean"] is None) == (name == "sync")
+                assert min(run[k] for k in ("samples_in_engine_mean", "samples_finished_in_rollout_mean",
+                                            "samples_queued_mean", "samples_in_trainer_mean")) >= 0
             phases = {k: v for k, v in run["startup"].items() if k != "total_s"}
             assert {"actors_s", "first_step_s"} <= set(phases)
             assert sum(phases.values()) <= run["startup_s"] + 0.006  # each rounded to the millisecond
@@ -196,3 +200,38 @@ def test_weight_sync_reports_the_median_whole_push_at_least_the_sum_of_component
             assert "total_ms" not in push  # the composite sum is named as what it is
         assert out["delta_over_full"] == round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
         assert out["auto_choice"] == out["faster"]
+
+
+def test_the_window_probe_counts_samples_by_where_they_are():
+    import asyncio
+
+    from bench import pipeline_report
+
+    class FakeRollout:  # a fake rollout handle: its engine holds 5 running, 1 waiting
+        async def statistics(self):
+            return {"num_running": 5, "num_waiting": 1}
+
+    class FakeQueue:  # a fake queue client: 4 samples queued, 8 in the trainer's hands
+        async def statistics_async(self):
+            return type("S", (), {"pending": 4, "in_flight": 8})()
+
+    class FakePolicy:  # fully-async's counters: 20 admitted, 10 in the rollout actors
+        rollouts = [FakeRollout()]
+        queue = FakeQueue()
+        in_flight = 10
+        admission = type("A", (), {"carried": 12, "admitted_in_window": 8})()
+
+    async def body():
+        probes: list = []
+        task = asyncio.ensure_future(pipeline_report.probe_samples(FakePolicy(), probes))
+        await asyncio.sleep(pipeline_report.BUDGET_PROBE_S * 3.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return probes
+
+    probes = asyncio.run(body())
+    assert len(probes) >= 2
+    assert pipeline_report.where_samples_are(probes) == {
+        "samples_admitted_mean": 20, "samples_in_engine_mean": 6, "samples_finished_in_rollout_mean": 4,
+        "samples_queued_mean": 4, "samples_in_trainer_mean": 8, "num_probes": len(probes)}
+    assert pipeline_report.where_samples_are([]) == {}
