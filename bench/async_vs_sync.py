@@ -245,12 +245,11 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         warmup_evals = len(evals) + (run.initial_eval is not None) + sum("eval/reward" in m for m in warm)
         engines0 = loop.run(_statistics(run))
         probes: list[dict[str, float]] = []
-        probe = loop.get_loop().create_task(pipeline_report.probe_samples(run.policy, probes))
+        probe = loop.run(_start(pipeline_report.probe_samples(run.policy, probes)))  # on the loop's own thread
         t0 = time.perf_counter()
         hist = run.train(args.steps)
         wall_with_eval_s = time.perf_counter() - t0
-        probe.cancel()
-        loop.run(asyncio.gather(probe, return_exceptions=True))
+        loop.run(_cancel(probe))
         engines1 = loop.run(_statistics(run))
         engine0, engine1 = engines0[0], engines1[0]
         evals += [m for m in warm + hist if "eval/reward" in m]
@@ -320,6 +319,16 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         "startup": {k: round(v, 3) for k, v in run.startup.items()},
         "startup_actors": run.startup_actors,
     }
+
+
+async def _start(coro: Any) -> asyncio.Task[Any]:
+    """``coro`` as a task of the running loop (it runs on through the loop's next runs)."""
+    return asyncio.ensure_future(coro)
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _statistics(run: Any) -> list[dict[str, Any]]:

@@ -235,3 +235,22 @@ def test_the_window_probe_counts_samples_by_where_they_are():
         "samples_admitted_mean": 20, "samples_in_engine_mean": 6, "samples_finished_in_rollout_mean": 4,
         "samples_queued_mean": 4, "samples_in_trainer_mean": 8, "num_probes": len(probes)}
     assert pipeline_report.where_samples_are([]) == {}
+
+
+def test_the_bench_runs_while_the_loop_runs_in_its_background_thread(tmp_path):
+    """As a notebook, or an earlier caller of ``loop.submit``, leaves it: the window's probe
+    starts and stops on the loop's own thread all the same."""
+    import asyncio
+
+    import loop
+
+    was_in_background = loop._thread is not None
+    loop.submit(asyncio.sleep(0)).result()
+    try:
+        result = _main(async_vs_sync, [*SMALL, "--policies", "fully_async", "--seeds", "1", "--no-warmup-run",
+                                       "--no-standalone", "--output-dir", str(tmp_path)])
+    finally:
+        if not was_in_background:
+            loop.shutdown()  # the next test gets a loop of its own, as before
+    run = result["policies"]["fully_async"]["seeds"][0]
+    assert run["tokens_per_s"] > 0 and "samples_admitted_mean" in run
