@@ -221,8 +221,7 @@ def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -
 def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
     keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
-            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s",
-            "gc_full_collections")
+            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
 
 

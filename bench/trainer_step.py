@@ -274,8 +274,6 @@ def main(argv: list[str] | None = None) -> None:
                 out["backends"][name]["profile"] = _profile(backends[name], batches[0], adv, args.device)
         if "torch" in times and "torch_padded" in times:
             out["speedup_vs_padded"] = statistics.median(times["torch_padded"]) / statistics.median(times["torch"])
-        if "torch" in times and "torch_compiled" in times:
-            out["speedup_compiled"] = statistics.median(times["torch"]) / statistics.median(times["torch_compiled"])
         for name in ("torch_compiled", "torch_liger", "torch_graphs", "torch_liger_graphs"):
             if "torch" in times and name in times:
                 key = "speedup_compiled" if name == "torch_compiled" else "speedup_" + name.removeprefix("torch_")
