@@ -53,7 +53,9 @@ batches, the runs' ``trainer`` config) on the runs' batch shape: the JSON's
   ``engine_in_loop_over_standalone``; the CPU shares of the window of the
   engine's thread, the rollout actor's event-loop thread and its process
   (``engine_thread_cpu_share``, ``rollout_loop_cpu_share``,
-  ``rollout_process_cpu_share``);
+  ``rollout_process_cpu_share``) and the share of the engine thread's
+  turns it spent off the CPU, waiting for the GIL or a core
+  (``engine_offcpu_share``, the standalone engine's beside it);
 - ``trainer_step_ms_median`` (a record's ``train_s``) and ``trainer_mfu``
   (``train/mfu``; null where the device's peak is unknown) beside
   ``trainer_standalone_step_ms`` (scaled to the run's tokens per step),
@@ -385,7 +387,8 @@ SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "train
                 "train_tflops_mean", "mfu_mean", "eval_s",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
                 "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
-                "engine_thread_cpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share", "rollout_gc_share",
+                "engine_thread_cpu_share", "engine_offcpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share",
+                "rollout_gc_share",
                 "samples_admitted_mean", "samples_in_engine_mean", "samples_finished_in_rollout_mean",
                 "samples_queued_mean", "samples_in_trainer_mean",
                 "trainer_step_ms_median", "trainer_mfu", "trainer_in_loop_over_standalone",

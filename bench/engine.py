@@ -47,6 +47,7 @@ import transformers
 import loop
 from actors.engines import GenerateRequest, SamplingParams, triton_kernels, triton_layers
 from actors.engines.torch_engine import TorchEngine
+from bench.pipeline_report import offcpu_share
 
 SHAPES = {
     # the per-turn host cost made visible on a CPU: the forward is a small part of a turn
@@ -134,14 +135,16 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
         timing = engine._core.timing
         for k in timing:
             timing[k] = type(timing[k])(0)
+        cpu0 = engine._core.thread_cpu_s()
         tps = await _run_batch(engine, prompts, request_lengths(len(prompts), new_tokens, varied), "timed")
         stats = engine.statistics()
+        offcpu = offcpu_share(stats["turn_s"], stats["thread_cpu_s"] - cpu0) if cpu0 is not None else None
         micro = microbench(engine._core, len(prompts)) if micro and device.startswith("cuda") else None
     finally:
         await engine.close()
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
             "graph_capture_s": round(stats.get("graph_capture_s", 0.0), 3),
-            "turn_us": turn_split_us(stats),
+            "turn_us": turn_split_us(stats), "offcpu_share": offcpu,
             "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
                        if k.startswith(("decode", "prefill", "num_decode", "num_turns", "num_chain"))}}
 

@@ -49,6 +49,11 @@ FIELDS = {
                               "queue puts, calls; it takes the GIL from the engine's thread; under the local "
                               "runtime the driver's loop, shared with everything else)",
     "rollout_process_cpu_share": "the same for the rollout actor's whole process (every thread)",
+    "engine_offcpu_share": "share of the built-in engine thread's turns (admission, prefill, decode, posting) "
+                           "it spent off the CPU: (turn_s - thread_cpu_s) / turn_s. Waits for the device spin "
+                           "on the CPU, so what is left is waiting for the GIL (the loop's and other threads' "
+                           "Python) or for a core; the standalone engine's own is beside it "
+                           "(engine_standalone_offcpu_share)",
     "samples_admitted_mean": "fully-async: samples admitted and not yet trained (its admission window's "
                              "count), averaged over the window's probes (every 50 ms); the next four split the "
                              "policy's samples by where they are",
@@ -64,6 +69,7 @@ FIELDS = {
                           "samples per engine); the standalone engine ran at it",
     "engine_standalone_tokens_per_s": "the standalone engine's tokens/s at engine_concurrency (x engines)",
     "engine_in_loop_over_standalone": "engine_tokens_per_s / engine_standalone_tokens_per_s",
+    "engine_standalone_offcpu_share": "engine_offcpu_share of the standalone engine's timed batch",
     "trainer_step_ms_median": "median trainer step in the run (a record's train_s: batch in hand to weights "
                               "stepped)",
     "trainer_mfu": "mean model FLOPs utilisation of the run's trainer steps (train/mfu; null where the "
@@ -148,7 +154,8 @@ def standalone_engine(cfg: Any, model_path: str, concurrency: int, prompt_tokens
         out = loop.run(bench_engine(model_path, prompts, response_tokens, e.device, e.dtype, e.cuda_graphs,
                                     micro=False, compile_decode=e.compile_decode))
     return {"concurrency": concurrency, "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
-            "tokens_per_s": round(out["tokens_per_s"], 2), "timing_s": out["timing"]}
+            "tokens_per_s": round(out["tokens_per_s"], 2), "offcpu_share": out["offcpu_share"],
+            "timing_s": out["timing"]}
 
 
 def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_tokens: int,
@@ -221,7 +228,7 @@ def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -
 def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
     keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
-            "decode_wait_s", "decode_post_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s")
+            "decode_wait_s", "decode_post_s", "turn_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
 
 
@@ -259,6 +266,14 @@ def where_samples_are(probes: list[dict[str, float]]) -> dict[str, Any]:
             "num_probes": len(probes)}
 
 
+def offcpu_share(turn_s: float, thread_cpu_s: float) -> float | None:
+    """Share of the engine thread's turns spent off the CPU (``engine_offcpu_share``);
+    None without both clocks. Clamped at 0: the thread's CPU clock also runs between turns."""
+    if turn_s <= 0 or thread_cpu_s <= 0:
+        return None
+    return max(0.0, turn_s - thread_cpu_s) / turn_s
+
+
 def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, float], after: dict[str, float],
             wall_s: float, num_engines: int) -> dict[str, Any]:
     """The engine, trainer and sync figures of the timed steps ``hist`` (``trained_samples``
@@ -284,6 +299,7 @@ def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, 
     for key, clock in (("engine_thread_cpu_share", "thread_cpu_s"), ("rollout_loop_cpu_share", "loop_cpu_s"),
                        ("rollout_process_cpu_share", "process_cpu_s"), ("rollout_gc_share", "gc_pause_s")):
         out[key] = d[clock] / (wall_s * num_engines) if d[clock] > 0 else None
+    out["engine_offcpu_share"] = offcpu_share(d["turn_s"], d["thread_cpu_s"])
     for key in ("total", "paused"):
         values = [m.get(f"sync/{key}_ms", 0.0) for m in syncs]
         out[f"sync_{key}_ms_median"] = statistics.median(values) if values else None
@@ -311,6 +327,7 @@ def efficiency(run: dict[str, Any], policy: str, stand: dict[str, Any] | None) -
         "engine_concurrency": conc,
         "engine_standalone_tokens_per_s": engine_tps,
         "engine_in_loop_over_standalone": run["engine_tokens_per_s"] / engine_tps,
+        "engine_standalone_offcpu_share": stand["engine"][str(conc)].get("offcpu_share"),
         "trainer_standalone_step_ms": trainer_ms,
         "trainer_standalone_mfu": tr["mfu"],
         "trainer_in_loop_over_standalone": run["trainer_step_ms_median"] / trainer_ms,
