@@ -69,6 +69,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self._discarded = False  # setup failed: no summary, the run directory removed
         self.stop_reason: str | None = None  # the line a run stopped early with, kept in summary.json
         self.runtime: Any = None
+        self.mps = None
         self.policy: Any = None
         self.queue: Any = None
         self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
@@ -145,6 +146,8 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         try:
             loop.run(_close())
         finally:
+            if self.mps is not None:  # its clients, the actors' processes, have ended
+                self.mps.stop()
             if self._metrics_file is not None:
                 self._metrics_file.close()
             if not self._discarded:

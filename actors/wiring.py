@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from actors.config import Config
+from actors.mps import MpsDaemon
 from actors.placement import reserve_roles
 from actors.rollout import RolloutActor
 from actors.runtime import make_runtime
@@ -49,13 +50,15 @@ class Wiring:
     weight_transport: str
     policy: Any
     placer: Any  # the run's Ray placement groups (actors/placement.py); None under local and process
+    mps: MpsDaemon | None  # runtime.mps: the run's MPS control daemon (actors/mps.py)
     startup: dict[str, float]
     startup_actors: dict[str, dict[str, float]]  # each actor's start by part (Actor.startup_parts)
 
     async def _setup(self) -> None:
         """Compose the run: runtime, queue, actors (each holding a queue client),
         the weight link chosen by placement, the policy (control only). Each part's
-        seconds go into ``startup`` (``task_s``, ``runtime_s``, ``queue_s``, ``actors_s``:
+        seconds go into ``startup`` (``mps_s`` with ``runtime.mps``, ``task_s``, ``runtime_s``,
+        ``queue_s``, ``actors_s``:
         the trainer's and the rollout actors' processes started and set up, all at once:
         model and optimizer loaded, engines' weights and KV caches (compile and CUDA graphs
         where an engine does them at setup); ``weight_link_s``, ``policy_s``)."""
@@ -70,6 +73,9 @@ class Wiring:
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, 1 + cfg.rollout.num_actors)
+        if cfg.runtime.mps:  # before any actor process starts: each is a client from its first CUDA call
+            self.mps = MpsDaemon.start()
+            lap("mps_s")
         self.runtime = make_runtime(cfg.runtime.type, address=cfg.runtime.address, num_cpus=num_cpus,
                                     connect_timeout_s=cfg.runtime.connect_timeout_s)
         if cfg.runtime.type == "local":
