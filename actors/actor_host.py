@@ -56,7 +56,7 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
 
 
 async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict,
-                      t_start: float | None = None) -> None:
+                      t_start: float | None = None, boot_s: float | None = None) -> None:
     """The child's main coroutine: build the actor, answer calls (each a task,
     so they overlap like Ray's async actor calls) until told to stop or orphaned."""
     ev = asyncio.get_running_loop()
@@ -77,6 +77,8 @@ async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwarg
         actor: Any = cls(*args, **kwargs)
         if t_start is not None:  # the process started and imported what its actor needs
             actor.startup_parts = {"process_s": time.time() - t_start}
+            if boot_s is not None:
+                actor.startup_parts["boot_s"] = boot_s
     except Exception as exc:  # noqa: BLE001 - reported to the first call (setup)
         actor = exc
     tasks: set[asyncio.Task] = set()

@@ -78,8 +78,10 @@ class Actor:
 
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     preload: tuple[str, ...] = ()  # modules a process of this actor imports before its actor arrives
-    # seconds of this actor's start, by part (``process_s``: its process started and its
-    # modules imported, under ``process``; the rest its ``setup`` records): the run logs them
+    # seconds of this actor's start, by part (under ``process``, ``process_s``: from its spawn
+    # until its process had started and imported its modules; ``boot_s``: from the process's
+    # launch, often before the spawn (``prestart``), until then: the interpreter, spawn's own
+    # imports and the modules'; the rest its ``setup`` records): the run logs them
     startup_parts: dict[str, float]
 
     async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -262,9 +264,10 @@ def _main_kept_out() -> Iterator[None]:
                 main.__file__ = file
 
 
-def _serve(conn: Any, imports: tuple[str, ...]) -> None:
-    """A ``process`` actor's process: import ``imports`` (its class's module and
-    what its setup will need), then take its actor from the pipe and serve it."""
+def _serve(conn: Any, imports: tuple[str, ...], t_launch: float) -> None:
+    """A ``process`` actor's process, launched at ``t_launch`` (``time.time()``): import
+    ``imports`` (its class's module and what its setup will need), then take its actor
+    from the pipe and serve it."""
     _actor_process_settings()
     _leave_signals_to_the_driver()
     for module in imports:  # a warm-up: what fails to import here fails, with its error, where it is used
@@ -272,13 +275,14 @@ def _serve(conn: Any, imports: tuple[str, ...]) -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001
             pass
+    boot_s = time.time() - t_launch
     try:
         job = conn.recv_bytes()
     except (EOFError, OSError):  # never used: the driver shut its runtime down, or is gone
         return
     cls, name, args, kwargs, t_start = pickle.loads(job)
     try:
-        global_loop.run(serve_calls(conn, cls, name, args, kwargs, t_start))
+        global_loop.run(serve_calls(conn, cls, name, args, kwargs, t_start, boot_s))
     finally:
         global_loop.shutdown()
 
@@ -430,7 +434,7 @@ class ProcessRuntime(Runtime):
         parent, child = self._ctx.Pipe(duplex=True)
         imports = (cls.__module__, *getattr(cls, "preload", ()))
         # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
-        proc = self._ctx.Process(target=_serve, args=(child, imports), name=f"asyncrl-{name}")
+        proc = self._ctx.Process(target=_serve, args=(child, imports, time.time()), name=f"asyncrl-{name}")
         with _main_kept_out():
             proc.start()
         child.close()
