@@ -47,6 +47,7 @@ from sync.link import BroadcastPush
 from tests.driver_probe import (BUFFER, SAMPLE, SMALL_CHUNKS_MAX_CONTROL, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe,
                                 Seen, install, payload, payload_bytes)
 from transfer_queue import rpc
+from transfer_queue.codec import encode_new_rows
 from transfer_queue.served import ServedDeployment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -259,12 +260,13 @@ def test_payload_routed_through_the_driver_is_found_where_it_crossed(process_run
         _assert_control_only(routed)
     samples = routed.bytes_of(SAMPLE)
     sample_bytes = ROUTED_SAMPLES * payload_bytes(_sample())
-    assert samples.get("queue:write_commit (sent)", 0) >= sample_bytes, samples  # the put's rows
+    # the put's rows: new samples travel as one msgpack body (a raw buffer here), every byte of it
+    body, _, _ = encode_new_rows([_sample(f"routed-{i}") for i in range(ROUTED_SAMPLES)])
+    assert routed.bytes_of(BUFFER) == {"queue:put_new (sent)": len(body)}, "every other payload was named"
     assert samples.get("queue:read (received)", 0) >= sample_bytes, samples  # the get's rows
     weights = routed.bytes_of(WEIGHT)
     assert weights.get("process:trainer.local_weights (received)") == sent["weights"] > 0, weights
     assert weights.get("process:rollout-0.update_weights (sent)") == sent["buckets"] > 0, weights
-    assert not routed.bytes_of(BUFFER), "every routed payload was named sample or weight"
 
 
 @pytest.mark.ray
@@ -278,13 +280,13 @@ def test_ray_runtime_driver_carries_control_only(deployment: str, probe: DriverP
     assert out.training.messages["ray:RolloutActor.generate_group (sent)"] > 0
     assert out.training.messages["ray:RolloutActor.generate_group (received)"] > 0
     assert out.training.wire_bytes["ray"] > 0 and out.training.wire_bytes["socket"] > 0
-    # and its negative control: payload routed on purpose is found where it crossed (the
-    # ray queue's rows travel as msgpack in out-of-band PickleBuffers: raw buffers here)
+    # and its negative control: payload routed on purpose is found where it crossed (new
+    # samples travel as one msgpack body, the ray queue's reads as msgpack too: raw buffers here)
     routed, sent = out.routed, out.route_result
     assert routed is not None
+    assert "queue:put_new (sent)" in routed.bytes_of(BUFFER)
     rows = routed.bytes_of(BUFFER if deployment == "ray" else SAMPLE)
-    assert rows.keys() >= ({"queue:put_new (sent)", "queue:get (received)"} if deployment == "ray" else
-                           {"queue:write_commit (sent)", "queue:read (received)"}), rows
+    assert ("queue:get (received)" if deployment == "ray" else "queue:read (received)") in rows, rows
     weights = routed.bytes_of(WEIGHT)
     assert weights.get("ray:TrainerActor.local_weights (received)") == sent["weights"] > 0, weights
     assert weights.get("ray:RolloutActor.update_weights (sent)") == sent["buckets"] > 0, weights

@@ -24,6 +24,7 @@ from transfer_queue.batch import Batch
 from transfer_queue.codec import ALL_FIELDS, FULL_MASK, encode_new_rows, fields_mask, mask_fields, sample_to_row, tags_of
 from transfer_queue.coalesce import PutCoalescer, ReserveRefused
 from transfer_queue.config import TransferQueueConfig
+from transfer_queue.deploy_local import LocalDeployment, reserve_write_commit
 from contracts.sample import Sample
 from transfer_queue.wire import QueueStats, SampleTags, Snapshot
 
@@ -57,8 +58,6 @@ class TransferQueue:
         """
         cfg = cfg or TransferQueueConfig()
         if cfg.deployment == "local":
-            from transfer_queue.deploy_local import LocalDeployment
-
             return cls(cfg, LocalDeployment(cfg, clock=clock or time.monotonic))
         if clock is not None:
             raise ValueError("clock= is only for deployment='local'")
@@ -107,9 +106,15 @@ class TransferQueue:
         if not samples:
             return
         key = (partition, fields, wait, timeout_s, new_only)
-        if new_only and self._coalescer is not None:  # Ray: encoded now (the copy), one write with its neighbours
+        if new_only and getattr(self._d, "encoded_put", False):  # another process: encoded now (the copy), one call
             body, row_ends, tags = encode_new_rows(samples)
-            await self._coalescer.put(key, [(body, row_ends)], tags)
+            if self._coalescer is not None:  # Ray: one write with its neighbours
+                await self._coalescer.put(key, [(body, row_ends)], tags)
+                return
+            try:
+                await self._d.put_new(partition, [(body, row_ends)], tags, wait, timeout_s)
+            except ReserveRefused as e:
+                raise e.cause from None
             return
         mask = fields_mask(fields)
         rows = [sample_to_row(s, fields) for s in samples]
@@ -124,20 +129,10 @@ class TransferQueue:
 
     async def _reserve_write_commit(self, key: tuple, rows: list[Any], tags: list[SampleTags]) -> None:
         partition, _, wait, timeout_s, new_only = key
-        if new_only and self.cfg.deployment == "ray":  # rows: (msgpack rows, row ends); the unit stores them, then reserves
+        if new_only and getattr(self._d, "encoded_put", False):  # rows: (msgpack rows, row ends), in one call
             await self._d.put_new(partition, rows, tags, wait, timeout_s)
             return
-        try:
-            indices = await self._d.call("reserve", partition, tags, new_only, wait, timeout_s)
-        except Exception as e:  # nothing was registered
-            raise ReserveRefused(e) from None
-        kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
-        try:  # rows to the storage units, then the fields are marked ready (commit)
-            await self._d.write_commit([indices[i] for i in kept], [rows[i] for i in kept], indices, tags)
-        except BaseException:
-            if new_only:  # nothing of these samples is readable: drop them, counted, and re-raise
-                await self._d.call("drop", [tags[i].uid for i in kept], "write_failed")
-            raise
+        await reserve_write_commit(self._d, partition, rows, tags, new_only, wait, timeout_s)
 
     async def drop(self, uids: Sequence[str], reason: str) -> int:
         """Remove pending samples by uid, counted under ``reason``. All or nothing:

@@ -38,6 +38,7 @@ __all__ = [
     "TOKEN_FIELDS",
     "decode_field",
     "decode_identities",
+    "decode_new_rows",
     "decode_raw_row",
     "decode_raw_rows",
     "decode_samples",
@@ -202,6 +203,7 @@ _raw_row_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _samples_decoder = msgspec.msgpack.Decoder(list[Sample])
 _wire_samples_decoder = msgspec.msgpack.Decoder(list[_WireSample])
 _rows_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
+_row_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
 
 
@@ -242,11 +244,40 @@ def encode_new_rows(samples: Sequence[Sample]) -> tuple[bytearray, list[int], li
                 num_prompt_tokens=len(s.prompt_ids), num_response_tokens=len(s.response_ids),
             ))  # fmt: skip
         else:
-            row = sample_to_row(s, ALL_FIELDS)
+            row: dict[str, Any] = {"uid": s.uid, "group_id": s.group_id}
+            for name in ALL_FIELDS:
+                value = getattr(s, name)
+                row[name] = _wire_token(value, name) if name in TOKEN_FIELDS else value
             _encoder.encode_into(row, body, -1)
             tags.append(tags_of(row, FULL_MASK))
         ends.append(len(body))
     return body, ends, tags
+
+
+def _wire_token(value: Any, name: str) -> Any:
+    """Token field ``name`` ready for the encoder: an array already contiguous, 1-D and of the
+    field's little-endian dtype as it is (encoding copies its bytes), anything else copied
+    into one (``_token_copy``)."""
+    if isinstance(value, np.ndarray) and value.dtype == _LE_DTYPES[name] and value.ndim == 1 \
+            and value.flags.c_contiguous:  # fmt: skip
+        return value
+    return _token_copy(value, name)
+
+
+def decode_new_rows(body: bytes | bytearray | memoryview, ends: Sequence[int]) -> list[dict[str, Any]]:
+    """``encode_new_rows``' rows back as in-process rows (the local deployment's): a token
+    field that travelled as a msgpack array is that list, one that travelled as bytes a
+    read-only array of them, in the field's dtype."""
+    view, start, rows = memoryview(body), 0, []
+    for end in ends:
+        row = _row_decoder.decode(view[start:end])
+        start = end
+        for name in TOKEN_FIELDS:
+            value = row.get(name)
+            if isinstance(value, bytes):
+                row[name] = np.frombuffer(value, _LE_DTYPES[name])
+        rows.append(row)
+    return rows
 
 
 def frame_rows(num_rows: int, bodies: Sequence[bytes]) -> bytes:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from transfer_queue.coalesce import ReserveRefused
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.rows import InProcessRows
@@ -26,7 +27,8 @@ class LocalDeployment:
 
     The interface every deployment has (the client uses nothing else):
     ``call`` a controller method, ``write_commit``/``read`` rows by global index,
-    ``statistics``, ``shutdown``.
+    ``statistics``, ``shutdown``. A deployment in other processes also takes new
+    samples whole, encoded, in one call: ``put_new`` (``encoded_put``).
     """
 
     def __init__(self, cfg: TransferQueueConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -62,6 +64,12 @@ class LocalDeployment:
         await self.write(indices, rows)
         await self.controller.commit(all_indices, tags)
 
+    async def put_new(self, partition: str, rows: list[dict[str, Any]], tags: list[SampleTags], wait: bool,
+                      timeout_s: float | None) -> list[int]:
+        """New samples' rows registered, stored and committed in one go (a served queue
+        host's ``put_new``); returns their indices (-1: dropped on arrival)."""
+        return await reserve_write_commit(self, partition, rows, tags, True, wait, timeout_s)
+
     async def read(self, indices: Sequence[int], fields: Sequence[str] | None) -> InProcessRows:
         n = len(self.units)
         if n == 1:
@@ -81,6 +89,27 @@ class LocalDeployment:
         n = len(self.units)
         for unit, (idx, _) in _shard(indices, indices, n).items():
             self.units[unit].delete(idx)
+
+
+async def reserve_write_commit(d: Any, partition: str, rows: Sequence[dict[str, Any]], tags: list[SampleTags],
+                               new_only: bool, wait: bool, timeout_s: float | None) -> list[int]:
+    """A write through deployment ``d``: the controller registers the rows' samples
+    (``reserve``; a refusal raises ``ReserveRefused``: nothing registered), the rows go to
+    the storage units and their fields are marked ready (``write_commit``). A write that
+    fails drops new samples (``new_only``), counted ``write_failed``, and re-raises.
+    Returns the indices (-1: dropped on arrival)."""
+    try:
+        indices = await d.call("reserve", partition, tags, new_only, wait, timeout_s)
+    except Exception as e:  # nothing was registered
+        raise ReserveRefused(e) from None
+    kept = [i for i, index in enumerate(indices) if index >= 0]  # -1: dropped on arrival, counted
+    try:  # rows to the storage units, then the fields are marked ready (commit)
+        await d.write_commit([indices[i] for i in kept], [rows[i] for i in kept], indices, tags)
+    except BaseException:
+        if new_only:  # nothing of these samples is readable: drop them, counted, and re-raise
+            await d.call("drop", [tags[i].uid for i in kept], "write_failed")
+        raise
+    return indices
 
 
 def _shard(a: Sequence, b: Sequence, n: int, key: Sequence[int] | None = None) -> dict[int, tuple[list, list]]:

@@ -327,6 +327,8 @@ class ControllerActor:
 class RayDeployment:
     """Client side of the Ray deployment: actor handles and addresses only, so it pickles."""
 
+    encoded_put = True  # new samples travel as msgpack bodies (put_new), coalesced
+
     def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes,
                  limits: dict[str, float] | None = None, generations: list[int] | None = None) -> None:
         self._controller, self.units, self._owner = controller, list(units), owner

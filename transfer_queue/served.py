@@ -1,7 +1,7 @@
 """The ``local`` deployment served to other processes: controller and storage
 units in one process (a queue-host actor), clients anywhere on its sockets.
 
-    rollout actor ─put (reserve, then rows + commit)─►  QueueHost  ◄─get / ack─ trainer actor
+    rollout actor ─put_new (msgpack rows: one call)──►  QueueHost  ◄─get / ack─ trainer actor
     driver        ─statistics, close───────────────►   (LocalDeployment behind ``rpc.py``)
 
 Under the ``process`` and ``ray`` runtimes the actors live in processes of
@@ -9,7 +9,9 @@ their own, so a queue inside the driver would make the driver carry every
 sample. The composition root spawns a :class:`QueueHost` as an actor of the
 runtime instead and hands a :class:`ServedDeployment` client (address and
 secret: it pickles) to every actor; the driver keeps one for control calls.
-Rows travel as pickles with their numpy token arrays out of band.
+New samples travel as one msgpack body (``codec.encode_new_rows``: a token array as its
+bytes), decoded, registered, stored and committed by the host in one call; other rows
+(``put_fields``, reads) as pickles with their numpy token arrays out of band.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from contracts.placement import node_address
+from transfer_queue.codec import decode_new_rows
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.deploy_local import LocalDeployment
 from transfer_queue.rows import InProcessRows
@@ -38,7 +41,7 @@ class QueueHost:
     """An actor (any runtime): a :class:`LocalDeployment` served over a socket.
     ``host``: the address to listen on (None: this node's address)."""
 
-    SERVED = ("call", "write_commit", "read")
+    SERVED = ("call", "put_new", "write_commit", "read")
 
     def __init__(self, cfg: TransferQueueConfig, secret: bytes, host: str | None = None) -> None:
         self._cfg, self._secret, self._host = cfg, secret, host
@@ -62,6 +65,12 @@ class QueueHost:
                            tags: list[SampleTags]) -> None:
         await self._d.write_commit(indices, rows, all_indices, tags)
 
+    async def put_new(self, partition: str, body: bytes, ends: list[int], tags: list[SampleTags], wait: bool,
+                      timeout_s: float | None) -> list[int]:
+        """New samples, whole: their rows as ``codec.encode_new_rows`` wrote them, decoded here,
+        registered, stored and committed; the indices (-1: dropped on arrival)."""
+        return await self._d.put_new(partition, decode_new_rows(body, ends), tags, wait, timeout_s)
+
     async def read(self, indices: list[int], fields: Sequence[str] | None) -> list[dict[str, Any]]:
         return (await self._d.read(indices, fields))._rows
 
@@ -76,6 +85,8 @@ class ServedDeployment:
     """Client side of a :class:`QueueHost`: its address, secret and the socket
     transport's bounds (``TransferQueueConfig.rpc_limits``) only, so it pickles."""
 
+    encoded_put = True  # new samples travel as one msgpack body, in one call (put_new)
+
     def __init__(self, address: Address, secret: bytes, limits: dict[str, float] | None = None) -> None:
         self._address, self._secret, self._limits = tuple(address), secret, dict(limits or {})
         self._rpc = RpcClient(self._address, secret, "the TransferQueue host", **self._limits)
@@ -85,6 +96,17 @@ class ServedDeployment:
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self._rpc.call("call", method, *args)
+
+    async def put_new(self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[SampleTags],
+                      wait: bool, timeout_s: float | None) -> list[int]:
+        """A put of new samples in one round trip: ``bodies`` (rows, row ends) from
+        ``codec.encode_new_rows``, as ``RayDeployment.put_new`` takes them. ``ReserveRefused``
+        if the controller refused (nothing registered)."""
+        body, ends = bodies[0]
+        for more, more_ends in bodies[1:]:
+            ends = [*ends, *(len(body) + e for e in more_ends)]
+            body = body + more
+        return await self._rpc.call("put_new", partition, body, ends, tags, wait, timeout_s)
 
     async def write_commit(self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int],
                            tags: list[SampleTags]) -> None:
