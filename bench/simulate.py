@@ -534,6 +534,73 @@ def forecast() -> dict[str, Any]:
     return out
 
 
+# Levers: the kept H100 run of the graphed trainer (cd64b15), each of what limits fully-async
+# against sync taken away in the model, alone and together. Every input is the run's own clocks.
+LEVERS_RUN = RunSpec("async_vs_sync_h100_smollm2_graphs.json", shape="smollm2", in_flight="keep",
+                     why="in-flight mode: sync.in_flight auto (keep) for the built-in engine")
+MPS_TRAINER_BESIDE = 1.08  # trainer step beside a generating engine over its standalone step, under NVIDIA MPS
+#                             (async_vs_sync_h100_smollm2_graphs_mps.json: 113 ms against 105 ms alone)
+LEVERS = {
+    "as run": dict(),
+    "engine at its standalone speed": dict(engine=True),
+    "trainer beside the engine at 1.08x its standalone step (MPS)": dict(trainer=True),
+    "staleness 8, max_staleness 10": dict(staleness=(8.0, 10)),
+    "engine + trainer": dict(engine=True, trainer=True),
+    "engine + trainer + staleness 8": dict(engine=True, trainer=True, staleness=(8.0, 10)),
+}
+
+
+def _lever_inputs(run: dict[str, Any], spec: RunSpec, s: dict[str, Any], ov: Overheads, policy: str,
+                  engine: bool = False, trainer: bool = False) -> Inputs:
+    """One seed's inputs with the engine's clocks (decode, prefill, per-sample handling) and/or the
+    trainer's replaced by the run's standalone ones; fully-async's trainer at ``MPS_TRAINER_BESIDE``
+    its standalone step (sync's trains alone, at its standalone step)."""
+    loop_in = seed_inputs(run, spec, s, ov)
+    alone = standalone_inputs(run, spec, s, ov, policy)
+    out = loop_in
+    if engine:
+        out = dataclasses.replace(out, decode_base_s=alone.decode_base_s, decode_per_seq_s=alone.decode_per_seq_s,
+                                  prefill_per_seq_s=alone.prefill_per_seq_s, sample_overhead_s=alone.sample_overhead_s)
+    if trainer:
+        out = dataclasses.replace(out, train_fixed_s=alone.train_fixed_s * (
+            MPS_TRAINER_BESIDE if policy == "fully_async" else 1.0))
+    return out
+
+
+def levers() -> dict[str, Any]:
+    """Trained tokens/s of sync and fully-async predicted with each lever applied (a what-if)."""
+    spec = LEVERS_RUN
+    run = _load(spec.file)
+    ov = calibrate(spec)  # on this run's own sync policy: no other H100 run to calibrate on
+    warmup, steps = _warmup_steps(run, spec.warmup_steps), int(run["steps"])
+    out: dict[str, Any] = {
+        "bench": "simulate --levers", "machine": _machine(),
+        "what": "a prediction, not a measurement: the kept H100 SmolLM2-135M-Instruct step-by-step run with the "
+                "graphed trainer (3 seeds, 10 timed steps, evaluations beside training) re-scheduled by "
+                "bench.simulate_model from each seed's own clocks, with what limits fully-async taken away one "
+                "lever at a time: the engine at its standalone decode step, prefill and per-sample time (the "
+                "run's standalone section); the trainer beside the engine at 1.08x its standalone step (as "
+                "measured under NVIDIA MPS); a wider staleness window. Calibrated on the run's own sync policy "
+                "(in-sample: the 'as run' sync row checks nothing); 'as run' fully-async checks the model",
+        "run": spec.file, "unit": "trained tokens/s",
+        "measured": {pol: round(_measured(run["policies"][pol]), 1) for pol in ("sync", "fully_async")},
+        "levers": {}}
+    out["measured"]["fully_async_over_sync"] = round(out["measured"]["fully_async"] / out["measured"]["sync"], 2)
+    for label, lever in LEVERS.items():
+        row: dict[str, Any] = {}
+        for policy in ("sync", "fully_async"):
+            sched = dataclasses.replace(schedule_of(run, policy, spec), eval_overlap_steps=FORECAST_OVERLAP)
+            if policy == "fully_async" and "staleness" in lever:
+                threshold, max_staleness = lever["staleness"]
+                sched = dataclasses.replace(sched, staleness_threshold=threshold, max_staleness=max_staleness)
+            seeds = [_lever_inputs(run, spec, s, ov, policy, lever.get("engine", False), lever.get("trainer", False))
+                     for s in _seeds(run["policies"][policy])]
+            row[policy] = round(_mean([predict(i, sched, steps, warmup)[0] for i in seeds]), 1)
+        row["fully_async_over_sync"] = round(row["fully_async"] / row["sync"], 2)
+        out["levers"][label] = row
+    return out
+
+
 def _machine() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return (f"{platform.machine()} VM, {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -545,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validate", action="store_true", help="predicted vs measured on kept runs not calibrated on")
     ap.add_argument("--forecast", action="store_true",
                     help="the kept SmolLM2 runs re-scheduled with evaluations beside training (a prediction)")
+    ap.add_argument("--levers", action="store_true",
+                    help="the H100 graphed-trainer run with each limit of fully-async taken away (a prediction)")
     ap.add_argument("--model", default="0.5b,7b", help="model sizes for scaling predictions: 0.5b, 7b")
     ap.add_argument("--gpus", default="8,32,128", help="total GPU counts, comma-separated")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -553,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         result = validate()
     elif args.forecast:
         result = forecast()
+    elif args.levers:
+        result = levers()
     else:
         models = [m.strip().lower() for m in args.model.split(",") if m.strip()]
         try:

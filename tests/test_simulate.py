@@ -344,3 +344,17 @@ def test_forecast_reschedules_the_kept_runs_with_evaluations_beside_training(cap
         for row in rows.values():
             assert abs(row["predicted_waited"] - row["measured"]) / row["measured"] < 0.2
             assert row["predicted_beside"] >= row["predicted_waited"]
+
+
+def test_levers_take_each_limit_of_the_kept_h100_run_away(capsys):
+    assert cli.main(["--levers"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["unit"] == "trained tokens/s" and "not a measurement" in out["what"]
+    rows, measured = out["levers"], out["measured"]
+    # the model checks out on the held-out policy of the run it was calibrated on
+    assert abs(rows["as run"]["fully_async"] - measured["fully_async"]) / measured["fully_async"] < 0.2
+    for row in rows.values():
+        assert row["fully_async_over_sync"] == round(row["fully_async"] / row["sync"], 2)
+    # a faster engine speeds both policies; only the two levers together free fully-async's overlap
+    assert rows["engine at its standalone speed"]["sync"] > rows["as run"]["sync"]
+    assert rows["engine + trainer"]["fully_async_over_sync"] > rows["as run"]["fully_async_over_sync"]
