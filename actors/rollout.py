@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import sysconfig
+import threading
 import time
 import traceback
 from collections import Counter
@@ -70,6 +71,22 @@ def where(err: BaseException) -> str:
 
 
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _reward_each(reward: Callable[..., Any], work: list[tuple[dict, Any]], outcomes: list[Any],
+                 abandoned: threading.Event) -> None:
+    """On the worker thread: ``reward(meta, response ids)`` for each of ``work`` in turn,
+    into ``outcomes[i]`` as (its value or the exception it raised, its seconds); stops
+    once the batch is ``abandoned`` (timed out)."""
+    for i, (meta, response_ids) in enumerate(work):
+        if abandoned.is_set():
+            return
+        t0 = time.perf_counter()
+        try:
+            value: Any = reward(meta, list(response_ids))
+        except Exception as err:  # noqa: BLE001 - the loop turns it into this sample's error
+            value = err
+        outcomes[i] = (value, time.perf_counter() - t0)
 
 
 def _drop_reason(sample: Sample) -> str:
@@ -107,7 +124,8 @@ class RolloutActor(Actor):
         self._link: EngineLink | None = None  # once the transport is known
         self._link_group: tuple[str, int] | None = None  # (backend, sources) of the broadcast group joined
         self.num_reward_errors = 0  # timeouts included
-        self._scoring = asyncio.Lock()  # rewards run one at a time (one worker thread), each timed on its own
+        self._to_score: list[tuple[Sample, asyncio.Future[None]]] = []  # finished, waiting for the next batch
+        self._scorer: asyncio.Task[None] | None = None  # scores batches while any sample waits
         self.num_reward_timeouts = 0
         self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
         self.num_generated = 0  # samples of every group finished generating: then queued, or dropped here
@@ -198,21 +216,61 @@ class RolloutActor(Actor):
 
     async def _score(self, sample: Sample) -> None:
         """Reward in [0, 1]; a reward function that raises (or hangs) marks
-        only this sample as ``error`` — counted, never fatal to the run. The
-        timeout runs from this sample's own start: rewards share the worker
-        thread, and samples waiting behind a slow one are not charged for it."""
+        only this sample as ``error`` — counted, never fatal to the run.
+
+        Rewards run on the worker thread, one batch at a time: samples that
+        finish while a batch is scored go together in the next, one trip to
+        the thread (and back to this loop, which shares the GIL with the
+        engine's thread) per batch, not per sample. Each reward is timed from
+        its own start there: samples behind a slow one are not charged for it.
+        A reward that hangs (not cut short by its own guard, ``TimedReward``)
+        times out its batch's unscored samples after ``reward_timeout_s`` per
+        sample of the batch."""
+        scored = asyncio.get_running_loop().create_future()
+        self._to_score.append((sample, scored))
+        if self._scorer is None:
+            self._scorer = asyncio.ensure_future(self._score_batches())
+        await scored
+
+    async def _score_batches(self) -> None:
         try:
-            async with self._scoring:
-                reward = await asyncio.wait_for(
-                    self.blocking(self.task.reward, sample.meta, list(sample.response_ids)),
-                    self.reward_timeout_s)
-            reward = float(reward)
+            while self._to_score:
+                batch, self._to_score = self._to_score, []
+                outcomes: list[tuple[Any, float] | None] = [None] * len(batch)  # the thread fills them in
+                abandoned = threading.Event()
+                try:
+                    await asyncio.wait_for(self.blocking(_reward_each, self.task.reward,
+                                                         [(s.meta, s.response_ids) for s, _ in batch], outcomes,
+                                                         abandoned), self.reward_timeout_s * len(batch))
+                except TimeoutError:
+                    abandoned.set()  # what the thread had not reached by now times out, and is not run
+                except Exception as err:  # noqa: BLE001 - the thread is gone (closing): the batch fails, counted
+                    abandoned.set()
+                    outcomes = [o or (err, 0.0) for o in outcomes]
+                for (sample, scored), outcome in zip(batch, outcomes):
+                    self._take_reward(sample, outcome)
+                    if not scored.done():
+                        scored.set_result(None)
+        finally:
+            self._scorer = None
+
+    def _take_reward(self, sample: Sample, outcome: tuple[Any, float] | None) -> None:
+        """Set ``sample``'s reward from what its reward call returned, or mark it ``error``."""
+        try:
+            if outcome is None:
+                raise TimeoutError(f"no reward within reward_timeout_s={self.reward_timeout_s:g} s")
+            value, seconds = outcome
+            if isinstance(value, BaseException):
+                raise value
+            if seconds > self.reward_timeout_s:
+                raise TimeoutError(f"the reward took {seconds:.3g} s, over reward_timeout_s={self.reward_timeout_s:g} s")
+            reward = float(value)
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")
             sample.reward = reward
         except Exception as err:  # isolated on purpose: one bad reward, one dropped sample
             self.num_reward_errors += 1
-            self.num_reward_timeouts += isinstance(err, TimeoutError)  # asyncio's and TimedReward's
+            self.num_reward_timeouts += isinstance(err, TimeoutError)  # this loop's and TimedReward's
             sample.finish_reason, sample.error = "error", f"reward: {type(err).__name__}: {err}{where(err)}"
 
     # -- engine surface for the weight-sync sequence ------------------------
