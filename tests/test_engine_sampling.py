@@ -3,6 +3,13 @@ softmax, top-k / top-p keep what Hugging Face keeps, seeds reproduce."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
 import torch
 import transformers
 
@@ -63,3 +70,43 @@ def test_unseeded_unit_temperature_draws_follow_the_softmax():
     torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.015, rtol=0)
     torch.testing.assert_close(raw, logits.log_softmax(-1)[0][token])
     assert torch.equal(lp, raw)
+
+
+def check_kernel_greedy_rows(device: str) -> None:
+    """The fused sampling kernel on a batch mixing greedy and sampled rows: a greedy row
+    takes the argmax (the smallest index on a tie, as torch.argmax and the eager sampler)
+    with logprob = raw logprob; sampled rows keep following softmax(x / T). Run on CUDA
+    (tests/test_triton_kernels.py) and in Triton's interpreter on the CPU (below)."""
+    from actors.engines import triton_kernels as tk
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 5000) * 2).to(torch.bfloat16).to(device)
+    for r in (0, 3):  # ties at the top: the kernel's pieces and lanes must agree on the first
+        logits[r, [4321, 17, 2500]] = (logits[r].float().max() + 1).to(logits.dtype)
+    temp = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.0, 0.0], device=device)
+    token, lp, raw = tk.sample_gumbel(logits, temp, False, torch.Generator(device=device).manual_seed(0))
+    greedy = temp <= 0
+    x = logits.float()
+    assert torch.equal(token[greedy], x[greedy].argmax(-1)) and token[0].item() == token[3].item() == 17
+    assert (raw - torch.log_softmax(x, -1).gather(-1, token[:, None]).squeeze(-1)).abs().max().item() < 1e-5
+    assert torch.equal(lp[greedy], raw[greedy])
+    scaled = torch.log_softmax(x / torch.where(greedy, 1.0, temp)[:, None], -1)
+    assert (lp - scaled.gather(-1, token[:, None]).squeeze(-1)).abs().max().item() < 1e-5
+    n, v = 4000, 40  # every other row greedy: the sampled ones still follow the softmax
+    base = (torch.randn(v) * 2).to(device)
+    temp = torch.tensor([1.0, 0.0] * (n // 2), device=device)
+    token, _, _ = tk.sample_gumbel(base.repeat(n, 1), temp, False, torch.Generator(device=device).manual_seed(1))
+    assert torch.all(token[1::2] == base.argmax())
+    freq = torch.bincount(token[0::2], minlength=v).float() / (n // 2)
+    p = torch.softmax(base, -1)
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / (n // 2)).sqrt() + 1e-3).all()
+
+
+@pytest.mark.slow  # ~2 min in the interpreter
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+def test_the_sampling_kernel_takes_greedy_rows_in_the_interpreter():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = "from tests.test_engine_sampling import check_kernel_greedy_rows; check_kernel_greedy_rows('cpu')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before triton.jit runs: a process
+    assert done.returncode == 0, done.stderr[-3000:]

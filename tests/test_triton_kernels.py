@@ -104,3 +104,36 @@ def test_sampling_kernel_over_a_real_vocabulary_matches_the_eager_sampler_in_dis
     want = torch.log_softmax(logits.float(), -1).gather(-1, token[:, None]).squeeze(-1)
     assert (raw - want).abs().max().item() < 1e-4 and torch.equal(lp, raw)
     assert want.mean().item() > torch.log_softmax(logits.float(), -1).mean().item() + 3  # not uniform picks
+
+
+def test_sampling_kernel_takes_greedy_rows_beside_sampled_ones():
+    from tests.test_engine_sampling import check_kernel_greedy_rows
+
+    check_kernel_greedy_rows("cuda")
+
+
+def test_a_batch_with_greedy_rows_samples_in_the_kernel_as_the_eager_sampler_would():
+    """An evaluation's greedy rows beside training's sampled ones no longer send the whole
+    batch to the eager path: the same tokens and log-probs for the greedy rows."""
+    from actors.engines.sampling import SamplingBatch, sample
+
+    B, V = 64, 49_152
+    torch.manual_seed(2)
+    logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)
+    temp = torch.tensor([0.0, 1.0] * (B // 2), device="cuda")
+    ones = torch.ones(B, device="cuda")
+    params = SamplingBatch(temperature=temp, top_k=ones.long() * 0, top_p=ones, seed=ones.long(), needs_filter=False,
+                           any_greedy=True, unit_temperature=False, generator=torch.Generator(device="cuda").manual_seed(0))
+    calls = []
+    kernel = tk.sample_gumbel
+    try:
+        tk.sample_gumbel = lambda *a: calls.append(1) or kernel(*a)
+        token, lp, raw = sample(logits, params, torch.zeros(B, dtype=torch.long, device="cuda"))
+    finally:
+        tk.sample_gumbel = kernel
+    assert calls == [1]
+    greedy = temp <= 0
+    want = torch.log_softmax(logits.float(), -1)
+    assert torch.equal(token[greedy], logits.float()[greedy].argmax(-1))
+    assert (raw - want.gather(-1, token[:, None]).squeeze(-1)).abs().max().item() < 1e-4
+    assert torch.equal(lp[greedy], raw[greedy])

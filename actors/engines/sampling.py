@@ -8,8 +8,9 @@ No generator objects, no host round trips, one fixed set of kernels.
 When no request of a batch is seeded the noise comes from one ``torch.rand``
 (an engine-wide generator seeded once) instead: the hash costs ~10 int64
 passes over [B, V], which is most of a decode step's sampling on a GPU. On
-CUDA such a batch without top-k / top-p / greedy rows is sampled by one fused
-Triton kernel (:func:`actors.engines.triton_kernels.sample_gumbel`).
+CUDA such a batch without top-k / top-p is sampled by one fused Triton kernel
+(:func:`actors.engines.triton_kernels.sample_gumbel`), greedy rows (an
+evaluation's, beside training) included.
 
 Log-probs returned per sampled token:
   * ``raw``: log-softmax of the unmodified logits (T=1).
@@ -86,10 +87,10 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
 
     ``positions[b]`` is the position the sampled token will occupy (its
     index in prompt + response), the counter of the noise."""
-    if params.generator is not None and not (params.any_greedy or params.needs_filter):
-        if triton_kernels.sampling_supported(logits):
+    if params.generator is not None and not params.needs_filter:
+        if triton_kernels.sampling_supported(logits):  # greedy rows too (an evaluation beside training)
             return triton_kernels.sample_gumbel(logits, params.temperature, params.unit_temperature, params.generator)
-        if params.unit_temperature:
+        if params.unit_temperature:  # no greedy row: each sets a temperature other than 1
             return _sample_unit_temperature(logits.float(), params.generator)
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)

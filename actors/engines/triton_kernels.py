@@ -234,8 +234,9 @@ _BLOCK = 2048  # logits per turn of a piece
 if triton is not None:
 
     @triton.jit
-    def _sample_update(x, r, idx, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT: tl.constexpr):
-        """Fold one block of logits ``x`` (fp32, -inf where masked) with random bits ``r`` into the lanes' state."""
+    def _sample_update(x, r, idx, inv_t, greedy, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT: tl.constexpr):
+        """Fold one block of logits ``x`` (fp32, -inf where masked) with random bits ``r`` into the lanes'
+        state; a ``greedy`` row takes no noise (its argmax; a lane keeps its first index on a tie)."""
         m_new = tl.maximum(m_raw, x)
         s_raw = s_raw * tl.exp(m_raw - m_new) + tl.exp(x - m_new)
         m_raw = m_new
@@ -246,7 +247,7 @@ if triton is not None:
             mt_new = tl.maximum(m_t, xt)
             s_t = s_t * tl.exp(m_t - mt_new) + tl.exp(xt - mt_new)
             m_t = mt_new
-        g = xt - tl.log(-tl.log(tl.uint_to_uniform_float(r)))  # + Gumbel(0, 1); u = 0 gives -inf, never drawn
+        g = tl.where(greedy, xt, xt - tl.log(-tl.log(tl.uint_to_uniform_float(r))))  # + Gumbel(0, 1)
         take = g > best
         return m_raw, s_raw, m_t, s_t, tl.where(take, g, best), tl.where(take, idx, best_i), tl.where(take, x, best_x)
 
@@ -259,7 +260,9 @@ if triton is not None:
         b = tl.program_id(0)
         c = tl.program_id(1)
         seed = tl.load(seed_ptr)
-        inv_t = 1.0 / tl.load(temp_ptr + b)
+        t = tl.load(temp_ptr + b)
+        greedy = t <= 0.0  # temperature 0: the argmax, its log-prob under the unmodified logits
+        inv_t = 1.0 / tl.where(greedy, 1.0, t)
         lanes = tl.arange(0, Q)
         m_raw = tl.full([Q], -3.0e38, tl.float32)  # finite: a masked lane never makes nan
         s_raw = tl.zeros([Q], tl.float32)
@@ -276,33 +279,35 @@ if triton is not None:
             r0, r1, r2, r3 = tl.randint4x(seed, b * V + i0)
             x = tl.load(row + i0, mask=i0 < hi, other=float("-inf")).to(tl.float32)
             m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
-                x, r0, i0, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+                x, r0, i0, inv_t, greedy, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
             i1 = i0 + Q
             x = tl.load(row + i1, mask=i1 < hi, other=float("-inf")).to(tl.float32)
             m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
-                x, r1, i1, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+                x, r1, i1, inv_t, greedy, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
             i2 = i1 + Q
             x = tl.load(row + i2, mask=i2 < hi, other=float("-inf")).to(tl.float32)
             m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
-                x, r2, i2, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+                x, r2, i2, inv_t, greedy, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
             i3 = i2 + Q
             x = tl.load(row + i3, mask=i3 < hi, other=float("-inf")).to(tl.float32)
             m_raw, s_raw, m_t, s_t, best, best_i, best_x = _sample_update(
-                x, r3, i3, inv_t, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
+                x, r3, i3, inv_t, greedy, m_raw, s_raw, m_t, s_t, best, best_i, best_x, UNIT)
         if UNIT:
             m_t = m_raw
             s_t = s_raw
         mr = tl.max(m_raw, 0)
         mt = tl.max(m_t, 0)
-        k = tl.argmax(best, 0)
+        top = tl.max(best, 0)
+        first = tl.min(tl.where(best == top, best_i, V), 0)  # a tie goes to the smallest index, as torch.argmax
+        pick = (best == top) & (best_i == first)  # one lane: each holds indices of its own
         out = part_ptr + (b * tl.num_programs(1) + c) * 8
         tl.store(out + 0, mr)
         tl.store(out + 1, tl.sum(s_raw * tl.exp(m_raw - mr), 0))
         tl.store(out + 2, mt)
         tl.store(out + 3, tl.sum(s_t * tl.exp(m_t - mt), 0))
-        tl.store(out + 4, tl.max(best, 0))
-        tl.store(out + 5, tl.sum(tl.where(lanes == k, best_x, 0.0), 0))
-        tl.store(out + 6, tl.sum(tl.where(lanes == k, best_i, 0), 0).to(tl.float32))  # < 2**24: exact
+        tl.store(out + 4, top)
+        tl.store(out + 5, tl.sum(tl.where(pick, best_x, 0.0), 0))
+        tl.store(out + 6, first.to(tl.float32))  # < 2**24: exact
 
     @triton.jit
     def _sample_merge_kernel(part_ptr, temp_ptr, token_ptr, lp_ptr, raw_ptr, pieces, PIECES_PAD: tl.constexpr):
@@ -318,12 +323,13 @@ if triton is not None:
         lse_raw = m + tl.log(tl.sum(sr * tl.exp(mr - m), 0))
         m = tl.max(mt, 0)
         lse_t = m + tl.log(tl.sum(st * tl.exp(mt - m), 0))
-        k = tl.argmax(best, 0)
+        k = tl.argmax(best, 0, tie_break_left=True)  # pieces cover the vocabulary in order: the smallest index
         xk = tl.sum(tl.where(c == k, x, 0.0), 0)
         token = tl.sum(tl.where(c == k, i, 0.0), 0)
+        t = tl.load(temp_ptr + b)
         tl.store(token_ptr + b, token.to(tl.int64))
         tl.store(raw_ptr + b, xk - lse_raw)
-        tl.store(lp_ptr + b, xk / tl.load(temp_ptr + b) - lse_t)
+        tl.store(lp_ptr + b, xk / tl.where(t <= 0.0, 1.0, t) - lse_t)  # greedy: lse_t is lse_raw
 
 
 def sampling_supported(logits: torch.Tensor) -> bool:
@@ -332,8 +338,10 @@ def sampling_supported(logits: torch.Tensor) -> bool:
 
 def sample_gumbel(logits: torch.Tensor, temperature: torch.Tensor, unit_temperature: bool,
                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [B, V] (bf16 / fp32, unit last stride), temperature [B] > 0 ->
-    (token [B] int64, logprob [B] under softmax(x / T), raw logprob [B] under softmax(x))."""
+    """logits [B, V] (bf16 / fp32, unit last stride), temperature [B] >= 0 ->
+    (token [B] int64, logprob [B] under softmax(x / T), raw logprob [B] under softmax(x)).
+    A row at temperature 0 is greedy: its argmax (the smallest index on a tie, as
+    ``torch.argmax``), logprob = raw logprob, as the eager sampler gives it."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_gumbel: logits need a unit last stride")
