@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 import torch.nn.functional as F
 
 from actors.engines import triton_kernels as TK
 from actors.engines import triton_layers as TL
+from bench import emit
 
 H, I, HQ, HKV, D, LAYERS = 896, 4864, 14, 2, 64, 24
 EPS = 1e-6
@@ -195,11 +195,7 @@ def main() -> None:
                   f"({default}), best {best and best['us']} us ({best and best['tiling']})", flush=True)
         att = rows["attention"] = attention_sweep(m, dev)
         print(f"rows {m} attention: default {att['default_us']} us {att['default']}, best {att['best']}", flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
@@ -47,6 +46,7 @@ import transformers
 import loop
 from actors.engines import GenerateRequest, SamplingParams, triton_kernels, triton_layers
 from actors.engines.torch_engine import TorchEngine
+from bench import emit
 from bench.pipeline_report import offcpu_share
 
 SHAPES = {
@@ -332,11 +332,7 @@ def main() -> None:
                                    "engine_timing_s": eng["timing"], "engine_micro_ms": eng["micro"]})
             if cuda:
                 torch.cuda.empty_cache()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ collections and its full collections; per pair the on / off ratio of trained tok
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import sys
 from typing import Any
 
-from bench import async_vs_sync
+from bench import async_vs_sync, emit
 
 _KEYS = ("tokens_per_s", "engine_tokens_per_s", "rollout_gc_share", "wall_s")
 
@@ -72,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "gc_share_median": {"freeze": statistics.median(r["rollout_gc_share"] or 0.0 for r in on),
                             "no_freeze": statistics.median(r["rollout_gc_share"] or 0.0 for r in off)},
     }
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(out, args.out, indent=1)
     return 0
 
 

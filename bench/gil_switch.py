@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import pickle
 import platform
@@ -36,6 +35,7 @@ import torch
 import loop
 from actors.engines import GenerateRequest, SamplingParams
 from actors.engines.torch_engine import TorchEngine
+from bench import emit
 from bench.engine import build_model
 from bench.pipeline_report import offcpu_share
 
@@ -123,11 +123,7 @@ def main() -> None:
     args = p.parse_args()
     if not 0 < args.duty < 1:
         p.error("--duty must be in (0, 1)")
-    text = json.dumps(loop.run(_main(args)))
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(loop.run(_main(args)), args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ turn, and ``cpu_ratio`` / ``wall_ratio`` (put_fields over put, > 1: put is cheap
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ import numpy as np
 
 import loop
 from actors.runtime import ProcessRuntime
+from bench import emit
 from contracts.sample import Sample, pack_tokens
 from transfer_queue import TransferQueue, TransferQueueConfig
 from transfer_queue.codec import ALL_FIELDS
@@ -109,11 +109,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
     result = loop.run(_main(args))
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
