@@ -233,6 +233,7 @@ class RolloutActor(Actor):
         await scored
 
     async def _score_batches(self) -> None:
+        batch: list[tuple[Sample, asyncio.Future[None]]] = []
         try:
             while self._to_score:
                 batch, self._to_score = self._to_score, []
@@ -251,8 +252,10 @@ class RolloutActor(Actor):
                     self._take_reward(sample, outcome)
                     if not scored.done():
                         scored.set_result(None)
-        finally:
+        finally:  # cancelled (the actor closing): whoever waits for a score is cancelled too
             self._scorer = None
+            for _, scored in (*batch, *self._to_score):
+                scored.cancel()  # a no-op for those already scored
 
     def _take_reward(self, sample: Sample, outcome: tuple[Any, float] | None) -> None:
         """Set ``sample``'s reward from what its reward call returned, or mark it ``error``."""

@@ -303,6 +303,75 @@ def test_a_user_reward_that_raises_is_counted_by_the_actor(tok):
     assert good.reward == 1.0 and actor.num_reward_errors == 1
 
 
+class _FakeTask:
+    """A FAKE task for the scoring path alone: its reward is 1 for a response of
+    length 1, else 0, and blocks while ``hold`` is clear (the thread it runs on)."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.hold.set()
+        self.threads: set[int] = set()
+
+    def reward(self, meta, response_ids) -> float:
+        self.threads.add(threading.get_ident())
+        self.hold.wait(10)
+        return float(len(response_ids) == 1)
+
+
+def _scored_sample(i: int, n: int):
+    from contracts.sample import Sample
+
+    return Sample(uid=f"s{i}", group_id="g", prompt_ids=[1], response_ids=[7] * n)
+
+
+def test_samples_finishing_together_are_scored_in_one_trip_to_the_worker_thread():
+    task = _FakeTask()
+    actor = _actor(task, timeout_s=5.0)
+    trips = []
+    blocking = actor.blocking
+
+    async def counted(fn, *args):
+        trips.append(len(args[1]))  # the batch's samples
+        return await blocking(fn, *args)
+
+    actor.blocking = counted
+
+    async def scenario():
+        samples = [_scored_sample(i, 1 + i % 2) for i in range(8)]
+        await asyncio.gather(*(actor._score(s) for s in samples))  # finished together, as one engine turn ends them
+        late = _scored_sample(8, 1)
+        await actor._score(late)
+        return samples + [late]
+
+    try:
+        samples = asyncio.run(scenario())
+    finally:
+        asyncio.run(actor.close())
+    assert trips == [8, 1]
+    assert [s.reward for s in samples] == [1.0, 0.0] * 4 + [1.0] and actor.num_reward_errors == 0
+
+
+def test_a_closing_actor_cancels_who_waits_for_a_score_instead_of_leaving_it_waiting():
+    task = _FakeTask()
+    task.hold.clear()  # the reward blocks until the test lets it go
+    actor = _actor(task, timeout_s=5.0)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(actor._score(_scored_sample(0, 1)))
+        while not task.threads:  # the batch is on the worker thread
+            await asyncio.sleep(0.01)
+        actor._scorer.cancel()  # what the loop's shutdown does to a task left running
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 5)
+        assert actor._scorer is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        task.hold.set()
+        asyncio.run(actor.close())
+
+
 def test_a_chat_template_that_refuses_a_system_turn_is_a_named_error():
     strict = build_byte_tokenizer(chat_template="{% if messages[0]['role'] == 'system' %}"
                                   "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)
