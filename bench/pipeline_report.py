@@ -55,7 +55,7 @@ FIELDS = {
                            "Python) or for a core; the standalone engine's own is beside it "
                            "(engine_standalone_offcpu_share)",
     "samples_admitted_mean": "fully-async: samples admitted and not yet trained (its admission window's "
-                             "count), averaged over the window's probes (every 50 ms); the next four split the "
+                             "count), averaged over the window's probes (at its start, then every 50 ms); the next four split the "
                              "policy's samples by where they are",
     "samples_in_engine_mean": "in the engines: decoding or waiting for a slot (their num_running + num_waiting; "
                               "running counts rows that ended at the step in flight too)",
@@ -236,13 +236,13 @@ BUDGET_PROBE_S = 0.05  # how often the window's samples are counted by where the
 
 
 async def probe_samples(policy: Any, out: list[dict[str, float]]) -> None:
-    """Every ``BUDGET_PROBE_S`` until cancelled, count the policy's samples by where they
-    are (appended to ``out``): admitted and not yet trained (fully-async's admission
-    window), in the rollout actors, in their engines (running or waiting), queued, in the
-    trainer's hands. One statistics call per rollout actor and one to the queue a probe."""
+    """At once and then every ``BUDGET_PROBE_S`` until cancelled (so a window of any length
+    has a probe), count the policy's samples by where they are (appended to ``out``):
+    admitted and not yet trained (fully-async's admission window), in the rollout actors,
+    in their engines (running or waiting), queued, in the trainer's hands. One statistics
+    call per rollout actor and one to the queue a probe."""
     admission = getattr(policy, "admission", None)
     while True:
-        await asyncio.sleep(BUDGET_PROBE_S)
         try:
             engines = await asyncio.gather(*(h.statistics() for h in policy.rollouts))
             queue = await policy.queue.statistics_async()
@@ -252,6 +252,7 @@ async def probe_samples(policy: Any, out: list[dict[str, float]]) -> None:
                     "in_rollout": policy.in_flight,
                     "in_engine": sum(e.get("num_running", 0) + e.get("num_waiting", 0) for e in engines),
                     "queued": queue.pending, "in_trainer": queue.in_flight})
+        await asyncio.sleep(BUDGET_PROBE_S)
 
 
 def where_samples_are(probes: list[dict[str, float]]) -> dict[str, Any]:

@@ -483,7 +483,8 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                     for kind in ("full", "delta"):
                         policy.observe(kind, out[kind]["push_ms_median"])
                 out["delta_over_full"] = round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
-                out["faster"] = "delta" if out["delta_over_full"] < 1 else "full"
+                # a tie goes to delta, as AutoPolicy.choose breaks it
+                out["faster"] = "full" if out["full"]["push_ms_median"] < out["delta"]["push_ms_median"] else "delta"
                 out["auto_choice"] = policy.choose()
                 row["transports"][name] = out
             runs.append(row)
