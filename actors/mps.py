@@ -58,7 +58,8 @@ class MpsDaemon:
             raise RuntimeError(f"runtime.mps: {mps_unavailable()}")
         # short paths: the pipe directory holds unix sockets (at most 107 bytes a path)
         root = tempfile.mkdtemp(prefix="asyncrl-mps-")
-        dirs = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+        dirs = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"),
+                "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
         for d in dirs.values():
             os.mkdir(d)
         try:

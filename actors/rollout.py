@@ -266,7 +266,8 @@ class RolloutActor(Actor):
             if isinstance(value, BaseException):
                 raise value
             if seconds > self.reward_timeout_s:
-                raise TimeoutError(f"the reward took {seconds:.3g} s, over reward_timeout_s={self.reward_timeout_s:g} s")
+                raise TimeoutError(f"the reward took {seconds:.3g} s, over "
+                                   f"reward_timeout_s={self.reward_timeout_s:g} s")
             reward = float(value)
             if not 0.0 <= reward <= 1.0:
                 raise ValueError(f"reward {reward} outside [0, 1]")

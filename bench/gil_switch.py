@@ -10,11 +10,11 @@ switch interval (``sys.setswitchinterval``). This measures that on a CPU with th
 short torch calls, as launches are on a GPU): the engine decodes batches of 64
 requests x 128 tokens while a thread runs Python (pickling) in 2 ms bursts, busy
 ``--duty`` of the time; the intervals take turns, ``--pairs`` times each, after one
-untimed batch, each round led by a turn with the engine alone (no busy thread). Per turn: engine tokens/s and the engine thread's off-CPU share of its
-turns (``bench.pipeline_report.offcpu_share``). Prints one JSON object: per interval
-every turn and the median, and each interval's median tokens/s over the first's and
-over the engine's alone.
-A smoke test of the mechanism on this machine, not a GPU figure.
+untimed batch, each round led by a turn with the engine alone (no busy thread). Per
+turn: engine tokens/s and the engine thread's off-CPU share of its turns
+(``bench.pipeline_report.offcpu_share``). Prints one JSON object: per interval every
+turn and the median, and each interval's median tokens/s over the first's and over
+the engine's alone. A smoke test of the mechanism on this machine, not a GPU figure.
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ FIELDS = {
                            "Python) or for a core; the standalone engine's own is beside it "
                            "(engine_standalone_offcpu_share)",
     "samples_admitted_mean": "fully-async: samples admitted and not yet trained (its admission window's "
-                             "count), averaged over the window's probes (at its start, then every 50 ms); the next four split the "
-                             "policy's samples by where they are",
+                             "count), averaged over the window's probes (at its start, then every 50 ms); the "
+                             "next four split the policy's samples by where they are",
     "samples_in_engine_mean": "in the engines: decoding or waiting for a slot (their num_running + num_waiting; "
                               "running counts rows that ended at the step in flight too)",
     "samples_finished_in_rollout_mean": "in the rollout actors, finished, waiting for the rest of their group "

@@ -123,7 +123,8 @@ def test_a_batch_with_greedy_rows_samples_in_the_kernel_as_the_eager_sampler_wou
     temp = torch.tensor([0.0, 1.0] * (B // 2), device="cuda")
     ones = torch.ones(B, device="cuda")
     params = SamplingBatch(temperature=temp, top_k=ones.long() * 0, top_p=ones, seed=ones.long(), needs_filter=False,
-                           any_greedy=True, unit_temperature=False, generator=torch.Generator(device="cuda").manual_seed(0))
+                           any_greedy=True, unit_temperature=False,
+                           generator=torch.Generator(device="cuda").manual_seed(0))
     calls = []
     kernel = tk.sample_gumbel
     try:
