@@ -47,7 +47,7 @@ import loop
 from actors.engines import GenerateRequest, SamplingParams, triton_kernels, triton_layers
 from actors.engines.torch_engine import TorchEngine
 from bench import emit
-from bench.pipeline_report import offcpu_share
+from bench.pipeline_report import offcpu_share, turn_us
 
 SHAPES = {
     # the per-turn host cost made visible on a CPU: the forward is a small part of a turn
@@ -112,16 +112,6 @@ async def _run_batch(engine: TorchEngine, prompts: list[list[int]], lengths: lis
     return sum(lengths) / elapsed
 
 
-def turn_split_us(timing: dict) -> dict | None:
-    """Per engine turn: host bookkeeping, forward, sampler, waits for the device (see the module doc)."""
-    turns = timing.get("num_turns")
-    if not turns:  # an engine without these counters
-        return None
-    parts = {k: timing[k + "_s"] for k in ("forward", "sample", "device_wait")}
-    return {"host": round((timing["turn_s"] - sum(parts.values())) / turns * 1e6, 1),
-            **{k: round(v / turns * 1e6, 1) for k, v in parts.items()}, "num_turns": turns}
-
-
 async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, device: str, dtype: str,
                        cuda_graphs: bool, overlap_steps: bool | None = None, micro: bool = True,
                        compile_decode: bool | str = True, varied: bool = False) -> dict:
@@ -144,7 +134,7 @@ async def bench_engine(path: str, prompts: list[list[int]], new_tokens: int, dev
         await engine.close()
     return {"tokens_per_s": tps, "kv_cache_bytes": stats["kv_cache_bytes"], "micro": micro,
             "graph_capture_s": round(stats.get("graph_capture_s", 0.0), 3),
-            "turn_us": turn_split_us(stats), "offcpu_share": offcpu,
+            "turn_us": turn_us(stats), "offcpu_share": offcpu,
             "timing": {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()
                        if k.startswith(("decode", "prefill", "num_decode", "num_turns", "num_chain"))}}
 

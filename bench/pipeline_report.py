@@ -70,6 +70,9 @@ FIELDS = {
     "engine_standalone_tokens_per_s": "the standalone engine's tokens/s at engine_concurrency (x engines)",
     "engine_in_loop_over_standalone": "engine_tokens_per_s / engine_standalone_tokens_per_s",
     "engine_standalone_offcpu_share": "engine_offcpu_share of the standalone engine's timed batch",
+    "engine_turn_us": "the built-in engine's mean turn in the window, microseconds by part: host (its Python "
+                      "between the calls), forward and sample (the model's and the sampler's calls: compute on a "
+                      "CPU, launches on CUDA), device_wait; engine_standalone_turn_us: the standalone engine's",
     "trainer_step_ms_median": "median trainer step in the run (a record's train_s: batch in hand to weights "
                               "stepped)",
     "trainer_mfu": "mean model FLOPs utilisation of the run's trainer steps (train/mfu; null where the "
@@ -155,6 +158,7 @@ def standalone_engine(cfg: Any, model_path: str, concurrency: int, prompt_tokens
                                     micro=False, compile_decode=e.compile_decode))
     return {"concurrency": concurrency, "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
             "tokens_per_s": round(out["tokens_per_s"], 2), "offcpu_share": out["offcpu_share"],
+            "turn_us": out["turn_us"],
             "timing_s": out["timing"]}
 
 
@@ -228,7 +232,8 @@ def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -
 def engine_counters(stats: list[dict[str, Any]]) -> dict[str, float]:
     """The engines' counters (``RolloutActor.statistics``), summed over rollout actors."""
     keys = ("num_generated", "num_generated_tokens", "num_decode_steps", "num_prefill_seqs", "prefill_s", "decode_launch_s",
-            "decode_wait_s", "decode_post_s", "turn_s", "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s")
+            "decode_wait_s", "decode_post_s", "num_turns", "turn_s", "forward_s", "sample_s", "device_wait_s",
+            "thread_cpu_s", "loop_cpu_s", "process_cpu_s", "gc_pause_s")
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in keys}
 
 
@@ -267,6 +272,19 @@ def where_samples_are(probes: list[dict[str, float]]) -> dict[str, Any]:
             "num_probes": len(probes)}
 
 
+def turn_us(timing: dict[str, float]) -> dict[str, float] | None:
+    """Microseconds of the built-in engine's mean turn by part (``engine_turn_us``), from its
+    counters: ``host`` (its Python between the calls below), ``forward`` and ``sample`` (the
+    model's and the sampler's calls: compute on a CPU, launches on CUDA), ``device_wait``;
+    None without turns."""
+    turns = timing.get("num_turns")
+    if not turns:
+        return None
+    parts = {k: timing[k + "_s"] for k in ("forward", "sample", "device_wait")}
+    return {"host": round((timing["turn_s"] - sum(parts.values())) / turns * 1e6, 1),
+            **{k: round(v / turns * 1e6, 1) for k, v in parts.items()}, "num_turns": int(turns)}
+
+
 def offcpu_share(turn_s: float, thread_cpu_s: float) -> float | None:
     """Share of the engine thread's turns spent off the CPU (``engine_offcpu_share``);
     None without both clocks. Clamped at 0: the thread's CPU clock also runs between turns."""
@@ -301,6 +319,7 @@ def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, 
                        ("rollout_process_cpu_share", "process_cpu_s"), ("rollout_gc_share", "gc_pause_s")):
         out[key] = d[clock] / (wall_s * num_engines) if d[clock] > 0 else None
     out["engine_offcpu_share"] = offcpu_share(d["turn_s"], d["thread_cpu_s"])
+    out["engine_turn_us"] = turn_us(d)
     for key in ("total", "paused"):
         values = [m.get(f"sync/{key}_ms", 0.0) for m in syncs]
         out[f"sync_{key}_ms_median"] = statistics.median(values) if values else None
@@ -329,6 +348,7 @@ def efficiency(run: dict[str, Any], policy: str, stand: dict[str, Any] | None) -
         "engine_standalone_tokens_per_s": engine_tps,
         "engine_in_loop_over_standalone": run["engine_tokens_per_s"] / engine_tps,
         "engine_standalone_offcpu_share": stand["engine"][str(conc)].get("offcpu_share"),
+        "engine_standalone_turn_us": stand["engine"][str(conc)].get("turn_us"),
         "trainer_standalone_step_ms": trainer_ms,
         "trainer_standalone_mfu": tr["mfu"],
         "trainer_in_loop_over_standalone": run["trainer_step_ms_median"] / trainer_ms,

@@ -129,6 +129,9 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
             assert run["rollout_process_cpu_share"] >= run["engine_thread_cpu_share"]
             for off in (run["engine_offcpu_share"], run["engine_standalone_offcpu_share"]):
                 assert 0 <= off < 1  # the engine's thread ran on a CPU for some of its turns
+            for split in (run["engine_turn_us"], run["engine_standalone_turn_us"]):  # the turn by part, both
+                assert set(split) == {"host", "forward", "sample", "device_wait", "num_turns"}
+                assert split["num_turns"] > 0 and split["forward"] > 0
             if run.get("num_probes"):  # the window's samples by where they are (a probe every 50 ms)
                 assert (run["samples_admitted_mean"] is None) == (name == "sync")
                 assert min(run[k] for k in ("samples_in_engine_mean", "samples_finished_in_rollout_mean",
