@@ -98,7 +98,9 @@ class MpsDaemon:
             else:
                 os.environ[k] = v
         try:
-            self.command(f"quit -t {QUIT_TIMEOUT_S}")
+            said = self.command(f"quit -t {QUIT_TIMEOUT_S}")
+            if "invalid" in said.lower() or "unknown" in said.lower():  # a daemon too old for -t
+                self.command("quit")
         except (OSError, subprocess.TimeoutExpired):
             pass
         if self._root is not None:

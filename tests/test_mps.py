@@ -25,13 +25,17 @@ from actors.mps import MpsDaemon
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # A FAKE control daemon: ``-d`` logs the directories it was given; the front end logs
-# each command read from stdin. FAKE_MPS_FAIL makes ``-d`` fail as a second daemon would.
+# each command read from stdin. FAKE_MPS_FAIL makes ``-d`` fail as a second daemon would;
+# FAKE_MPS_OLD makes the front end refuse ``quit -t``, as a daemon older than it would.
 _FAKE = """#!/bin/sh
 if [ "$1" = "-d" ]; then
   if [ -n "$FAKE_MPS_FAIL" ]; then echo "An instance of this daemon is already running" >&2; exit 1; fi
   echo "daemon $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"; exit 0
 fi
-while read -r line; do echo "command $CUDA_MPS_PIPE_DIRECTORY $line" >> "$FAKE_MPS_LOG"; done
+while read -r line; do
+  echo "command $CUDA_MPS_PIPE_DIRECTORY $line" >> "$FAKE_MPS_LOG"
+  case "$line" in "quit -t"*) if [ -n "$FAKE_MPS_OLD" ]; then echo "Invalid command: quit -t"; fi;; esac
+done
 """
 
 
@@ -70,6 +74,14 @@ def test_a_daemon_of_its_own_serves_processes_started_after_it_and_is_quit(fake_
     assert not root.exists()
     daemon.stop()  # once only
     assert len(fake_daemon.read_text().splitlines()) == 2
+
+
+def test_a_daemon_too_old_for_a_quit_timeout_is_quit_plainly(fake_daemon, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_OLD", "1")
+    daemon = MpsDaemon.start()
+    daemon.stop()
+    assert [line.split(" ", 2)[2] for line in fake_daemon.read_text().splitlines()[1:]] == \
+        [f"quit -t {mps.QUIT_TIMEOUT_S}", "quit"]
 
 
 def test_a_daemon_the_environment_names_is_used_as_it_is(fake_daemon, monkeypatch, tmp_path):
