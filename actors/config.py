@@ -399,8 +399,9 @@ def _check_progress(cfg: Config) -> None:
             "policy.max_staleness >= 1, or policy.type=sync to train on-policy")
 
 
-def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
-    """Decode a raw tree into a :class:`Config` or raise :class:`ConfigError`."""
+def build_config(tree: dict[str, Any], base_dir: str = ".", check: bool = True) -> Config:
+    """Decode a raw tree into a :class:`Config` or raise :class:`ConfigError`; ``check``: its
+    sections against each other and against this machine (what it can build) too."""
     if not isinstance(tree, dict):
         raise ConfigError(f"<root>: expected a mapping of sections, got {type(tree).__name__}")
     tree = dict(tree)
@@ -411,7 +412,8 @@ def build_config(tree: dict[str, Any], base_dir: str = ".") -> Config:
         cfg = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as err:
         raise ConfigError(_friendly(err, tree)) from None
-    _check_consistency(cfg)
+    if check:
+        _check_consistency(cfg)
     return cfg
 
 
@@ -435,7 +437,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
-                  "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s",
+                  "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s", "runtime.mps",
                   "rollout.max_respawns")
 
 
@@ -447,7 +449,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     base_dir = tree.pop("base_dir", None)
     if not isinstance(base_dir, str):
         raise ConfigError(f"{p}: not a resolved run config (no base_dir)")
-    before = build_config(dict(tree), base_dir)
+    before = build_config(dict(tree), base_dir, check=False)  # as saved: this machine may lack what it used
     cfg = build_config(apply_overrides(tree, list(overrides)), base_dir)
     changed = [key for key in _diff(msgspec.to_builtins(before), msgspec.to_builtins(cfg))
                if key not in RESUMABLE_KEYS and not key.startswith("runtime.placement.")]

@@ -168,3 +168,20 @@ def test_the_real_daemon_serves_a_cuda_client_and_quits(monkeypatch):
         assert client.returncode == 0
     finally:
         daemon.stop()
+
+
+def test_a_run_saved_with_mps_resumes_without_it(monkeypatch, tmp_path):
+    """A checkpoint of a run under MPS, resumed where there is no MPS: ``runtime.mps=false``
+    is one of the keys a resume may change, and the saved config is not checked against
+    this machine before the override applies."""
+    from actors.config import load_resume_config, to_yaml
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no control daemon here
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    saved = tmp_path / "config.yaml"
+    text = to_yaml(load_config(ROOT / "fully_async.yaml", ["runtime.type=process"]))
+    assert "\n  mps: false\n" in text
+    saved.write_text(text.replace("\n  mps: false\n", "\n  mps: true\n", 1))
+    assert not load_resume_config(saved, ["runtime.mps=false"]).runtime.mps
+    with pytest.raises(ConfigError, match="^runtime.mps: "):  # kept on: checked, and refused here
+        load_resume_config(saved)
