@@ -22,7 +22,7 @@ array (``decode_field``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -102,12 +102,15 @@ def _token_copy(value: Any, name: str) -> list | np.ndarray:
     return array
 
 
-def sample_to_row(sample: Sample, fields: Sequence[str]) -> dict[str, Any]:
-    """The named fields of ``sample`` as a storage row (token fields copied, see ``_token_copy``)."""
+def sample_to_row(sample: Sample, fields: Sequence[str], token: Callable[[Any, str], Any] | None = None
+                  ) -> dict[str, Any]:
+    """The named fields of ``sample`` as a storage row (token fields through ``token``,
+    by default copied: ``_token_copy``)."""
+    token = token or _token_copy
     row: dict[str, Any] = {"uid": sample.uid, "group_id": sample.group_id}
     for name in fields:
         value = getattr(sample, name)
-        row[name] = _token_copy(value, name) if name in TOKEN_FIELDS else value
+        row[name] = token(value, name) if name in TOKEN_FIELDS else value
     return row
 
 
@@ -244,10 +247,7 @@ def encode_new_rows(samples: Sequence[Sample]) -> tuple[bytearray, list[int], li
                 num_prompt_tokens=len(s.prompt_ids), num_response_tokens=len(s.response_ids),
             ))  # fmt: skip
         else:
-            row: dict[str, Any] = {"uid": s.uid, "group_id": s.group_id}
-            for name in ALL_FIELDS:
-                value = getattr(s, name)
-                row[name] = _wire_token(value, name) if name in TOKEN_FIELDS else value
+            row = sample_to_row(s, ALL_FIELDS, _wire_token)
             _encoder.encode_into(row, body, -1)
             tags.append(tags_of(row, FULL_MASK))
         ends.append(len(body))

@@ -99,13 +99,10 @@ class ServedDeployment:
 
     async def put_new(self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[SampleTags],
                       wait: bool, timeout_s: float | None) -> list[int]:
-        """A put of new samples in one round trip: ``bodies`` (rows, row ends) from
-        ``codec.encode_new_rows``, as ``RayDeployment.put_new`` takes them. ``ReserveRefused``
-        if the controller refused (nothing registered)."""
-        body, ends = bodies[0]
-        for more, more_ends in bodies[1:]:
-            ends = [*ends, *(len(body) + e for e in more_ends)]
-            body = body + more
+        """A put of new samples in one round trip: ``bodies``, as ``RayDeployment.put_new``
+        takes them, is one (rows, row ends) from ``codec.encode_new_rows`` (a served queue's
+        puts are not coalesced). ``ReserveRefused`` if the controller refused (nothing registered)."""
+        [(body, ends)] = bodies
         return await self._rpc.call("put_new", partition, body, ends, tags, wait, timeout_s)
 
     async def write_commit(self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int],
