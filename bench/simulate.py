@@ -367,6 +367,7 @@ SETUPS: dict[str, dict[str, Any]] = {
             RunSpec("async_vs_sync_cpu.json", warmup_steps=3, why="its note: 3 untimed warm-up steps per run"),
             RunSpec("async_vs_sync_cpu_ray.json", why="warm-up not recorded: none"),
             RunSpec("clean_clone_e91d83a/async_vs_sync_cpu.json", why="warm-up not recorded: none"),
+            RunSpec("async_vs_sync_cpu_7c1e492.json", warmup_steps=2, why="its command: --warmup-steps 2"),
         ],
     },
     "h200_smollm2_text_arithmetic": {
