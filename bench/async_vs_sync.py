@@ -308,6 +308,11 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         "train_step_ms_mean": 1000 * statistics.fmean(m["train_s"] for m in hist),
         "train_tflops_mean": statistics.fmean(m["train/tflops"] for m in hist),
         **({"mfu_mean": statistics.fmean(m["train/mfu"] for m in hist)} if "train/mfu" in last else {}),
+        # trainer.cuda_graphs: buckets captured inside the window (a capture's seconds land in its step's
+        # train_s) and micro-batches run in a bigger captured bucket than their own
+        **({f"trainer_graph_{k}_in_window": last[f"train/{m}"] - start.get(f"train/{m}", 0.0)
+            for k, m in (("captures", "cuda_graphs"), ("capture_s", "graph_capture_s"),
+                         ("reuses", "cuda_graph_reuses"))} if "train/cuda_graphs" in last else {}),
         # where a sync's time goes: encode (trainer), transfer, apply (engine), and the
         # rest of the sequence (pause, abort, version checks, resume: engine round trips);
         # paused: how long the engines stood still (the encode runs before the pause
@@ -384,7 +389,8 @@ EVAL_OUTSIDE_WINDOW = (
 SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
                 "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
                 "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean",
-                "train_tflops_mean", "mfu_mean", "eval_s",
+                "train_tflops_mean", "mfu_mean", "eval_s", "trainer_graph_captures_in_window",
+                "trainer_graph_capture_s_in_window", "trainer_graph_reuses_in_window",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
                 "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
                 "engine_thread_cpu_share", "engine_offcpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share",

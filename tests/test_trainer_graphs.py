@@ -8,12 +8,14 @@ several, train as eager steps do, batch after batch, with a graph captured once 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 import torch
 
 from actors.backends import TrainerConfig
-from actors.backends.graphs import BUCKET_TOKENS, bucket_shape, max_len_bound
+from actors.backends.graphs import (BUCKET_TOKENS, CAPTURE_AFTER, PAD_PIECE, bucket_shape, max_len_bound, own_bucket,
+                                    pick_bucket)
 from actors.backends.packing import packed_batch
 from actors.backends.torch_backend import TorchBackend
 from actors.config import ConfigError, load_config
@@ -59,6 +61,38 @@ def test_a_padded_row_gives_the_unpadded_rows_logprobs(model_dirs):
         everywhere = torch.arange(300)  # as the graphs run it: every position, the next token its target
         got = b._packed_forward(padded, everywhere, torch.roll(padded.input_ids[0], -1), True)
     torch.testing.assert_close(got.index_select(0, padded.pred_positions), want, atol=1e-5, rtol=0)
+
+
+def _batch_of(tokens: int, num: int = 64, longest: int = 300) -> list[Sample]:
+    """``num`` samples of ``tokens`` tokens in all, the first ``longest`` long."""
+    rest = (tokens - longest) // (num - 1)
+    lengths = [longest] + [rest] * (num - 2) + [tokens - longest - rest * (num - 2)]
+    return [Sample(uid=f"s{i}", group_id="g", prompt_ids=[1] * 10, response_ids=[2] * (n - 10))
+            for i, n in enumerate(lengths)]
+
+
+def test_a_captured_bucket_serves_a_batch_up_to_the_slack_until_its_own_recurs():
+    captured = {own_bucket(_batch_of(17_000))}  # (18432, 96, 1024)
+    met: Counter = Counter()
+    small = _batch_of(15_000)  # own bucket 16384: 18432 is 23% more tokens
+    assert own_bucket(small) == (16_384, 96, 1024)
+    for _ in range(CAPTURE_AFTER - 1):
+        key, piece = pick_bucket(small, captured, met)
+        assert key == (18_432, 96, 1024) and piece == 128  # 3432 pad tokens in 27 pieces of 32 free rows
+        batch = packed_batch(small, torch.device("cpu"), pad_to=key[:2], pad_piece=piece)
+        assert batch.input_ids.shape == (1, 18_432) and batch.cu_seqlens.shape == (97,)
+    assert pick_bucket(small, captured, met) == ((16_384, 96, 1024), PAD_PIECE)  # met 8 times: its own graphs
+    # too small for the slack: its own bucket at once
+    assert pick_bucket(_batch_of(14_000), captured, Counter())[0] == (14_336, 96, 1024)
+    # a captured bucket too small, or with a shorter bound than the longest sample, serves nothing
+    assert pick_bucket(_batch_of(19_000), captured, Counter())[0] == (20_480, 96, 1024)
+    assert pick_bucket(_batch_of(15_000, longest=1500), captured, Counter())[0] == (16_384, 96, 2048)
+    # few free rows: the pad pieces grow (up to the bound) so that they fit
+    few = _batch_of(15_000, num=90)
+    key, piece = pick_bucket(few, captured, Counter())
+    assert key == (18_432, 96, 1024) and piece == -(-(18_432 - 15_000) // 6) == 572
+    assert packed_batch(few, torch.device("cpu"), pad_to=key[:2], pad_piece=piece).input_ids.shape == (1, 18_432)
+    assert pick_bucket(_batch_of(15_000, num=94), captured, Counter())[0] == (16_384, 128, 1024)  # 2 rows: too few
 
 
 def test_a_row_that_does_not_fit_its_padding_is_refused():
@@ -133,3 +167,33 @@ def test_graphs_run_with_liger_kernels(model_dirs):
             assert a == pytest.approx(b, abs=2e-2)
         if m_e:
             assert m_g["grad_norm"] == pytest.approx(m_e["grad_norm"], rel=2e-2)
+
+
+def _long_batch(num: int, vocab: int, seed: int) -> list[Sample]:
+    """``num`` samples of 60 tokens (the tiny Llama's positions stop at 64)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (num, 60), generator=g).tolist()
+    return [Sample(uid=f"l{seed}-{i}", group_id=f"g{i // 2}", prompt_ids=[1, *row[:19]], response_ids=row[20:],
+                   rollout_logprobs=[-3.0] * 40) for i, row in enumerate(ids)]
+
+
+@pytest.mark.gpu
+def test_a_batch_run_in_a_bigger_captured_bucket_trains_as_eager(model_dirs):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA device")
+    out = {}
+    for graphs in (True, False):
+        b = TorchBackend(model_dirs["bfloat16"], loss=make_loss("ppo_clip"), lr=1e-4, seed=0, device="cuda",
+                         dtype="bfloat16", master_dtype="float32", cuda_graphs=graphs)
+        b.setup()
+        vocab = b.model.config.vocab_size
+        # 16,800 tokens: bucket (18432, 320, 1024) captured; then 15,000 (own bucket 16384) run in it
+        steps = [b.train_step(batch, [1.0, -1.0] * (len(batch) // 2)) for batch in
+                 (_long_batch(280, vocab, 0), _long_batch(250, vocab, 1))]
+        out[graphs] = steps, b.compute_logprobs(_long_batch(250, vocab, 2))
+    (got, lps_g), (want, lps_e) = out[True], out[False]
+    assert got[1]["cuda_graphs"] == 1 and got[1]["cuda_graph_reuses"] == 1
+    for m_g, m_e in zip(got, want):
+        assert m_g["grad_norm"] == pytest.approx(m_e["grad_norm"], rel=2e-2)
+    for a, b in zip(lps_g, lps_e):
+        assert a == pytest.approx(b, abs=2e-2)

@@ -11,7 +11,12 @@ A graph runs fixed shapes, so each micro-batch is padded to a *bucket*:
                BUCKET_TOKENS with pad sequences of at most PAD_PIECE tokens, the sequences
                to S_b with empty ones (cu_seqlens repeats its end), the longest sequence
                to a power of two of at least 1024 (L_b, the varlen kernel's bound)
-            ─► one graph pair per (N_b, S_b, L_b), captured the first time it is met:
+            ─► one graph pair per (N_b, S_b, L_b), captured the first time it is met,
+               unless a bucket already captured holds the micro-batch at most REUSE_SLACK
+               more tokens (its padding then in larger pieces): that one serves it until
+               its own bucket has been met CAPTURE_AFTER times (a capture costs ~0.3-0.5 s
+               on an H100, a bigger replay a few ms: a size that recurs earns its graphs,
+               one met once in a while is padded)
                forward   ids, positions, cu_seqlens ─► the model ─► [N_b, 2] (log-prob of
                          the next token, entropy) at every position; the LM head in chunks
                backward  d(loss)/d[N_b, 2] ─► the model's gradients, added into grad
@@ -37,7 +42,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,10 +51,12 @@ import torch
 from actors.backends.packing import PackedBatch, packed_batch, varlen_available
 from contracts.sample import Sample
 
-__all__ = ["BUCKET_TOKENS", "GraphedPasses", "bucket_shape", "graphs_unsupported"]
+__all__ = ["BUCKET_TOKENS", "GraphedPasses", "bucket_shape", "graphs_unsupported", "pick_bucket"]
 
 BUCKET_TOKENS = 2048  # a micro-batch's tokens are rounded up to a multiple of this
-PAD_PIECE = 128  # the padding is split into sequences of at most this many tokens
+PAD_PIECE = 128  # the padding is split into sequences of at most this many tokens (in its own bucket)
+REUSE_SLACK = 0.25  # a captured bucket serves a micro-batch of up to this much fewer tokens...
+CAPTURE_AFTER = 8  # ...until the micro-batch's own bucket has been met this many times
 MIN_MAX_LEN = 1024  # the least bound on the longest sequence a bucket has
 _SEQ_ROUND = 32
 _WARMUP = 2  # eager forward + backward passes before a capture (lazy inits, autotuning)
@@ -69,6 +77,34 @@ def max_len_bound(max_len: int) -> int:
     MIN_MAX_LEN (a longer bound than needed only adds blocks that exit at once; one bound for
     every row of up to 1024 tokens saves the captures a bound per power of two would cost)."""
     return 1 << (max(max_len, MIN_MAX_LEN) - 1).bit_length()
+
+
+Bucket = tuple[int, int, int]  # (tokens N_b, sequences S_b, max_len bound L_b)
+
+
+def own_bucket(samples: list[Sample]) -> Bucket:
+    """The bucket ``samples`` are padded to when they get graphs of their own."""
+    return (*bucket_shape(samples), max_len_bound(max(len(s.prompt_ids) + len(s.response_ids) for s in samples)))
+
+
+def pick_bucket(samples: list[Sample], captured: Iterable[Bucket], met: Counter[Bucket]) -> tuple[Bucket, int]:
+    """The bucket ``samples`` run in and the size of their pad pieces: their own bucket when it
+    is captured or has now been met ``CAPTURE_AFTER`` times (``met`` counts the meetings), else
+    the smallest captured one that holds them with at most ``REUSE_SLACK`` more tokens, else
+    their own (to be captured)."""
+    own = own_bucket(samples)
+    n, bound = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), own[2]
+    met[own] += 1
+    if own in captured or met[own] >= CAPTURE_AFTER:
+        return own, PAD_PIECE
+    fits = []
+    for key in captured:
+        room, pad = key[1] - len(samples), key[0] - n
+        if n <= key[0] <= n * (1 + REUSE_SLACK) and key[2] >= bound and room > 0:
+            piece = max(PAD_PIECE, -(-pad // room))  # ceil(pad / room) pieces fit the room
+            if piece <= key[2]:
+                fits.append((key, piece))
+    return min(fits) if fits else (own, PAD_PIECE)
 
 
 def graphs_unsupported(device: torch.device, dtype: torch.dtype, *, packed: bool, compile: bool,
@@ -135,6 +171,8 @@ class GraphedPasses:
         self.grads: list[torch.Tensor] | None = None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.capture_s = 0.0  # seconds spent warming up and capturing, all buckets
+        self.reuses = 0  # micro-batches run in a bigger bucket than their own (pick_bucket)
+        self._met: Counter[Bucket] = Counter()
         self._pool: Any = None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
@@ -151,8 +189,9 @@ class GraphedPasses:
     def logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs, entropy and mask ``[B, T_max]`` of ``samples``' responses, as the eager
         packed forward gives them, through the bucket's graphs (captured on first use)."""
-        batch = packed_batch(samples, self.device, pad_to=bucket_shape(samples))
-        key = (batch.input_ids.shape[1], batch.cu_seqlens.shape[0] - 1, max_len_bound(batch.max_len))
+        key, piece = pick_bucket(samples, self.graphs, self._met)
+        batch = packed_batch(samples, self.device, pad_to=key[:2], pad_piece=piece)
+        self.reuses += key != own_bucket(samples)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(batch, key[2])

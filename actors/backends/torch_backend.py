@@ -326,7 +326,8 @@ class TorchBackend(TrainerBackend):
         if self.compile:  # cumulative: a figure that grows after warm-up is a recompilation
             metrics.update(compile_s=self.compile_s, compiled_graphs=float(self.compiled_graphs))
         if self._graphs is not None:  # cumulative, as compile's: a new bucket captures its graphs
-            metrics.update(graph_capture_s=self._graphs.capture_s, cuda_graphs=float(len(self._graphs.graphs)))
+            metrics.update(graph_capture_s=self._graphs.capture_s, cuda_graphs=float(len(self._graphs.graphs)),
+                           cuda_graph_reuses=float(self._graphs.reuses))
         return metrics
 
     def _train_step(self, samples: list[Sample], advantages: list[float],
