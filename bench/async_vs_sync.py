@@ -306,6 +306,8 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
         "sync_ms_mean": statistics.fmean(m.get("sync/total_ms", 0.0) for m in hist),
         # the trainer's step (batch in hand to weights stepped) and its model FLOPs
         "train_step_ms_mean": 1000 * statistics.fmean(m["train_s"] for m in hist),
+        # the driver's wait for a step's batch: the step's time outside train_s and the push after it
+        "wait_ms_mean": 1000 * statistics.fmean(m["wait_s"] for m in hist),
         "train_tflops_mean": statistics.fmean(m["train/tflops"] for m in hist),
         **({"mfu_mean": statistics.fmean(m["train/mfu"] for m in hist)} if "train/mfu" in last else {}),
         # trainer.cuda_graphs: buckets captured inside the window (a capture's seconds land in its step's
@@ -388,7 +390,7 @@ EVAL_OUTSIDE_WINDOW = (
 #: Summarised over seeds (mean, spread, min and max), in this order: throughput side by side, then learning.
 SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "trainer_idle_ratio",
                 "rollout_idle_ratio", "eval_reward_first", "eval_reward_last", "eval_at_trained",
-                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean",
+                "final_reward", "first_reward", "partial_ratio", "sync_ms_mean", "train_step_ms_mean", "wait_ms_mean",
                 "train_tflops_mean", "mfu_mean", "eval_s", "trainer_graph_captures_in_window",
                 "trainer_graph_capture_s_in_window", "trainer_graph_reuses_in_window",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
