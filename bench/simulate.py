@@ -401,6 +401,8 @@ LEFT_OUT = {
     "async_vs_sync_h100_smollm2_graphs_local.json": "the same H100 lease, one seed under the local runtime",
     "async_vs_sync_h100_smollm2_graphs_mps.json": "the same H100 lease, one seed under NVIDIA MPS: kernels of two "
                                                   "processes at once, which the model does not have",
+    "async_vs_sync_h100_smollm2_mps_2faf9d6.json": "an H100 run under NVIDIA MPS (runtime.mps): kernels of two "
+                                                   "processes at once, which the model does not have",
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.backends import TrainerConfig
-from actors.backends.graphs import (BUCKET_TOKENS, CAPTURE_AFTER, PAD_PIECE, bucket_shape, max_len_bound, own_bucket,
+from actors.backends.graphs import (BUCKET_TOKENS, CAPTURE_COST_TOKENS, PAD_PIECE, bucket_shape, max_len_bound, own_bucket,
                                     pick_bucket)
 from actors.backends.packing import packed_batch
 from actors.backends.torch_backend import TorchBackend
@@ -71,20 +71,24 @@ def _batch_of(tokens: int, num: int = 64, longest: int = 300) -> list[Sample]:
             for i, n in enumerate(lengths)]
 
 
-def test_a_captured_bucket_serves_a_batch_up_to_the_slack_until_its_own_recurs():
+def test_a_captured_bucket_serves_a_smaller_batch_until_its_padding_has_paid_for_a_capture():
     captured = {own_bucket(_batch_of(17_000))}  # (18432, 96, 1024)
-    met: Counter = Counter()
-    small = _batch_of(15_000)  # own bucket 16384: 18432 is 23% more tokens
-    assert own_bucket(small) == (16_384, 96, 1024)
-    for _ in range(CAPTURE_AFTER - 1):
-        key, piece = pick_bucket(small, captured, met)
+    wasted: Counter = Counter()
+    small = _batch_of(15_000)
+    own = own_bucket(small)
+    assert own == (16_384, 96, 1024)
+    uses = -(-CAPTURE_COST_TOKENS // (18_432 - 16_384))  # 2048 tokens beyond its own bucket a use
+    for _ in range(uses):
+        key, piece = pick_bucket(small, captured, wasted)
         assert key == (18_432, 96, 1024) and piece == 128  # 3432 pad tokens in 27 pieces of 32 free rows
         batch = packed_batch(small, torch.device("cpu"), pad_to=key[:2], pad_piece=piece)
         assert batch.input_ids.shape == (1, 18_432) and batch.cu_seqlens.shape == (97,)
-    assert pick_bucket(small, captured, met) == ((16_384, 96, 1024), PAD_PIECE)  # met 8 times: its own graphs
-    # too small for the slack: its own bucket at once
-    assert pick_bucket(_batch_of(14_000), captured, Counter())[0] == (14_336, 96, 1024)
-    # a captured bucket too small, or with a shorter bound than the longest sample, serves nothing
+    assert wasted[own] >= CAPTURE_COST_TOKENS
+    assert pick_bucket(small, captured, wasted) == (own, PAD_PIECE)  # paid for: its own graphs now
+    # a step's leftover micro-batch (a few samples) runs in the big bucket: 17,932 pad tokens in 93 rows
+    leftover = _batch_of(500, num=3, longest=300)
+    assert pick_bucket(leftover, captured, Counter()) == ((18_432, 96, 1024), 193)
+    # nothing captured holds it (too many tokens, or a longer sequence than the bound): its own
     assert pick_bucket(_batch_of(19_000), captured, Counter())[0] == (20_480, 96, 1024)
     assert pick_bucket(_batch_of(15_000, longest=1500), captured, Counter())[0] == (16_384, 96, 2048)
     # few free rows: the pad pieces grow (up to the bound) so that they fit
@@ -93,6 +97,8 @@ def test_a_captured_bucket_serves_a_batch_up_to_the_slack_until_its_own_recurs()
     assert key == (18_432, 96, 1024) and piece == -(-(18_432 - 15_000) // 6) == 572
     assert packed_batch(few, torch.device("cpu"), pad_to=key[:2], pad_piece=piece).input_ids.shape == (1, 18_432)
     assert pick_bucket(_batch_of(15_000, num=94), captured, Counter())[0] == (16_384, 128, 1024)  # 2 rows: too few
+    # the smallest captured bucket that holds it
+    assert pick_bucket(small, captured | {(24_576, 96, 1024)}, Counter())[0] == (18_432, 96, 1024)
 
 
 def test_a_row_that_does_not_fit_its_padding_is_refused():
@@ -184,7 +190,7 @@ def test_a_batch_run_in_a_bigger_captured_bucket_trains_as_eager(model_dirs):
     out = {}
     for graphs in (True, False):
         b = TorchBackend(model_dirs["bfloat16"], loss=make_loss("ppo_clip"), lr=1e-4, seed=0, device="cuda",
-                         dtype="bfloat16", master_dtype="float32", cuda_graphs=graphs)
+                         dtype="bfloat16", master_dtype="float32", cuda_graphs=graphs, micro_batch_tokens=0)
         b.setup()
         vocab = b.model.config.vocab_size
         # 16,800 tokens: bucket (18432, 320, 1024) captured; then 15,000 (own bucket 16384) run in it

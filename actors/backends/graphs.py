@@ -11,18 +11,22 @@ A graph runs fixed shapes, so each micro-batch is padded to a *bucket*:
                BUCKET_TOKENS with pad sequences of at most PAD_PIECE tokens, the sequences
                to S_b with empty ones (cu_seqlens repeats its end), the longest sequence
                to a power of two of at least 1024 (L_b, the varlen kernel's bound)
-            ─► one graph pair per (N_b, S_b, L_b), captured the first time it is met,
-               unless a bucket already captured holds the micro-batch at most REUSE_SLACK
-               more tokens (its padding then in larger pieces): that one serves it until
-               its own bucket has been met CAPTURE_AFTER times (a capture costs ~0.3-0.5 s
-               on an H100, a bigger replay a few ms: a size that recurs earns its graphs,
-               one met once in a while is padded)
+            ─► one graph pair per (N_b, S_b, L_b), captured when first needed (below):
                forward   ids, positions, cu_seqlens ─► the model ─► [N_b, 2] (log-prob of
                          the next token, entropy) at every position; the LM head in chunks
                backward  d(loss)/d[N_b, 2] ─► the model's gradients, added into grad
                          buffers that stay the same tensors (attach_grads)
             ─► the response positions' rows picked out (index_select) for the loss, which
                runs eagerly between the two
+
+A bucket already captured that holds a micro-batch serves it (its padding then in larger
+pieces), the smallest such, until the tokens padded beyond the micro-batch's own bucket add
+up to CAPTURE_COST_TOKENS; then its own is captured (ski rental). A capture costs 0.4-0.8 s
+on an H100 (two eager passes and the capture), a replay of the SmolLM2-135M shape ~5 us a
+token: a size that recurs earns its graphs, one met now and then is padded. Under
+``trainer.micro_batch_tokens`` a step's last micro-batch holds what is left over, one sample
+to the budget: before this, its sizes captured 1-3 buckets in each 10-step window of the
+SmolLM2-135M bench (0.4-1.6 s of it).
 
 Every graph shares one memory pool. That is safe because a forward's replay is followed by
 its own backward's before any other graph replays (one micro-batch at a time), so what one
@@ -55,8 +59,7 @@ __all__ = ["BUCKET_TOKENS", "GraphedPasses", "bucket_shape", "graphs_unsupported
 
 BUCKET_TOKENS = 2048  # a micro-batch's tokens are rounded up to a multiple of this
 PAD_PIECE = 128  # the padding is split into sequences of at most this many tokens (in its own bucket)
-REUSE_SLACK = 0.25  # a captured bucket serves a micro-batch of up to this much fewer tokens...
-CAPTURE_AFTER = 8  # ...until the micro-batch's own bucket has been met this many times
+CAPTURE_COST_TOKENS = 65536  # padded tokens a capture is worth (on the cautious side of ~100k)
 MIN_MAX_LEN = 1024  # the least bound on the longest sequence a bucket has
 _SEQ_ROUND = 32
 _WARMUP = 2  # eager forward + backward passes before a capture (lazy inits, autotuning)
@@ -87,24 +90,27 @@ def own_bucket(samples: list[Sample]) -> Bucket:
     return (*bucket_shape(samples), max_len_bound(max(len(s.prompt_ids) + len(s.response_ids) for s in samples)))
 
 
-def pick_bucket(samples: list[Sample], captured: Iterable[Bucket], met: Counter[Bucket]) -> tuple[Bucket, int]:
+def pick_bucket(samples: list[Sample], captured: Iterable[Bucket], wasted: Counter[Bucket]) -> tuple[Bucket, int]:
     """The bucket ``samples`` run in and the size of their pad pieces: their own bucket when it
-    is captured or has now been met ``CAPTURE_AFTER`` times (``met`` counts the meetings), else
-    the smallest captured one that holds them with at most ``REUSE_SLACK`` more tokens, else
-    their own (to be captured)."""
+    is captured or has been padded past by ``CAPTURE_COST_TOKENS`` (``wasted`` counts the tokens
+    beyond it, per own bucket), else the smallest captured one that holds them, else their own
+    (to be captured)."""
     own = own_bucket(samples)
-    n, bound = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), own[2]
-    met[own] += 1
-    if own in captured or met[own] >= CAPTURE_AFTER:
+    if own in captured or wasted[own] >= CAPTURE_COST_TOKENS:
         return own, PAD_PIECE
+    n = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     fits = []
     for key in captured:
         room, pad = key[1] - len(samples), key[0] - n
-        if n <= key[0] <= n * (1 + REUSE_SLACK) and key[2] >= bound and room > 0:
+        if pad >= 0 and key[2] >= own[2] and room > 0:
             piece = max(PAD_PIECE, -(-pad // room))  # ceil(pad / room) pieces fit the room
             if piece <= key[2]:
                 fits.append((key, piece))
-    return min(fits) if fits else (own, PAD_PIECE)
+    if not fits:
+        return own, PAD_PIECE
+    key, piece = min(fits)
+    wasted[own] += key[0] - own[0]
+    return key, piece
 
 
 def graphs_unsupported(device: torch.device, dtype: torch.dtype, *, packed: bool, compile: bool,
@@ -172,7 +178,7 @@ class GraphedPasses:
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.capture_s = 0.0  # seconds spent warming up and capturing, all buckets
         self.reuses = 0  # micro-batches run in a bigger bucket than their own (pick_bucket)
-        self._met: Counter[Bucket] = Counter()
+        self._wasted: Counter[Bucket] = Counter()
         self._pool: Any = None
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
@@ -189,7 +195,7 @@ class GraphedPasses:
     def logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs, entropy and mask ``[B, T_max]`` of ``samples``' responses, as the eager
         packed forward gives them, through the bucket's graphs (captured on first use)."""
-        key, piece = pick_bucket(samples, self.graphs, self._met)
+        key, piece = pick_bucket(samples, self.graphs, self._wasted)
         batch = packed_batch(samples, self.device, pad_to=key[:2], pad_piece=piece)
         self.reuses += key != own_bucket(samples)
         graph = self.graphs.get(key)
