@@ -403,6 +403,9 @@ LEFT_OUT = {
                                                   "processes at once, which the model does not have",
     "async_vs_sync_h100_smollm2_mps_2faf9d6.json": "an H100 run under NVIDIA MPS (runtime.mps): kernels of two "
                                                    "processes at once, which the model does not have",
+    "async_vs_sync_h100_smollm2_mps_1c5d2f3.json": "the same, a later lease and code",
+    "async_vs_sync_h100_smollm2_1c5d2f3.json": "an H100 run: every setup is calibrated on H200 runs, and its graphed "
+                                               "trainer's step is a clock no calibration run has",
 }
 
 
