@@ -264,6 +264,28 @@ def _main_kept_out() -> Iterator[None]:
                 main.__file__ = file
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in ``os.environ`` while a spawn child starts (it copies the environment then)."""
+    if not extra:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def _serve(conn: Any, imports: tuple[str, ...], t_launch: float) -> None:
     """A ``process`` actor's process, launched at ``t_launch`` (``time.time()``): import
     ``imports`` (its class's module and what its setup will need), then take its actor
@@ -421,6 +443,7 @@ class ProcessRuntime(Runtime):
         self._handles: list[_ProcessHandle] = []
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: dict[type, list[tuple[Any, Any]]] = {}  # started ahead (prestart): class -> (process, pipe)
+        self.env: dict[type, dict[str, str]] = {}  # what each class's processes add to the environment
 
     def prestart(self, counts: dict[type, int]) -> None:
         """Start the processes of actors to come now (``counts``: how many of each
@@ -435,7 +458,7 @@ class ProcessRuntime(Runtime):
         imports = (cls.__module__, *getattr(cls, "preload", ()))
         # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
         proc = self._ctx.Process(target=_serve, args=(child, imports, time.time()), name=f"asyncrl-{name}")
-        with _main_kept_out():
+        with _main_kept_out(), _environ(self.env.get(cls, {})):
             proc.start()
         child.close()
         _idle_procs.add(proc)

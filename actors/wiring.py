@@ -80,6 +80,9 @@ class Wiring:
                                     connect_timeout_s=cfg.runtime.connect_timeout_s)
         if cfg.runtime.type == "local":
             torch.set_num_threads(1)
+        if cfg.runtime.mps and cfg.runtime.mps_trainer_sm_percent is not None:  # the trainer's SMs, from its start
+            self.runtime.env[TrainerActor] = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE":
+                                              str(cfg.runtime.mps_trainer_sm_percent)}
         if cfg.runtime.type == "process":  # every process starts importing now, beside the others and the driver
             hosts_queue = cfg.transfer_queue.deployment != "ray"
             self.runtime.prestart({QueueHost: int(hosts_queue), TrainerActor: cfg.trainer.num_workers,

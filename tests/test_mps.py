@@ -107,6 +107,7 @@ def test_a_daemon_that_fails_to_start_is_one_line_and_leaves_nothing(fake_daemon
 @pytest.mark.parametrize(("overrides", "message"), [
     (["runtime.mps=true"], "runtime.mps: needs runtime.type=process (got 'local'"),
     (["runtime.mps=true", "runtime.type=process"], "runtime.mps: no actor is on a GPU"),
+    (["runtime.mps_trainer_sm_percent=60"], "runtime.mps_trainer_sm_percent: needs runtime.mps=true"),
 ])
 def test_mps_where_it_cannot_apply_is_a_config_error(fake_daemon, overrides, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
@@ -128,15 +129,19 @@ def test_a_process_run_starts_its_actors_as_clients_and_quits_the_daemon_after_t
 
     cfg = load_config(ROOT / "fully_async.yaml", ["runtime.type=process", f"run.output_dir={tmp_path}",
                                                   "run.progress=false"])
-    cfg = msgspec.structs.replace(cfg, runtime=msgspec.structs.replace(cfg.runtime, mps=True))
+    cfg = msgspec.structs.replace(cfg, runtime=msgspec.structs.replace(cfg.runtime, mps=True,
+                                                                       mps_trainer_sm_percent=60))
     run = Run(cfg)
     try:
         pipe = run.mps.pipe_dir
         handles = [run.policy.trainer, *run.policy.rollouts]
         pids = loop.run(_pids(handles))
-        for pid in pids:  # each actor's process started with the daemon's pipe directory
+        for i, pid in enumerate(pids):  # each actor's process started with the daemon's pipe directory
             environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}".encode() in environ
+            # the trainer's kernels at most 60% of the SMs, the engine's unlimited
+            assert (b"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60" in environ) == (i == 0)
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in os.environ
         assert "mps_s" in run.startup
         run.train(1)
         assert fake_daemon.read_text().count("command") == 0  # not quit while its clients run
