@@ -13,6 +13,11 @@ actors' processes are clients of one server and their kernels share the GPU's SM
     daemon.stop()       ``quit`` to the daemon (its server ends once its clients have),
                         the variables as they were, the directory removed
 
+``runtime.mps_trainer_sm_percent`` caps the share of SMs the trainer's kernels may take
+(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` in its processes' environment from their start):
+unlimited, the engine's prefills ran 4-5x slower beside it and fully-async lost more than
+the trainer gained (1.93x sync against 2.19x without MPS, one H100).
+
 A daemon the environment already names (``CUDA_MPS_PIPE_DIRECTORY`` set: the cluster's
 own, or the user's) is used as it is, never started or stopped here. A client that
 cannot reach the daemon runs without MPS, as CUDA does; the daemon's log
