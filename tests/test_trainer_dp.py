@@ -184,10 +184,16 @@ def run(tmp_path_factory):
             ranks.append(pickle.load(f))
     samples, advantages, _ = batch
     single = {}
-    for scenario in SCENARIOS:
-        b = _backend(scenario)
-        single[scenario] = [(b.train_step(samples, advantages), {k: v.clone() for k, v in b.named_weights().items()},
-                             _grads(b)) for _ in range(NUM_STEPS)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: fp32 sums in one thread's order (the grads agree to 2e-7)
+    try:
+        for scenario in SCENARIOS:
+            b = _backend(scenario)
+            single[scenario] = [(b.train_step(samples, advantages),
+                                 {k: v.clone() for k, v in b.named_weights().items()}, _grads(b))
+                                for _ in range(NUM_STEPS)]
+    finally:
+        torch.set_num_threads(threads)
     return {"dir": out_dir, "ranks": ranks, "batch": batch, "single": single}
 
 
