@@ -171,10 +171,14 @@ class TrainerActor(Actor):
         return await self.blocking(self._weight_update)
 
     def _weight_update(self) -> WeightUpdate | None:
+        t0 = time.perf_counter()
         weights, specs = self.backend.named_weights(), self.backend.shard_specs()
         if specs is not None:  # this worker's shards: the engines merge every worker's update
             weights = [(name, t, specs[name]) for name, t in weights.items()]
-        return self._link.publish(self.sender.encode(weights, self.backend.version))
+        update = self._link.publish(self.sender.encode(weights, self.backend.version))
+        if update is not None:
+            update.manifest.source_ms = (time.perf_counter() - t0) * 1e3
+        return update
 
     async def broadcast_pending(self) -> int:
         """Broadcast the last published update to the group; returns its bytes."""

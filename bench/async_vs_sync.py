@@ -372,6 +372,8 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
     parts["sequence"] = parts["total"] - parts["encode"] - parts["stage"] - parts["transfer"] - parts["apply"]
     # the trainer's own encode time (the "encode" above also holds the call that fetched it)
     parts["sender_encode"] = statistics.fmean(m.get("sync/sender_encode_ms", 0.0) for m in syncs)
+    # the trainer's whole call (weights gathered, encoded, published): "encode" less this is the call's trip
+    parts["source"] = statistics.fmean(m.get("sync/source_ms", 0.0) for m in syncs)
     parts = {k: round(v, 2) for k, v in parts.items()}
     parts["kinds"] = dict(collections.Counter(m["sync/kind"] for m in syncs))
     parts["device_plan"] = sum(bool(m.get("sync/device_plan")) for m in syncs)  # syncs on the device fast path

@@ -140,7 +140,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     a receiver that has checked a layout once applies later updates of the
     same layout without per-piece work; empty otherwise. ``encode_ms``: the
     sender's own time to produce the update (for logs: a policy's measure of
-    the encode also holds the call that fetched it)."""
+    the encode also holds the call that fetched it); ``source_ms``: the source's
+    whole call, weights gathered, encoded and published (0 where not timed)."""
 
     version: int
     base_version: int | None
@@ -151,6 +152,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     num_changed: int
     layout: str = ""
     encode_ms: float = 0.0
+    source_ms: float = 0.0
 
     @property
     def payload_bytes(self) -> int:

@@ -18,7 +18,9 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     longer, the encode runs in between), ``engine_apply_ms`` the longest apply within
     a swap.
     ``sender_encode_ms``: the encode as the sender timed it, without the call
-    that fetched it; ``stage_ms``: the engines' check of a published payload
+    that fetched it; ``source_ms``: the source's whole call (weights gathered,
+    encoded, published) as it timed it, so ``encode_ms - source_ms`` is the
+    call's trip; ``stage_ms``: the engines' check of a published payload
     before the pause, while they still generate (``stage_weights``);
     ``device_plan``: the update took the device fast path (:mod:`sync.device`)."""
 
@@ -35,6 +37,7 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     num_full_retries: int = 0
     num_aborted: int = 0
     sender_encode_ms: float = 0.0
+    source_ms: float = 0.0
     device_plan: bool = False
     stage_ms: float = 0.0
     engine_apply_ms: float = 0.0

@@ -196,6 +196,7 @@ async def sync_weights(
         raise SyncFailed(f"weight push to version {target} failed: {err!r}", i, versions) from err
     metrics.encode_ms = src.encode_ms
     metrics.sender_encode_ms = update.manifest.encode_ms
+    metrics.source_ms = update.manifest.source_ms
     metrics.device_plan = bool(update.manifest.layout)
     metrics.num_aborted = sum(a if isinstance(a, int) else len(a) for a in aborted)
     await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)

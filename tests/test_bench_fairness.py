@@ -122,6 +122,9 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
             assert run["num_syncs"] == 2 if name == "sync" else 1 <= run["num_syncs"] <= 2
             assert run["sync_total_ms_max"] >= run["sync_total_ms_median"] > 0
             assert run["sync_paused_ms_max"] >= run["sync_paused_ms_median"] >= 0
+            parts = run["sync_parts_ms_mean"]  # the trainer's encode inside its whole call, inside the trip
+            assert 0 < parts["sender_encode"] <= parts["source"] <= parts["encode"]
+            assert run["wait_ms_mean"] >= 0
             assert 0 < run["pipeline_efficiency"] <= 1.5 and run["pipeline_bound_by"] in ("engine", "trainer")
             assert run["step_s"] == pytest.approx(1 / run["steps_per_s"])
             # CPU clocks over the window (local runtime: the loop and the process are the driver's)
