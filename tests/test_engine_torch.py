@@ -306,6 +306,39 @@ def test_a_planned_full_update_is_staged_while_generating_and_applied_after(engi
     assert after == hf_greedy(hf_b, PROMPTS[0], 8)
 
 
+def test_a_stage_leaves_the_decode_step_in_flight(tiny_models):
+    """Overlapped steps: a stage reads the update only, so the chain of decode steps
+    launched from the device's own tokens runs through it (a pause, by contrast,
+    reads the step in flight back); the tokens are the unstaged run's."""
+    sync = pytest.importorskip("sync")
+    path, _ = tiny_models["qwen2"]
+    _, hf_b = tiny_models["qwen2-b"]
+    update = sync.WeightSender(mode="full", dtype=torch.float32, device_plan="always").encode(
+        {k: v.detach().clone() for k, v in hf_b.state_dict().items()}, version=1)
+
+    async def body(command: str):
+        engine = TorchEngine(path, device="cpu", dtype="float32", overlap_steps=True)
+        await engine.setup()
+        try:
+            gen = asyncio.ensure_future(engine.generate(req("a", PROMPTS[0], 40)))
+            for _ in range(4):
+                await asyncio.sleep(0.002)
+                if command == "stage":
+                    assert await engine.stage_weights(update)
+                elif command == "pause":
+                    await engine.pause()
+                    await engine.resume()
+            return (await gen).token_ids, engine.statistics()["num_chain_breaks"]
+        finally:
+            await engine.close()
+
+    plain, plain_breaks = loop.run(body("none"))
+    staged, staged_breaks = loop.run(body("stage"))
+    paused, paused_breaks = loop.run(body("pause"))
+    assert staged == plain == paused and len(plain) == 40
+    assert staged_breaks == plain_breaks < paused_breaks
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_every_decode_graph_is_captured_at_setup_and_none_while_generating(tiny_models):

@@ -39,6 +39,11 @@ from sync.apply import apply_update, stage_update
 
 __all__ = ["EngineCore", "EngineOptions", "Event", "Seq"]
 
+# Commands that leave the running set alone, so a decode step in flight stays in flight: a
+# submit only queues; a stage reads the update (on its own stream on CUDA, so its check runs
+# beside the step instead of after it). Any other command reads back the step first.
+_KEEP_CHAIN = frozenset({"submit", "stage"})
+
 
 class EngineCore(Scheduler):
     """Owns model, weights, KV cache and scheduling; lives on its thread. This
@@ -63,6 +68,7 @@ class EngineCore(Scheduler):
         self.num_generated_tokens = 0
         self.num_preemptions = 0
         self._inflight = None  # the decode step in flight (Scheduler._decode)
+        self._stage_stream = None  # CUDA: where a stage checks a payload beside the decode step in flight
         self._admit_wait = 0  # turns the oldest waiting request has been held back
         self._pinned_turn = 0
         # where decode time goes: launching (CPU), waiting for the device, bookkeeping (CPU);
@@ -109,7 +115,7 @@ class EngineCore(Scheduler):
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()
-            if self._inflight is not None and any(cmd[0] != "submit" for cmd in commands):
+            if self._inflight is not None and any(cmd[0] not in _KEEP_CHAIN for cmd in commands):
                 events: list[Event] = []
                 self._drain(events)
                 if events:
@@ -258,17 +264,24 @@ class EngineCore(Scheduler):
         """Check ``update`` ahead of its apply, between decode steps (see ``sync.apply.stage_update``)."""
         if isinstance(update, FullWeights):
             return False
-        return self._on_update_tensors(lambda u: stage_update(self._update_targets(u), u), update)
+        if self.opts.device.type == "cuda" and self._stage_stream is None:
+            self._stage_stream = torch.cuda.Stream(self.opts.device)
+        return self._on_update_tensors(lambda u: stage_update(self._update_targets(u), u), update,
+                                       self._stage_stream)
 
-    def _on_update_tensors(self, fn: Callable[[Any], Any], update: Any) -> Any:
-        cuda = self.opts.device.type == "cuda"
-        if cuda:  # the update's tensors were written on other threads' (default) streams
-            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.opts.device))
-        try:
+    def _on_update_tensors(self, fn: Callable[[Any], Any], update: Any, stream: Any = None) -> Any:
+        """``fn(update)`` on the engine's stream, or on ``stream`` (which then waits for nothing
+        of the engine's: a decode step in flight runs on beside it)."""
+        if self.opts.device.type != "cuda":
             return fn(update)
-        finally:
-            if cuda:  # the sender may free or reuse its tensors once this returns
-                torch.cuda.current_stream().synchronize()
+        stream = stream or torch.cuda.current_stream()
+        # the update's tensors were written on other threads' (default) streams
+        stream.wait_stream(torch.cuda.default_stream(self.opts.device))
+        try:
+            with torch.cuda.stream(stream):
+                return fn(update)
+        finally:  # the sender may free or reuse its tensors once this returns
+            stream.synchronize()
 
     def _apply_update(self, update: object) -> int:
         self._set_version(self._apply_weights(update))
