@@ -73,6 +73,7 @@ def test_save_then_load_restores_weights_optimizer_and_version(backend, tmp_path
 
     fresh = TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, lr=1e-3)
     fresh.setup()
+    fresh.named_weights()  # listed before the load (and kept): it must read what the load wrote
     fresh.load(tmp_path)
     assert fresh.version == 1
     assert all(torch.equal(saved[k], v) for k, v in fresh.named_weights().items())

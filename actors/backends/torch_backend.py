@@ -140,6 +140,7 @@ class TorchBackend(TrainerBackend):
         self.optimizer = None
         self.world_size, self.rank = 1, 0  # the data-parallel group's, read at setup()
         self._specs: dict[str, ShardSpec] = {}  # world > 1: which slice named_weights() holds
+        self._live: dict[str, torch.Tensor] | None = None  # one worker: named_weights(), listed once
 
     # -- setup -----------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class TorchBackend(TrainerBackend):
         With a ``torch.distributed`` group of world size > 1 initialised, every
         rank calls it, and the model and optimizer state are sharded (FSDP2)."""
         torch.manual_seed(self.seed)
+        self._live = None
         model_dir = resolve_model_path(self.model_path)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -450,10 +452,11 @@ class TorchBackend(TrainerBackend):
                     local = local.to(dtype)
                 out[name] = local
             return out
-        for name, tensor in self.model.state_dict(keep_vars=False).items():
-            t = tensor.detach()
-            out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        return out
+        if self._live is None:  # the same tensors every step (written in place): listed once
+            self._live = {name: t.detach() for name, t in self.model.state_dict(keep_vars=False).items()}
+        if dtype is None:
+            return dict(self._live)
+        return {name: t.to(dtype) if t.is_floating_point() else t for name, t in self._live.items()}
 
     def shard_specs(self) -> dict[str, ShardSpec] | None:
         """Data parallel: which dim-0 slice of each full tensor :meth:`named_weights`
