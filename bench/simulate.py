@@ -406,6 +406,11 @@ LEFT_OUT = {
     "async_vs_sync_h100_smollm2_mps_1c5d2f3.json": "the same, a later lease and code",
     "async_vs_sync_h100_smollm2_1c5d2f3.json": "an H100 run: every setup is calibrated on H200 runs, and its graphed "
                                                "trainer's step is a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_2dd85bc.json": "the same, a later lease and code (graph buckets reused)",
+    "async_vs_sync_h100_smollm2_overlap5_2dd85bc.json": "the same lease, one seed with policy.eval_overlap_steps=5",
+    "async_vs_sync_h100_smollm2_mps_sm70_2dd85bc.json": "the same lease, one seed under NVIDIA MPS with the trainer "
+                                                        "capped at 70% of the SMs: kernels of two processes at once, "
+                                                        "which the model does not have",
 }
 
 
