@@ -306,21 +306,24 @@ def test_a_planned_full_update_is_staged_while_generating_and_applied_after(engi
     assert after == hf_greedy(hf_b, PROMPTS[0], 8)
 
 
-def test_a_stage_leaves_the_decode_step_in_flight(tiny_models):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_stage_leaves_the_decode_step_in_flight(tiny_models, device):
     """Overlapped steps: a stage reads the update only, so the chain of decode steps
     launched from the device's own tokens runs through it (a pause, by contrast,
-    reads the step in flight back); the tokens are the unstaged run's."""
+    reads the step in flight back); the tokens are the unstaged run's. On CUDA the
+    check runs on a stream of its own, beside the step in flight."""
     sync = pytest.importorskip("sync")
     path, _ = tiny_models["qwen2"]
     _, hf_b = tiny_models["qwen2-b"]
     update = sync.WeightSender(mode="full", dtype=torch.float32, device_plan="always").encode(
-        {k: v.detach().clone() for k, v in hf_b.state_dict().items()}, version=1)
+        {k: v.detach().clone().to(device) for k, v in hf_b.state_dict().items()}, version=1)
 
     async def body(command: str):
-        engine = TorchEngine(path, device="cpu", dtype="float32", overlap_steps=True)
+        engine = TorchEngine(path, device=device, dtype="float32", overlap_steps=True)
         await engine.setup()
         try:
-            gen = asyncio.ensure_future(engine.generate(req("a", PROMPTS[0], 40)))
+            gen = asyncio.ensure_future(engine.generate(req("a", PROMPTS[0], 120)))  # to the 128-token cache
             for _ in range(4):
                 await asyncio.sleep(0.002)
                 if command == "stage":
@@ -335,7 +338,7 @@ def test_a_stage_leaves_the_decode_step_in_flight(tiny_models):
     plain, plain_breaks = loop.run(body("none"))
     staged, staged_breaks = loop.run(body("stage"))
     paused, paused_breaks = loop.run(body("pause"))
-    assert staged == plain == paused and len(plain) == 40
+    assert staged == plain == paused and len(plain) == 120
     assert staged_breaks == plain_breaks < paused_breaks
 
 
