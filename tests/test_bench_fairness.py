@@ -109,6 +109,9 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
     assert stand["engine_concurrency"] == {"sync": 4, "fully_async": 12}  # one batch; the admission window
     assert {str(c) for c in stand["engine_concurrency"].values()} == set(stand["engine"])
     assert stand["trainer"]["step_ms"] > 0 and stand["response_tokens"] >= 1
+    repeats = stand["trainer"]["step_ms_repeats"]  # the bound is the mean of 8 (steps can be bimodal)
+    assert len(repeats) == 8 and stand["trainer"]["step_ms"] == pytest.approx(statistics.fmean(repeats), abs=0.01)
+    assert stand["trainer"]["step_ms_median"] == pytest.approx(statistics.median(repeats), abs=0.01)
     assert set(bench_result["pipeline_fields"]) >= {"engine_in_loop_over_standalone", "pipeline_efficiency"}
     for name in ("sync", "fully_async"):
         for run in bench_result["policies"][name]["seeds"]:
