@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from actors.backends import TrainerConfig, make_backend
+from actors.backends import TrainerConfig, head_kernels, make_backend
 from actors.backends.batching import micro_batches
 from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.packing import packed_attention, packed_batch
@@ -133,17 +133,23 @@ def test_one_train_step_is_a_plain_pytorch_step_on_padded_rows(model_dirs, kind,
             torch.testing.assert_close(got[name], want_weights[name], atol=1e-6, rtol=0, msg=name)
 
 
+CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or head_kernels.triton is None, reason="needs CUDA + Triton")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("fused", [False, True])  # fused: the Triton head on CUDA, the torch path (unchanged) on CPU
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 64])
-def test_chunked_logprobs_equal_the_full_log_softmax_and_its_gradients(chunk_tokens, with_bias):
+def test_chunked_logprobs_equal_the_full_log_softmax_and_its_gradients(chunk_tokens, with_bias, fused, device):
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(7, 16, generator=g, dtype=torch.float64).float().requires_grad_()
-    weight = torch.randn(29, 16, generator=g).requires_grad_()
-    bias = torch.randn(29, generator=g).requires_grad_() if with_bias else None
-    targets = torch.randint(0, 29, (7,), generator=g)
-    upstream = torch.randn(7, generator=g)
+    hidden = torch.randn(7, 16, generator=g, dtype=torch.float64).float().to(device).requires_grad_()
+    weight = torch.randn(29, 16, generator=g).to(device).requires_grad_()
+    bias = torch.randn(29, generator=g).to(device).requires_grad_() if with_bias else None
+    targets = torch.randint(0, 29, (7,), generator=g).to(device)
+    upstream = torch.randn(7, generator=g).to(device)
 
-    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, chunk_tokens)
+    logp, entropy = chunked_logprobs(hidden, weight, bias, targets, chunk_tokens, fused=fused)
     (logp * upstream).sum().backward()
     got = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
     for t in (hidden, weight, bias):
@@ -158,6 +164,33 @@ def test_chunked_logprobs_equal_the_full_log_softmax_and_its_gradients(chunk_tok
     torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), atol=1e-5, rtol=0)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_head_matches_the_torch_head_at_a_real_vocabulary(dtype):
+    """SmolLM2's vocabulary (49152) and one not a multiple of the kernels' block, in fp32 and bf16:
+    log-probs, entropy and gradients of the fused head against the torch path's."""
+    if not torch.cuda.is_available() or head_kernels.triton is None:
+        pytest.skip("needs CUDA + Triton")
+    for vocab in (49152, 50001):
+        g = torch.Generator().manual_seed(vocab)
+        hidden = torch.randn(300, 64, generator=g).to("cuda", dtype).requires_grad_()
+        weight = (torch.randn(vocab, 64, generator=g) / 4).to("cuda", dtype).requires_grad_()  # logits ~N(0, 4)
+        targets = torch.randint(0, vocab, (300,), generator=g).cuda()
+        upstream = torch.randn(300, generator=g).cuda()
+        runs = []
+        for fused in (False, True):
+            logp, entropy = chunked_logprobs(hidden, weight, None, targets, 128, fused=fused)
+            (logp * upstream).sum().backward()
+            runs.append((logp.detach(), entropy, hidden.grad, weight.grad))
+            hidden.grad = weight.grad = None
+        (want_logp, want_ent, want_gh, want_gw), (logp, ent, gh, gw) = runs
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-6)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
+        torch.testing.assert_close(gh, want_gh, **tol)
+        torch.testing.assert_close(gw, want_gw, **tol)
 
 
 def test_attention_never_crosses_a_sequence_boundary(model_dirs):

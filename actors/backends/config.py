@@ -103,8 +103,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Torch backend: ``liger`` runs Liger-Kernel's fused Triton kernels for
     RMSNorm, the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the
     ``liger`` extra, ``trainer.device=cuda``) where ``eager`` runs the model's
-    own PyTorch ops. Fewer kernel launches a step, as ``compile`` gives without
-    its compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
+    own PyTorch ops, and the head's log-softmax and entropy as one Triton pass
+    over each chunk's logits (:mod:`actors.backends.head_kernels`). Fewer
+    kernel launches and passes a step, as ``compile`` gives without its
+    compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
     here: torch 2.11)."""
     cuda_graphs: bool = False
     """Torch backend: replay each training micro-batch's forward and backward as CUDA

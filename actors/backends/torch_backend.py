@@ -31,7 +31,8 @@ reduction order). Checkpoints are the same files whatever the world size.
 (:mod:`actors.backends.compile`); ``compile_s`` / ``compiled_graphs`` say what
 compiling cost, also in every step's metrics. ``trainer.kernels: liger``: the model's
 RMSNorm, SwiGLU MLP and RoPE run Liger-Kernel's fused Triton kernels
-(:mod:`actors.backends.kernels`).
+(:mod:`actors.backends.kernels`), and the chunked head's softmax ours
+(:mod:`actors.backends.head_kernels`).
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ class TorchBackend(TrainerBackend):
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:  # [1, N, H]
             logprobs, entropy = chunked_logprobs(hidden[0].index_select(0, positions), head.weight, head.bias,
-                                                 targets, self.logprob_chunk_tokens, with_entropy=with_entropy)
+                                                 targets, self.logprob_chunk_tokens, with_entropy=with_entropy,
+                                                 fused=self.kernels == "liger")
             entropy = entropy if with_entropy else torch.zeros_like(logprobs)
             return torch.stack([logprobs[None], entropy[None]], dim=-1)  # a new tensor, not a view: FSDP2 hooks it
 
