@@ -5,7 +5,8 @@ driver orders a push and compares versions; each engine runs its own swap.
     ─► encode (a delta only when every engine holds its base, else full for all),
        while the engines still generate
     ─► round 1 [a transport that publishes ahead]: publish; each engine checks the
-       payload (stage_weights), still generating
+       payload (stage_weights), still generating; round 2 is sent at once behind it
+       (an engine takes its commands in order, so its check comes first)
     ─► round 2: swap_weights on every engine at once; each, between two decode
        steps: abort | keep | recompute its running generations (``in_flight``),
        apply (checksums verified; a staged payload only copied), drop prefix
@@ -176,16 +177,15 @@ async def sync_weights(
             raise
     else:
         before, update = await _prepare(engines, src, ask_versions)
-        staged = await _stage(engines, update, transport)
+        staged = _stage(engines, update, transport)
     target = update.manifest.version
     metrics = SyncMetrics(version=target, kind=update.manifest.kind, bytes_sent=0,
                           changed_fraction=update.manifest.changed_fraction, encode_ms=src.encode_ms,
                           transfer_ms=0.0, apply_ms=0.0, num_engines=len(engines))
     if staged is not None:
-        metrics.transfer_ms, metrics.stage_ms = staged.send_ms, staged.stage_ms
+        metrics.transfer_ms = staged.send_ms
     swap = functools.partial(_swap, engines, transport=transport, metrics=metrics, in_flight=in_flight)
-    errors = await swap(range(len(engines)), update, asleep=colocated, aborted=aborted,
-                        handle=None if staged is None else staged.handle)
+    errors = await swap(range(len(engines)), update, asleep=colocated, aborted=aborted, staged=staged)
     if errors and src.can_retry:
         metrics.num_full_retries = 1
         errors = await swap(sorted(errors), await src.update(full=True), aborted=aborted)
@@ -236,47 +236,60 @@ async def _prepare(engines: list[Any], src: _Source, fresh: bool) -> tuple[list[
 class _Staged(msgspec.Struct):
     handle: Any
     send_ms: float
-    stage_ms: float
+    checks: Any  # the engines' stage_weights calls, running (asyncio.gather)
+    t0: float
+    t1: float = 0.0  # when the last check replied
+
+    async def finish(self, metrics: SyncMetrics) -> None:
+        """Wait for the checks (the payload must outlive them): ``stage_ms``, from
+        the publish to the last reply. Their failures are the apply's to report."""
+        for r in await self.checks:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r  # cancellation and the like
+        metrics.stage_ms = (self.t1 - self.t0) * 1e3
 
 
-async def _stage(engines: list[Any], update: WeightUpdate, transport: Transport) -> _Staged | None:
+def _stage(engines: list[Any], update: WeightUpdate, transport: Transport) -> _Staged | None:
     """Publish ``update`` and let every engine that can check it now, while it
     still generates (``stage_weights``), so that the apply with the engines
-    paused only copies. Best effort: a check that fails here is made again by
-    the apply, which reports it. None when the transport cannot publish ahead
-    (a broadcast needs every engine in step), an engine cannot check ahead, or
-    the update is not one a check ahead takes (a planned full update)."""
+    paused only copies. The checks are sent, not awaited: the swap goes out
+    right behind them, and each engine runs its commands in order. Best effort:
+    a check that fails here is made again by the apply, which reports it. None
+    when the transport cannot publish ahead (a broadcast needs every engine in
+    step), an engine cannot check ahead, or the update is not one a check ahead
+    takes (a planned full update)."""
     if (not stageable(update.manifest) or not getattr(transport, "can_stage", False)
             or not all(hasattr(e, "stage_weights") for e in engines)):
         return None
     t0 = time.perf_counter()
     handle = transport.send(update)
     t1 = time.perf_counter()
-    results = await asyncio.gather(*(e.stage_weights(handle) for e in engines), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException) and not isinstance(r, Exception):
-            transport.release(handle)
-            raise r  # cancellation and the like
-    return _Staged(handle, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+    staged = _Staged(handle, (t1 - t0) * 1e3, asyncio.gather(*(e.stage_weights(handle) for e in engines),
+                                                             return_exceptions=True), t1)
+    staged.checks.add_done_callback(lambda _: setattr(staged, "t1", time.perf_counter()))
+    return staged
 
 
 async def _swap(engines: list[Any], which: Any, update: WeightUpdate, *, transport: Transport, metrics: SyncMetrics,
                 in_flight: InFlight, aborted: list[Any], asleep: bool = False,
-                handle: Any = None) -> dict[int, BaseException]:
-    """Swap ``update`` into ``engines[i]`` for i in ``which`` (through ``handle``
-    when :func:`_stage` published it already): one ``swap_weights`` call each,
+                staged: _Staged | None = None) -> dict[int, BaseException]:
+    """Swap ``update`` into ``engines[i]`` for i in ``which`` (through the payload
+    :func:`_stage` published, when it did): one ``swap_weights`` call each,
     which ends with the engine generating again; return the failures. What an
     engine aborted goes into ``aborted[i]``; the version it reports, into the
     versions known for the next push."""
     which = list(which)
     t0 = time.perf_counter()
-    if handle is None:
-        handle = transport.send(update)
+    handle = transport.send(update) if staged is None else staged.handle
     t1 = time.perf_counter()
     results = await asyncio.gather(*(engines[i].swap_weights(handle, in_flight, asleep) for i in which),
                                    return_exceptions=True)
     t2 = time.perf_counter()
-    transport.release(handle)
+    try:
+        if staged is not None:
+            await staged.finish(metrics)
+    finally:
+        transport.release(handle)
     metrics.kind = update.manifest.kind
     metrics.bytes_sent += update.nbytes
     metrics.changed_fraction = update.manifest.changed_fraction
