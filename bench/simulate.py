@@ -411,6 +411,8 @@ LEFT_OUT = {
     "async_vs_sync_h100_smollm2_mps_sm70_2dd85bc.json": "the same lease, one seed under NVIDIA MPS with the trainer "
                                                         "capped at 70% of the SMs: kernels of two processes at once, "
                                                         "which the model does not have",
+    "async_vs_sync_h200_smollm2_664443b.json": "an H200 run of the graphed trainer (as the H100 runs above): its step "
+                                               "is a clock no calibration run has",
 }
 
 
