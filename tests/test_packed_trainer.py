@@ -3,7 +3,12 @@ chunks) computes what the padded path computes, on tiny local models."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,6 +196,36 @@ def test_the_triton_head_matches_the_torch_head_at_a_real_vocabulary(dtype):
         tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
         torch.testing.assert_close(gh, want_gh, **tol)
         torch.testing.assert_close(gw, want_gw, **tol)
+
+
+def check_head_kernels_against_torch(device: str) -> None:
+    """The head's Triton kernels called directly, fp32, against the torch path's arithmetic:
+    lse, log-probs, entropy, and d logits. In Triton's interpreter on the CPU (below; it
+    truncates where a GPU rounds, so bf16 is for the CUDA test above)."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (4096, 5001):  # one block; three, the last one short
+        logits = (torch.randn(6, vocab, generator=g) * 2).to(device)
+        targets = torch.randint(0, vocab, (6,), generator=g).to(device)
+        lse, logp, entropy = (torch.empty(6, device=device) for _ in range(3))
+        head_kernels.logprob_forward(logits, targets, lse, logp, entropy)
+        want_lse = torch.logsumexp(logits, -1)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logp, logits.gather(1, targets[:, None]).squeeze(1) - want_lse, atol=1e-5, rtol=0)
+        want_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=0)
+        grad = torch.randn(6, generator=g).to(device)
+        d = head_kernels.logprob_backward_(logits.clone(), targets, lse, grad)
+        want_d = -(logits - lse[:, None]).exp() * grad[:, None]
+        torch.testing.assert_close(d, want_d.scatter_add_(1, targets[:, None], grad[:, None]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+def test_the_head_kernels_compute_the_torch_heads_numbers_in_the_interpreter():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = "from tests.test_packed_trainer import check_head_kernels_against_torch as f; f('cpu')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before triton.jit runs: a process
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_attention_never_crosses_a_sequence_boundary(model_dirs):
