@@ -369,7 +369,8 @@ def _sync_parts(hist: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     parts = {k: statistics.fmean(m.get(f"sync/{k}_ms", 0.0) for m in syncs)
              for k in ("encode", "stage", "transfer", "apply", "total", "paused")}
-    parts["sequence"] = parts["total"] - parts["encode"] - parts["stage"] - parts["transfer"] - parts["apply"]
+    # the stage is sent right behind by the swap: its time lies inside the apply's
+    parts["sequence"] = parts["total"] - parts["encode"] - parts["transfer"] - parts["apply"]
     # the trainer's own encode time (the "encode" above also holds the call that fetched it)
     parts["sender_encode"] = statistics.fmean(m.get("sync/sender_encode_ms", 0.0) for m in syncs)
     # the trainer's whole call (weights gathered, encoded, published): "encode" less this is the call's trip

@@ -35,9 +35,12 @@ choose from the medians.
       encode:   the sender's encode of the update
       stage:    inproc and cuda_ipc, as ``sync.sequence`` does before the pause:
                 publish + the receiver's check of a planned full payload
-                (``stage_update``), wall time until it answers; 0 elsewhere
+                (``stage_update``), wall time until it answers (over CUDA IPC the
+                apply is sent right behind it, as ``sync.sequence`` sends the
+                swap); 0 elsewhere
       transfer: publish + deliver (ray.put + ray.get, gloo broadcast, IPC open),
                 measured as receiver-acknowledged wall time minus its apply time
+                (and minus the stage before it)
       apply:    receive + apply_update on the receiver (payload checks, decode,
                 write, verify; a staged payload: the copy alone)
     paused_ms_*:      the apply of the same repeat (with the receive of the payload,
@@ -266,17 +269,18 @@ class SubprocessReceiver:
             self.transport.send(update)
         else:
             handle = self.transport.send(update) if self.transport is not None else update
-            if self.kind == "cuda_ipc" and stageable(update.manifest):  # the handle goes twice, as two calls do
+            staged = self.kind == "cuda_ipc" and stageable(update.manifest)
+            if staged:  # the handle goes twice, as two calls do, the apply right behind the stage
                 self.conn.send(("stage", handle))
+            self.conn.send(("apply", handle))
+            if staged:
                 self._answer()
                 stage_ms = (time.perf_counter() - t0) * 1e3
-                t0 = time.perf_counter()
-            self.conn.send(("apply", handle))
         apply_ms, _ = self._answer()
         total_ms = (time.perf_counter() - t0) * 1e3
         if self.kind == "cuda_ipc":
             self.transport.release(handle)
-        return stage_ms, total_ms - apply_ms, apply_ms
+        return stage_ms, total_ms - stage_ms - apply_ms, apply_ms
 
     def close(self) -> None:
         if self.kind == "gloo":

@@ -21,7 +21,8 @@ class SyncMetrics(msgspec.Struct, kw_only=True):
     that fetched it; ``source_ms``: the source's whole call (weights gathered,
     encoded, published) as it timed it, so ``encode_ms - source_ms`` is the
     call's trip; ``stage_ms``: the engines' check of a published payload
-    before the pause, while they still generate (``stage_weights``);
+    before the pause, while they still generate (``stage_weights``; the swap is
+    sent right behind it, so this time lies within ``apply_ms``);
     ``device_plan``: the update took the device fast path (:mod:`sync.device`)."""
 
     version: int
