@@ -58,7 +58,8 @@ batches, the runs' ``trainer`` config) on the runs' batch shape: the JSON's
   (``engine_offcpu_share``, the standalone engine's beside it);
 - ``trainer_step_ms_median`` (a record's ``train_s``) and ``trainer_mfu``
   (``train/mfu``; null where the device's peak is unknown) beside
-  ``trainer_standalone_step_ms`` (the mean of 8 steps alone, scaled to the run's tokens per step),
+  ``trainer_standalone_step_ms`` (the mean of 8 steps alone, a step that captured CUDA graphs
+  timed again, scaled to the run's tokens per step),
   ``trainer_standalone_mfu`` and ``trainer_in_loop_over_standalone``;
 - ``sync_total_ms_median`` / ``_max`` and ``sync_paused_ms_median`` / ``_max``
   over the timed steps' weight syncs (``num_syncs``);

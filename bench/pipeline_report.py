@@ -169,13 +169,14 @@ def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_t
     synthetic batches of the run's shape: the mean of ``steps`` steps after ``warmup`` (the
     median beside it). A mean over several batches, because steps are bimodal where a batch
     can pass ``trainer.micro_batch_tokens``: a split step's leftover micro-batch may run in
-    a full-size graph bucket (185.6, 98.2, 185.7 ms: the median of three at 2dd85bc)."""
+    a full-size graph bucket (185.6, 98.2, 185.7 ms: the median of three at 2dd85bc). A step
+    that captured graphs is timed again (:func:`timed_step`; ``captures_retimed``)."""
     import torch
     import transformers
 
     from actors.backends import make_backend
     from actors.backends.flops import FlopsModel, peak_flops
-    from bench.trainer_step import _batch, _sync
+    from bench.trainer_step import _batch
     from policies.losses import make_loss_from_config
 
     t = cfg.trainer
@@ -191,13 +192,8 @@ def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_t
         # a graphed trainer captures each batch's padded shape once: before the timed steps
         for i in range(max(warmup, steps) if getattr(backend, "cuda_graphs", False) else warmup):
             backend.train_step(batches[i], adv)
-        times = []
-        for batch in batches[:steps]:
-            _sync(t.device)
-            t0 = time.perf_counter()
-            backend.train_step(batch, adv)
-            _sync(t.device)
-            times.append(time.perf_counter() - t0)
+        timed = [timed_step(backend, batch, adv, t.device) for batch in batches[:steps]]
+        times, captures = [s for s, _ in timed], sum(c for _, c in timed)
     del backend
     gc.collect()
     if t.device.startswith("cuda"):
@@ -209,8 +205,30 @@ def standalone_trainer(cfg: Any, model_path: str, prompt_tokens: int, response_t
     return {"samples": len(batches[0]), "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
             "tokens_per_step": sum(seq_lens) / steps, "step_ms": round(step_s * 1e3, 3),
             "step_ms_median": round(statistics.median(times) * 1e3, 3),
-            "step_ms_repeats": [round(x * 1e3, 3) for x in times], "tflops": step_flops / step_s / 1e12,
-            "mfu": step_flops / step_s / peak if peak else None}
+            "step_ms_repeats": [round(x * 1e3, 3) for x in times], "captures_retimed": captures,
+            "tflops": step_flops / step_s / 1e12, "mfu": step_flops / step_s / peak if peak else None}
+
+
+def timed_step(backend: Any, batch: list[Any], adv: list[float], device: str) -> tuple[float, bool]:
+    """Seconds of one ``train_step`` on ``batch``, and whether it captured CUDA graphs. A step
+    that captured is timed again: one batch warmed up once may still capture later, when
+    the bucket it was padded into has cost its own bucket's capture in padding
+    (``actors.backends.graphs.pick_bucket``), and a capture (0.4-0.8 s) is a one-time cost,
+    not the step's (an 861 ms repeat among 68-130 ms ones on an H100, d73e3e9)."""
+    from bench.trainer_step import _sync
+
+    graphs = getattr(backend, "_graphs", None)
+
+    def once() -> tuple[float, bool]:
+        before = graphs.capture_s if graphs is not None else 0.0
+        _sync(device)
+        t0 = time.perf_counter()
+        backend.train_step(batch, adv)
+        _sync(device)
+        return time.perf_counter() - t0, graphs is not None and graphs.capture_s != before
+
+    seconds, captured = once()
+    return (once()[0], True) if captured else (seconds, False)
 
 
 def standalone(configs: dict[str, Any], model_path: str, response_tokens: int) -> dict[str, Any]:

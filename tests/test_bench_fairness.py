@@ -112,6 +112,7 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
     repeats = stand["trainer"]["step_ms_repeats"]  # the bound is the mean of 8 (steps can be bimodal)
     assert len(repeats) == 8 and stand["trainer"]["step_ms"] == pytest.approx(statistics.fmean(repeats), abs=0.01)
     assert stand["trainer"]["step_ms_median"] == pytest.approx(statistics.median(repeats), abs=0.01)
+    assert stand["trainer"]["captures_retimed"] == 0  # no graphs on a CPU
     assert set(bench_result["pipeline_fields"]) >= {"engine_in_loop_over_standalone", "pipeline_efficiency"}
     for name in ("sync", "fully_async"):
         for run in bench_result["policies"][name]["seeds"]:
@@ -265,3 +266,31 @@ def test_the_bench_runs_while_the_loop_runs_in_its_background_thread(tmp_path):
             loop.shutdown()  # the next test gets a loop of its own, as before
     run = result["policies"]["fully_async"]["seeds"][0]
     assert run["tokens_per_s"] > 0 and "samples_admitted_mean" in run
+
+
+def test_a_standalone_step_that_captured_graphs_is_timed_again():
+    """A fake graphed backend (named so): its first step on a batch captures (0.2 s), later
+    ones replay (0.01 s). The standalone bound keeps the replay, and counts the capture."""
+    import time
+    from types import SimpleNamespace
+
+    from bench.pipeline_report import timed_step
+
+    class FakeGraphedBackend:
+        def __init__(self) -> None:
+            self._graphs, self.seen = SimpleNamespace(capture_s=0.0), set()
+
+        def train_step(self, batch, adv):
+            if batch[0] not in self.seen:
+                self.seen.add(batch[0])
+                self._graphs.capture_s += 0.2
+                time.sleep(0.2)
+            time.sleep(0.01)
+
+    backend = FakeGraphedBackend()
+    seconds, captured = timed_step(backend, ["a"], [1.0], "cpu")
+    assert captured and seconds < 0.1
+    seconds, captured = timed_step(backend, ["a"], [1.0], "cpu")
+    assert not captured and seconds < 0.1
+    seconds, captured = timed_step(SimpleNamespace(train_step=lambda b, a: time.sleep(0.01)), ["b"], [1.0], "cpu")
+    assert not captured and 0.01 <= seconds < 0.1
