@@ -413,6 +413,8 @@ LEFT_OUT = {
                                                         "which the model does not have",
     "async_vs_sync_h200_smollm2_664443b.json": "an H200 run of the graphed trainer (as the H100 runs above): its step "
                                                "is a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_fused_head_d73e3e9.json": "an H100 run, one seed, of the graphed trainer with the "
+                                                          "Triton head: a clock no calibration run has",
 }
 
 
