@@ -15,7 +15,12 @@ use them, so a module that takes a queue helper does not pay for them.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
+import pathlib
 import socket
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -275,3 +280,15 @@ def force_codec_path(monkeypatch: pytest.MonkeyPatch, path: str, min_part: int) 
         monkeypatch.setattr(native, "_lib_error", "disabled for this test")
     assert codec.choose("cpu", 2) == path
 
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs Triton (its interpreter runs on the CPU)")
+
+
+def run_in_triton_interpreter(code: str) -> None:
+    """Run ``code`` in a new Python with TRITON_INTERPRET=1 (set before any triton.jit runs,
+    hence a process of its own), from the repository root; fail with its stderr."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]

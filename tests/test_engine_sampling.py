@@ -3,17 +3,12 @@ softmax, top-k / top-p keep what Hugging Face keeps, seeds reproduce."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 import transformers
 
 from actors.engines.sampling import SamplingBatch, filter_logits, gumbel_noise, sample
+from tests.helpers import needs_triton, run_in_triton_interpreter
 
 
 def _batch(n: int, temperature=1.0, top_k=0, top_p=1.0, seed=0) -> SamplingBatch:
@@ -103,10 +98,7 @@ def check_kernel_greedy_rows(device: str) -> None:
 
 
 @pytest.mark.slow  # ~2 min in the interpreter
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+@needs_triton
 def test_the_sampling_kernel_takes_greedy_rows_in_the_interpreter():
-    root = pathlib.Path(__file__).resolve().parents[1]
-    code = "from tests.test_engine_sampling import check_kernel_greedy_rows; check_kernel_greedy_rows('cpu')"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before triton.jit runs: a process
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_triton_interpreter("from tests.test_engine_sampling import check_kernel_greedy_rows; "
+                              "check_kernel_greedy_rows('cpu')")

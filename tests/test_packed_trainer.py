@@ -3,12 +3,7 @@ chunks) computes what the padded path computes, on tiny local models."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +16,7 @@ from actors.backends.packing import packed_attention, packed_batch
 from actors.backends.torch_backend import TorchBackend
 from contracts.sample import Sample
 from policies.losses import make_loss, ppo_clip
-from tests.helpers import hf_model, save_model, samples_for
+from tests.helpers import hf_model, needs_triton, run_in_triton_interpreter, save_model, samples_for
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
 
@@ -219,13 +214,9 @@ def check_head_kernels_against_torch(device: str) -> None:
         torch.testing.assert_close(d, want_d.scatter_add_(1, targets[:, None], grad[:, None]), atol=1e-6, rtol=0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+@needs_triton
 def test_the_head_kernels_compute_the_torch_heads_numbers_in_the_interpreter():
-    root = pathlib.Path(__file__).resolve().parents[1]
-    code = "from tests.test_packed_trainer import check_head_kernels_against_torch as f; f('cpu')"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before triton.jit runs: a process
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_triton_interpreter("from tests.test_packed_trainer import check_head_kernels_against_torch as f; f('cpu')")
 
 
 def test_attention_never_crosses_a_sequence_boundary(model_dirs):
