@@ -133,7 +133,7 @@ def _profile(backend: Any, batch: list[Any], adv: list[float], device: str) -> d
         backend.train_step(batch, adv)
         _sync(device)
     key = "device_time_total" if cuda else "cpu_time_total"
-    top = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:15]
+    top = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:40]
     out: dict[str, Any] = {"top": [{"op": e.key[:60], "ms": round(getattr(e, key) / 1e3, 2), "count": e.count}
                                    for e in top]}
     if cuda:
