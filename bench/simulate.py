@@ -415,6 +415,12 @@ LEFT_OUT = {
                                                "is a clock no calibration run has",
     "async_vs_sync_h100_smollm2_fused_head_d73e3e9.json": "an H100 run, one seed, of the graphed trainer with the "
                                                           "Triton head: a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_ca68ec2.json": "an H100 run, 3 seeds, of the graphed trainer with the Triton head: "
+                                               "a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_staleness6_ca68ec2.json": "the same code on another H100 lease, fully-async at "
+                                                          "staleness_threshold 6, max_staleness 8",
+    "async_vs_sync_h100_smollm2_staleness6_overlap7_ca68ec2.json": "the same lease, with "
+                                                                   "policy.eval_overlap_steps=7",
 }
 
 
