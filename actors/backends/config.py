@@ -101,10 +101,12 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     layer in the backward. Only with ``backend: torch`` and one worker (``num_workers: 1``, no FSDP2)."""
     kernels: Literal["eager", "liger"] = "eager"
     """Torch backend: ``liger`` runs Liger-Kernel's fused Triton kernels for
-    RMSNorm, the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the
-    ``liger`` extra, ``trainer.device=cuda``) where ``eager`` runs the model's
-    own PyTorch ops, and the head's log-softmax and entropy as one Triton pass
-    over each chunk's logits (:mod:`actors.backends.head_kernels`). Fewer
+    the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the ``liger``
+    extra, ``trainer.device=cuda``) where ``eager`` runs the model's own
+    PyTorch ops, Llama-style RMSNorms in Triton with a row-tiled backward
+    (:mod:`actors.backends.norm_kernels`), and the head's log-softmax and
+    entropy as one Triton pass over each chunk's logits
+    (:mod:`actors.backends.head_kernels`). Fewer
     kernel launches and passes a step, as ``compile`` gives without its
     compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
     here: torch 2.11)."""
