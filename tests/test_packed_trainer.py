@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from actors.backends import TrainerConfig, head_kernels, make_backend
@@ -295,3 +296,43 @@ def test_on_cuda_packed_matches_padded_with_the_varlen_kernel_or_the_per_sequenc
     got, want = packed.train_step(samples, ADVANTAGES), padded.train_step(samples, ADVANTAGES)
     assert got["loss"] == pytest.approx(want["loss"], abs=tol) and got["grad_norm"] == pytest.approx(
         want["grad_norm"], rel=tol)
+
+
+def _fake_varlen(q, k, v, cu_seqlens, max_len, scaling):
+    """A fake of :func:`actors.backends.packing._varlen` for the CPU (the flash kernel is CUDA
+    only): causal SDPA per sequence over ``[N, H, D]``, GQA included."""
+    bounds = cu_seqlens.tolist()
+    parts = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                            is_causal=True, scale=scaling, enable_gqa=True).transpose(0, 1)
+             for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts)
+
+
+def test_the_varlen_path_hands_gradients_on_as_views_with_the_per_sequence_numbers(monkeypatch):
+    """The CUDA path's layout handling (``_varlen_packed``) over a fake kernel on the CPU: the
+    per-sequence path's output and gradients, and no select between q and the kernel (its
+    backward would copy each gradient into a zeroed [1, H, N, D] tensor); the real kernel runs in
+    the CUDA test above."""
+    from actors.backends import packing
+
+    monkeypatch.setattr(packing, "_varlen", _fake_varlen)
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    # [1, H, N, D] views of [1, N, H, D] tensors, as Hugging Face's attention passes them
+    q, k, v = (torch.randn(1, 16, h, 8, generator=g).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    out = packing._varlen_packed(q, k, v, cu, 7, 0.3)
+    want, _ = packed_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=7)
+    torch.testing.assert_close(out, want)
+    upstream = torch.randn(out.shape, generator=g)
+    got_grads = torch.autograd.grad(out, (q, k, v), upstream)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    for got, exp in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, exp)
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack += [f for f, _ in fn.next_functions]
+    assert "SelectBackward0" not in {type(fn).__name__ for fn in seen}

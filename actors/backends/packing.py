@@ -161,9 +161,7 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     head_dim = query.shape[-1]
     scaling = head_dim**-0.5 if scaling is None else scaling
     if _varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                      cu_seq_lens_q, int(max_length_q), scaling)  # [N, H, D]
-        return out[None], None
+        return _varlen_packed(query, key, value, cu_seq_lens_q, int(max_length_q), scaling), None
     bounds = cu_seq_lens_q.tolist() if packed_seq_bounds is None else packed_seq_bounds
     sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     gqa = query.shape[1] != key.shape[1]
@@ -172,6 +170,17 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     parts = [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
              for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))]
     return torch.cat(parts, dim=2).transpose(1, 2), None
+
+
+def _varlen_packed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                   max_len: int, scaling: float) -> torch.Tensor:
+    """:func:`packed_attention` through :func:`_varlen`: ``[1, H, N, D]`` in, ``[1, N, H, D]`` out.
+    ``squeeze(0)``, not ``[0]``: the same view forward, but a select's backward writes each
+    gradient into a zeroed ``[1, H, N, D]`` copy (a fill and a strided copy for q, k and v in
+    every layer), where a squeeze's hands the kernel's ``[N, H, D]`` gradient on as a view,
+    the layout the projections' backward reads."""
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
+    return _varlen(q, k, v, cu_seqlens, max_len, scaling)[None]  # [1, N, H, D]
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
