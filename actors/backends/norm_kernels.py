@@ -123,7 +123,7 @@ class RMSNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
         block_m, block_n = _blocks(hidden)
         programs = max(1, min(triton.cdiv(rows, block_m), _MAX_PROGRAMS))
-        dw = torch.zeros((programs, hidden), dtype=torch.float32, device=x2.device)
+        dw = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)  # every program writes its row
         if rows:
             _backward_kernel[(programs,)](dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dw, rows, hidden,
                                           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_WARPS)
