@@ -61,6 +61,15 @@ batches, the runs' ``trainer`` config) on the runs' batch shape: the JSON's
   ``trainer_standalone_step_ms`` (the mean of 8 steps alone, a step that captured CUDA graphs
   timed again, scaled to the run's tokens per step),
   ``trainer_standalone_mfu`` and ``trainer_in_loop_over_standalone``;
+- ``sustained_tokens_per_s``: the smaller of the window's trained response
+  tokens and the rollout tokens the window itself generated (the engines'
+  count less the in-window evaluations'), over its wall time, and
+  ``backlog_share``: the share of its trained tokens it did not generate. A
+  fully-async window opens with finished samples waiting (its staleness
+  allows up to ``max_staleness`` steps of them) and trains some of them, so
+  its trained tokens/s can outrun what its engines sustain over a long run;
+  sync's window trains exactly what it generated (``backlog_share`` 0).
+  ``speedup_sustained_tokens_per_s_X_over_sync`` sets them side by side;
 - ``sync_total_ms_median`` / ``_max`` and ``sync_paused_ms_median`` / ``_max``
   over the timed steps' weight syncs (``num_syncs``);
 - ``startup_s``, construction of the run to its first trained step, and
@@ -398,7 +407,8 @@ SUMMARY_KEYS = ("wall_s", "steps_per_s", "tokens_per_s", "samples_per_s", "train
                 "train_tflops_mean", "mfu_mean", "eval_s", "trainer_graph_captures_in_window",
                 "trainer_graph_capture_s_in_window", "trainer_graph_reuses_in_window",
                 # issue 29: the loop against its parts alone (bench/pipeline_report.py)
-                "engine_tokens_per_s", "engine_in_loop_over_standalone", "engine_busy_ratio",
+                "engine_tokens_per_s", "sustained_tokens_per_s", "backlog_share",
+                "engine_in_loop_over_standalone", "engine_busy_ratio",
                 "engine_thread_cpu_share", "engine_offcpu_share", "rollout_loop_cpu_share", "rollout_process_cpu_share",
                 "rollout_gc_share",
                 "samples_admitted_mean", "samples_in_engine_mean", "samples_finished_in_rollout_mean",
@@ -423,7 +433,10 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 #: What the speedup fields are, written into the JSON beside them.
 SPEEDUP_NOTE = ("speedup_X_over_sync: mean over seeds of X's trained tokens/s over the mean of sync's (the "
                 "headline; = speedup_tokens_per_s_X_over_sync); speedup_steps_per_s_X_over_sync: the same "
-                "from steps/s; each *_per_seed: the ratio seed by seed (runs of the same seed)")
+                "from steps/s; speedup_sustained_tokens_per_s_X_over_sync: from sustained_tokens_per_s (what "
+                "the window's own generation sustains: below the headline where X trained a backlog "
+                "generated before the window, backlog_share); each *_per_seed: the ratio seed by seed "
+                "(runs of the same seed)")
 
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -437,7 +450,9 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out["speedup"] = SPEEDUP_NOTE
     for name in pol:
         if name != "sync" and "sync" in pol:
-            for rate in ("tokens_per_s", "steps_per_s"):
+            for rate in ("tokens_per_s", "steps_per_s", "sustained_tokens_per_s"):
+                if rate not in pol[name] or rate not in pol["sync"]:
+                    continue  # sustained_tokens_per_s: not for runs without the engines' counters
                 out[f"speedup_{rate}_{name}_over_sync"] = pol[name][rate]["mean"] / pol["sync"][rate]["mean"]
                 out[f"speedup_{rate}_{name}_over_sync_per_seed"] = [
                     round(b[rate] / a[rate], 3) for a, b in zip(runs["sync"], runs[name])]

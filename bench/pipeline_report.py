@@ -40,6 +40,14 @@ FIELDS = {
                            "built-in engine's num_generated_tokens, evaluations included; for others, estimated: samples "
                            "the rollout actors finished in it (their statistics' num_generated) x the mean "
                            "trained response length, plus the in-window evaluations' response tokens)",
+    "rollout_tokens_in_window": "engine_tokens_per_s's tokens less the in-window evaluations' response "
+                                "tokens: what the window generated for training",
+    "backlog_share": "share of the window's trained response tokens the window did not generate: "
+                     "max(0, trained - rollout_tokens_in_window) / trained, drawn from samples generated before "
+                     "it opened (a fully-async window that opens on a full queue trains them; sync: 0)",
+    "sustained_tokens_per_s": "min(trained, rollout_tokens_in_window) response tokens over the window's wall "
+                              "time: the trained tokens/s the window's own generation sustains (over a long run "
+                              "trained tokens cannot outrun generated ones)",
     "engine_busy_ratio": "share of the window the engines spent in prefill or decode steps (their statistics' "
                          "prefill_s + decode_*_s, summed over engines)",
     "engine_decode_rows_mean": "tokens per decode step in the window (the loop's decode batch)",
@@ -327,9 +335,13 @@ def in_loop(hist: list[dict[str, Any]], trained_samples: int, before: dict[str, 
     tokens = d["num_generated_tokens"] or d["num_generated"] * trained / max(1, trained_samples) + eval_tokens
     busy_s = d["prefill_s"] + d["decode_launch_s"] + d["decode_wait_s"] + d["decode_post_s"]
     syncs = [m for m in hist if "sync/total_ms" in m]
+    rollout_tokens = tokens - eval_tokens  # both ways of counting hold the evaluations' tokens
     out: dict[str, Any] = {
         "engine_tokens_in_window": round(tokens, 1),
         "engine_tokens_per_s": tokens / wall_s,
+        "rollout_tokens_in_window": round(rollout_tokens, 1),
+        "backlog_share": max(0.0, trained - rollout_tokens) / trained if trained else None,
+        "sustained_tokens_per_s": min(trained, rollout_tokens) / wall_s,
         "engine_busy_ratio": min(1.0, busy_s / (wall_s * num_engines)),
         "engine_decode_rows_mean": (tokens - d["num_prefill_seqs"]) / d["num_decode_steps"]
         if d["num_decode_steps"] else None,

@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from bench import async_vs_sync, weight_sync
+from bench import async_vs_sync, pipeline_report, weight_sync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -117,6 +117,11 @@ def test_each_run_sets_its_engine_and_trainer_against_them_alone(bench_result):
     for name in ("sync", "fully_async"):
         for run in bench_result["policies"][name]["seeds"]:
             assert run["engine_tokens_per_s"] > 0 and 0 < run["engine_busy_ratio"] <= 1
+            # what the window generated for training bounds what it sustains; sync trains what it generated
+            assert run["sustained_tokens_per_s"] <= run["tokens_per_s"] * (1 + 1e-9)
+            assert run["backlog_share"] == pytest.approx(1 - run["sustained_tokens_per_s"] / run["tokens_per_s"])
+            if name == "sync":
+                assert run["backlog_share"] == pytest.approx(0.0, abs=1e-9)
             assert run["engine_in_loop_over_standalone"] == pytest.approx(
                 run["engine_tokens_per_s"] / run["engine_standalone_tokens_per_s"])
             assert run["trainer_step_ms_median"] > 0 and run["trainer_standalone_step_ms"] > 0
@@ -157,6 +162,26 @@ def test_the_speedup_is_the_ratio_of_means_not_the_mean_of_ratios():
     assert out["speedup_fully_async_over_sync"] == pytest.approx(1.5)  # the mean of the ratios would be 2.0
     assert out["speedup_fully_async_over_sync_per_seed"] == [3.0, 1.0]
     assert out["policies"]["sync"]["tokens_per_s"] == {"mean": 200.0, "spread": 200.0, "min": 100.0, "max": 300.0}
+
+
+def test_a_window_that_trains_a_backlog_generated_before_it_sustains_only_what_it_generated():
+    counters = dict.fromkeys(pipeline_report.engine_counters([]), 0.0)
+    after = {**counters, "num_generated_tokens": 900.0, "num_decode_steps": 10.0, "turn_s": 1.0}
+    hist = [{"num_tokens": 500, "train_s": 0.1, "eval/response_len_mean": 50.0, "eval/num_prompts": 2},
+            {"num_tokens": 700, "train_s": 0.1}]
+    out = pipeline_report.in_loop(hist, 12, counters, after, wall_s=2.0, num_engines=1)
+    # 900 generated, 100 of them the evaluation's: 800 for training against 1,200 trained
+    assert out["rollout_tokens_in_window"] == 800.0
+    assert out["sustained_tokens_per_s"] == 400.0 and out["backlog_share"] == pytest.approx(400 / 1200)
+    out = pipeline_report.in_loop(hist, 12, counters, {**after, "num_generated_tokens": 1500.0}, 2.0, 1)
+    assert out["sustained_tokens_per_s"] == 600.0 and out["backlog_share"] == 0.0  # the rest: after the window
+
+    def run(trained: float, sustained: float) -> dict:
+        return {"wall_s": 1.0, "steps_per_s": 1.0, "tokens_per_s": trained, "sustained_tokens_per_s": sustained}
+
+    out = async_vs_sync.compare({"sync": [run(100.0, 100.0)], "fully_async": [run(300.0, 200.0)]})
+    assert out["speedup_fully_async_over_sync"] == 3.0
+    assert out["speedup_sustained_tokens_per_s_fully_async_over_sync"] == 2.0
 
 
 def test_eval_outside_the_window_subtracts_it_and_says_what_that_means(tmp_path):
