@@ -421,6 +421,12 @@ LEFT_OUT = {
                                                           "staleness_threshold 6, max_staleness 8",
     "async_vs_sync_h100_smollm2_staleness6_overlap7_ca68ec2.json": "the same lease, with "
                                                                    "policy.eval_overlap_steps=7",
+    "async_vs_sync_h100_smollm2_staleness6_7ec1f3f.json": "an H100 run, 3 seeds, of the graphed trainer with the "
+                                                          "Triton RMSNorm: a clock no calibration run has",
+    "async_vs_sync_h100_smollm2_staleness6_evalend_7ec1f3f.json": "the same lease, no evaluation in the window",
+    "async_vs_sync_h100_smollm2_staleness6_warm10_evalend_41990f0.json": "another H100 lease, 10 warm-up steps, "
+                                                                         "no evaluation in the window",
+    "async_vs_sync_h100_smollm2_staleness6_warm10_41990f0.json": "the same lease, 10 warm-up steps",
 }
 
 
