@@ -31,12 +31,21 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["CONTROL", "MpsDaemon", "mps_unavailable"]
+__all__ = ["CONTROL", "MpsDaemon", "mps_unavailable", "restore_environ"]
 
 CONTROL = "nvidia-cuda-mps-control"
 _VARS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 _CONTROL_TIMEOUT_S = 30.0
 QUIT_TIMEOUT_S = 10  # ``quit -t``: the daemon forces its server down after this long
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    """Put ``os.environ``'s variables back as ``saved`` holds them (None: unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def mps_unavailable() -> str | None:
@@ -97,11 +106,7 @@ class MpsDaemon:
         if not self.owned:
             return
         self.owned = False
-        for k, v in self._saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(self._saved)
         try:
             said = self.command(f"quit -t {QUIT_TIMEOUT_S}")
             if "invalid" in said.lower() or "unknown" in said.lower():  # a daemon too old for -t

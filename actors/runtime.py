@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import loop as global_loop
 from actors import gc_clock
 from actors.actor_host import STOP, serve_calls
+from actors.mps import restore_environ
 from actors.ray_address import join_ray_cluster
 from transfer_queue.rpc import PendingReplies
 
@@ -279,11 +280,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
         try:
             yield
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_environ(saved)
 
 
 def _serve(conn: Any, imports: tuple[str, ...], t_launch: float) -> None:

@@ -90,12 +90,13 @@ def own_bucket(samples: list[Sample]) -> Bucket:
     return (*bucket_shape(samples), max_len_bound(max(len(s.prompt_ids) + len(s.response_ids) for s in samples)))
 
 
-def pick_bucket(samples: list[Sample], captured: Iterable[Bucket], wasted: Counter[Bucket]) -> tuple[Bucket, int]:
-    """The bucket ``samples`` run in and the size of their pad pieces: their own bucket when it
-    is captured or has been padded past by ``CAPTURE_COST_TOKENS`` (``wasted`` counts the tokens
-    beyond it, per own bucket), else the smallest captured one that holds them, else their own
-    (to be captured)."""
-    own = own_bucket(samples)
+def pick_bucket(samples: list[Sample], captured: Iterable[Bucket], wasted: Counter[Bucket],
+                own: Bucket | None = None) -> tuple[Bucket, int]:
+    """The bucket ``samples`` run in and the size of their pad pieces: their own bucket (``own``,
+    computed when not given) when it is captured or has been padded past by
+    ``CAPTURE_COST_TOKENS`` (``wasted`` counts the tokens beyond it, per own bucket), else the
+    smallest captured one that holds them, else their own (to be captured)."""
+    own = own_bucket(samples) if own is None else own
     if own in captured or wasted[own] >= CAPTURE_COST_TOKENS:
         return own, PAD_PIECE
     n = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -195,9 +196,10 @@ class GraphedPasses:
     def logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs, entropy and mask ``[B, T_max]`` of ``samples``' responses, as the eager
         packed forward gives them, through the bucket's graphs (captured on first use)."""
-        key, piece = pick_bucket(samples, self.graphs, self._wasted)
+        own = own_bucket(samples)
+        key, piece = pick_bucket(samples, self.graphs, self._wasted, own)
         batch = packed_batch(samples, self.device, pad_to=key[:2], pad_piece=piece)
-        self.reuses += key != own_bucket(samples)
+        self.reuses += key != own
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(batch, key[2])
