@@ -461,6 +461,23 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+BACKLOG_NOTE_SHARE = 0.05  # a policy training more than this share of its window from before it gets a note
+
+
+def backlog_notes(policies: dict[str, Any]) -> list[str]:
+    """One line per policy whose windows trained more than ``BACKLOG_NOTE_SHARE`` of their
+    tokens from samples generated before them (``backlog_share``, summarised by
+    :func:`compare`): its trained tokens/s overstates what its generation sustains."""
+    notes = []
+    for name, summary in policies.items():
+        share = summary.get("backlog_share")
+        if share and share["max"] > BACKLOG_NOTE_SHARE:
+            notes.append(f"{name} trained {share['min']:.0%}-{share['max']:.0%} of its windows' tokens from samples "
+                         f"generated before them: sustained_tokens_per_s (and its speedup) is the figure its "
+                         f"generation holds; a longer --warmup-steps or --steps window narrows the gap")
+    return notes
+
+
 #: --step-by-step's instruction: worked answers (SmolLM2-135M-Instruct: ~100-200 tokens, a tail to 512).
 STEP_BY_STEP = "Think step by step, showing your working, then give the final answer as a number on the last line."
 
@@ -675,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  indent=1))
     runs = every[runtimes[0]]
     result.update(compare(runs))
+    for note in backlog_notes(result["policies"]):
+        print(f"[async_vs_sync] {note}", file=sys.stderr)
     if len(runtimes) > 1:  # the same policies under the other runtimes, and their sync cost against the first's
         result["other_runtimes"] = {rt: {policy: _summarise(r) for policy, r in every[rt].items()}
                                     for rt in runtimes[1:]}

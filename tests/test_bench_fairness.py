@@ -182,6 +182,10 @@ def test_a_window_that_trains_a_backlog_generated_before_it_sustains_only_what_i
     out = async_vs_sync.compare({"sync": [run(100.0, 100.0)], "fully_async": [run(300.0, 200.0)]})
     assert out["speedup_fully_async_over_sync"] == 3.0
     assert out["speedup_sustained_tokens_per_s_fully_async_over_sync"] == 2.0
+    runs = {"sync": [{**run(100.0, 100.0), "backlog_share": 0.0}],
+            "fully_async": [{**run(300.0, 200.0), "backlog_share": 1 / 3}]}
+    (note,) = async_vs_sync.backlog_notes(async_vs_sync.compare(runs)["policies"])
+    assert note.startswith("fully_async trained 33%-33% of its windows' tokens")
 
 
 def test_eval_outside_the_window_subtracts_it_and_says_what_that_means(tmp_path):
