@@ -85,6 +85,11 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
 
+    @property
+    def started_at(self) -> float:
+        """``time.perf_counter()`` when this policy was made: its records' ``elapsed_s`` count from it."""
+        return self._t_start
+
     # -- prompts and groups -------------------------------------------------
 
     def next_group(self, gid: int) -> GroupRequest:
