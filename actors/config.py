@@ -18,6 +18,11 @@ exists. Unknown keys, wrong types and out-of-range values are
 got str``); so are engine and backend types this build does not have. After
 :func:`load_config` no raw dict survives. The YAML file and the dotted overrides
 are read into a raw tree by ``actors/config_yaml.py``.
+
+The ``auto`` values (``trainer.dtype``, ``trainer.kernels``, ``trainer.cuda_graphs``,
+``rollout.engine.dtype`` and ``max_num_seqs``: the fast settings on a GPU) are
+resolved once, by their section as :func:`build_config` decodes it, so the checks
+here, every actor and the saved config see concrete values.
 """
 
 from __future__ import annotations
@@ -440,14 +445,15 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 
 
 # What a resumed run may change: how long it runs, how it reports and checkpoints,
-# and where its actors are placed. Everything else is what the checkpoint was made
-# of (model, task, batch shape, schedule, queue, sync): changing it would resume
-# a different run.
+# where its actors are placed, and how the trainer runs the same math (the kernels
+# and graphs ``auto`` chose on the first machine may be missing on the next).
+# Everything else is what the checkpoint was made of (model, task, batch shape,
+# dtypes, schedule, queue, sync): changing it would resume a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
                   "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
                   "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s", "runtime.mps",
                   "runtime.mps_trainer_sm_percent",
-                  "rollout.max_respawns")
+                  "rollout.max_respawns", "trainer.kernels", "trainer.cuda_graphs")
 
 
 def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:

@@ -117,9 +117,12 @@ def in_flight_samples(cfg: Any) -> int:
 
 
 def engine_concurrency(cfg: Any) -> int:
-    """Sequences one engine may run at once for this config's policy."""
+    """Sequences one engine may run at once for this config's policy (a built-in engine on
+    CUDA sized from free memory, ``max_num_seqs: null``: at most ``CUDA_MAX_NUM_SEQS``)."""
+    from actors.engines.config import CUDA_MAX_NUM_SEQS
+
     per_engine = math.ceil(in_flight_samples(cfg) / cfg.rollout.num_actors)
-    return min(cfg.rollout.engine.max_num_seqs, per_engine)
+    return min(cfg.rollout.engine.max_num_seqs or CUDA_MAX_NUM_SEQS, per_engine)
 
 
 def prompt_tokens_mean(cfg: Any, model_path: str, n: int = 64) -> float:

@@ -187,6 +187,27 @@ def test_sleep_frees_cuda_memory_by_the_kv_cache_and_weights(tiny_models):
     assert len(out.token_ids) == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_auto_batch_on_cuda_is_sized_to_half_the_free_memory_and_reported(tiny_models):
+    path, _ = tiny_models["qwen2"]
+    cfg = EngineConfig(device="cuda", max_model_len=4096)  # max_num_seqs null: the engine sizes it
+
+    async def body():
+        engine = make_engine(cfg, path, seed=0)
+        free_bytes, _ = torch.cuda.mem_get_info()
+        await engine.setup()
+        try:
+            out = await engine.generate(req("after", PROMPTS[0], 4))
+            return engine.max_num_seqs, engine.statistics(), free_bytes, out
+        finally:
+            await engine.close()
+
+    num_seqs, stats, free_bytes, out = loop.run(body())
+    assert cfg.max_num_seqs is None and stats["max_num_seqs"] == num_seqs and 1 <= num_seqs <= 256
+    assert stats["kv_cache_bytes"] <= free_bytes / 2 and len(out.token_ids) == 4
+
+
 def test_sync_full_then_delta_updates_apply_even_with_a_tied_lm_head_named(engine_factory, tiny_models):
     """``sync`` updates go through ``sync.apply``; a sender that does not dedup
     tied weights names ``lm_head.weight`` too, which must not break a delta."""

@@ -24,7 +24,7 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
      "trainer.kernels: must be eager with backend 'megatron'"),
     (["trainer.kernels=liger", "trainer.compile=true", "trainer.device=cuda"],
      "trainer.kernels: must be eager with compile true (dynamo cannot trace liger's kernels here); choose one"),
-    (["trainer.kernels=fused"], "trainer.kernels: invalid enum value 'fused' (expected one of: eager, liger)"),
+    (["trainer.kernels=fused"], "trainer.kernels: invalid enum value 'fused' (expected one of: auto, eager, liger)"),
 ])
 def test_kernels_are_refused_at_load_where_they_cannot_run(overrides, line):
     with pytest.raises(ConfigError, match="^" + line.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):

@@ -114,8 +114,10 @@ def sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
 
 def reference() -> str:
     from actors.config import Config, load_config
+    from actors.config_yaml import read_yaml
 
     example = msgspec.to_builtins(load_config(ROOT / "fully_async.yaml"))
+    written = read_yaml(ROOT / "fully_async.yaml")  # an ``auto`` it leaves is resolved in ``example``: not its value
     out = []
     for name, cls in sections(Config):
         info = {f.name: f for f in mi.type_info(cls).fields}
@@ -125,9 +127,9 @@ def reference() -> str:
         if cls.__doc__:
             out += [markdown(cls.__doc__), ""]
         out += [f"Declared by `{cls.__name__}` in `{where}`.", ""]
-        node = example
+        node, keys = example, written
         for part in name.split("."):
-            node = node[part]
+            node, keys = node[part], keys.get(part) or {}
         for field in msgspec.structs.fields(cls):
             t = info[field.name].type
             if isinstance(t, mi.StructType):
@@ -135,7 +137,7 @@ def reference() -> str:
             default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
             line = (f"- **`{name}.{field.name}`**: {type_name(t, declared_order(field.type))}; "
                     f"default `{value(default)}`{size_note(default)}")
-            if msgspec.to_builtins(default) != node[field.name]:
+            if field.name in keys and msgspec.to_builtins(default) != node[field.name]:
                 line += f" (`fully_async.yaml`: `{value(node[field.name])}`)"
             out.append(line + ".")
             if field.name in docs:

@@ -38,7 +38,11 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     backend: Literal["torch", "megatron"] = "torch"
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the model's params and compute. ``auto`` (resolved when the config is
+    read, so the run's saved config holds the dtype chosen): ``bfloat16`` when
+    ``device`` is ``cuda[:i]`` (the varlen flash attention and CUDA graphs need it; half
+    the memory), ``float32`` elsewhere."""
     master_dtype: Literal["float32", "bfloat16"] | None = "float32"
     """Dtype of the optimizer's main params when ``dtype`` is lower (fp32 main params,
     Megatron-style: AdamW steps them, the model keeps ``dtype`` copies, which the weight
@@ -99,7 +103,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step eager). Costs one compilation on the first steps (seconds to a minute,
     logged, ``train/compile_s``) and, packed, one more attention forward per
     layer in the backward. Only with ``backend: torch`` and one worker (``num_workers: 1``, no FSDP2)."""
-    kernels: Literal["eager", "liger"] = "eager"
+    kernels: Literal["auto", "eager", "liger"] = "auto"
     """Torch backend: ``liger`` runs Liger-Kernel's fused Triton kernels for
     the SwiGLU MLP and RoPE (:mod:`actors.backends.kernels`; the ``liger``
     extra, ``trainer.device=cuda``) where ``eager`` runs the model's own
@@ -109,8 +113,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     (:mod:`actors.backends.head_kernels`). Fewer
     kernel launches and passes a step, as ``compile`` gives without its
     compilation; not with ``compile`` (dynamo cannot trace Liger's RMSNorm
-    here: torch 2.11)."""
-    cuda_graphs: bool = False
+    here: torch 2.11). ``auto`` (resolved when the config is read): ``liger`` with
+    ``backend: torch`` on ``device: cuda``, ``compile`` false and liger-kernel
+    installed, else ``eager``."""
+    cuda_graphs: bool | None = None
     """Torch backend: replay each training micro-batch's forward and backward as CUDA
     graphs (:mod:`actors.backends.graphs`), captured once per padded shape: the
     tokens rounded up to a multiple of 2048, the sequences and the longest one
@@ -119,13 +125,17 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shapes; each new one costs a capture (~1 s, ``train/graph_capture_s``) and keeps
     its activations' memory in one shared pool. Needs ``device: cuda``, ``dtype: bfloat16``,
     ``packed``, one worker; not with ``compile`` or ``activation_checkpointing``.
-    Works with ``kernels: liger``."""
+    Works with ``kernels: liger``. A model that cannot pack (``packed``) trains padded
+    without graphs, and the log says why. ``null`` (auto, resolved when the config is
+    read): true where all of those needs are met (and this torch has the varlen
+    attention), else false."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is
     logged either way)."""
 
     def __post_init__(self) -> None:
+        self._resolve_auto()
         if self.compile and self.backend != "torch":
             raise ValueError(f"compile must be false with backend {self.backend!r} (it compiles the torch "
                              f"backend's Hugging Face model)")
@@ -151,6 +161,31 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.compile and self.num_workers > 1:
             raise ValueError(f"compile must be false with num_workers={self.num_workers} (compiled layers "
                              f"under FSDP2's hooks are untested here; one worker only)")
+
+    def _resolve_auto(self) -> None:
+        """Replace ``auto`` / ``null`` by what runs fastest here, once, when the section is
+        built (read from a config, or made in code): every reader, and the run's saved
+        config, sees a concrete value; a value the user gave is kept as given (and
+        checked by :meth:`__post_init__` as such)."""
+        cuda = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if cuda else "float32"
+        torch_on_gpu = self.backend == "torch" and cuda and not self.compile  # compile rules out both
+        if self.kernels == "auto":
+            from actors.backends.kernels import kernels_unavailable  # imports torch: only here
+
+            self.kernels = "liger" if torch_on_gpu and kernels_unavailable("liger", self.device) is None else "eager"
+        if self.cuda_graphs is None:
+            self.cuda_graphs = (torch_on_gpu and self.dtype == "bfloat16" and self.packed and self.num_workers == 1
+                                and not self.activation_checkpointing and _varlen_available())
+
+
+def _varlen_available() -> bool:
+    """Whether this torch has the varlen flash attention CUDA graphs need (imports the
+    packing module, hence transformers: only asked for a CUDA config)."""
+    from actors.backends.packing import varlen_available
+
+    return varlen_available()
 
 
 def backend_unavailable(backend: str, device: str | None = None) -> str | None:

@@ -170,6 +170,9 @@ class TorchBackend(TrainerBackend):
             self._enable_activation_checkpointing()
         if self.compile:
             compile_model(self.model)
+        if self.cuda_graphs and self.padded_reason is not None:  # graphs need packing, which fell back as it does
+            _log.warning("trainer.cuda_graphs: off, as this model trains padded (%s)", self.padded_reason)
+            self.cuda_graphs = False
         if self.cuda_graphs:
             reason = graphs_unsupported(self.device, self.dtype, packed=self.packed, compile=self.compile,
                                         activation_checkpointing=self.activation_checkpointing,

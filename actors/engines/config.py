@@ -14,13 +14,18 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["BUILT_IN_ENGINES", "ENGINE_TYPES", "EngineConfig", "engine_unavailable"]
+__all__ = ["BUILT_IN_ENGINES", "CPU_MAX_NUM_SEQS", "CUDA_MAX_NUM_SEQS", "ENGINE_TYPES", "EngineConfig",
+           "engine_unavailable"]
 
 #: Every engine type a config may name, and the ones this build can construct.
 ENGINE_TYPES = ("torch", "vllm", "sglang")
 BUILT_IN_ENGINES = ("torch",)
 
 PosInt = Annotated[int, Meta(ge=1)]
+#: ``max_num_seqs: null``: the sequences batched on a CPU, and on CUDA by vLLM / SGLang (which
+#: fit their KV cache within it themselves) and at most by the built-in engine (which sizes it).
+CPU_MAX_NUM_SEQS = 128
+CUDA_MAX_NUM_SEQS = 256
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -31,10 +36,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     talks to an SGLang server over HTTP (``url``, or one it launches where SGLang is installed)."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:i]``."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and compute dtype of the engine (fp32 on CPU)."""
-    max_num_seqs: PosInt = 128
-    """Concurrent sequences the engine batches."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and compute dtype of the engine. ``auto`` (resolved when the config is
+    read, so the run's saved config holds the dtype chosen): ``bfloat16`` when ``device``
+    is ``cuda[:i]``, ``float32`` elsewhere."""
+    max_num_seqs: PosInt | None = None
+    """Concurrent sequences the engine batches (its KV cache holds this many of
+    ``max_model_len`` tokens). ``null`` (auto): the built-in engine on CUDA sizes it at
+    setup, the most sequences (up to 256) whose KV cache fits in half the device memory
+    free then (logged; ``max_num_seqs`` in its statistics); 256 for vLLM and SGLang on
+    CUDA, 128 on a CPU (resolved when the config is read)."""
     max_model_len: PosInt = 128
     """Prompt + response tokens per sequence (KV cache slot length)."""
     cuda_graphs: bool = True
@@ -52,6 +63,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     free loopback port (needs SGLang installed)."""
 
     def __post_init__(self) -> None:
+        self._resolve_auto()
         if self.url is None:
             return
         if self.type != "sglang":
@@ -63,6 +75,17 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             port = None
         if u.scheme != "http" or not u.hostname or port is None or u.path not in ("", "/") or u.query:
             raise ValueError(f"url must be http://host:port (an SGLang server), got {self.url!r}")
+
+    def _resolve_auto(self) -> None:
+        """Replace ``auto`` / ``null`` once, when the section is built, so that every reader
+        and the run's saved config see a concrete value; a value given is kept. Only the
+        built-in engine on CUDA keeps ``max_num_seqs`` null: it alone sizes its KV cache
+        from the memory free at setup (``actors/engines/engine_core.py``)."""
+        cuda = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if cuda else "float32"
+        if self.max_num_seqs is None and not (cuda and self.type == "torch"):
+            self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
 
 
 #: Engines whose adapter this build has, each usable once its package is installed

@@ -21,6 +21,7 @@ prompt + generated tokens, so no KV computed with old weights is reused.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -30,9 +31,10 @@ from typing import Any
 
 import torch
 
+from actors.engines.config import CUDA_MAX_NUM_SEQS
 from actors.engines.cuda_graphs import DecodeGraphs
 from actors.engines.engine_steps import EngineOptions, Event, Scheduler, Seq
-from actors.engines.kv_cache import KVCache, SlotTable
+from actors.engines.kv_cache import KVCache, SlotTable, slots_that_fit
 from actors.engines.model import Model, ModelConfig
 from actors.engines.weights import FullWeights, WeightStore, update_targets
 from sync.apply import apply_update, stage_update
@@ -43,6 +45,9 @@ __all__ = ["EngineCore", "EngineOptions", "Event", "Seq"]
 # submit only queues; a stage reads the update (on its own stream on CUDA, so its check runs
 # beside the step instead of after it). Any other command reads back the step first.
 _KEEP_CHAIN = frozenset({"submit", "stage"})
+#: ``rollout.engine.max_num_seqs: null`` on CUDA: the share of the memory free at setup its KV cache may take.
+_KV_SHARE_OF_FREE = 0.5
+_log = logging.getLogger(__name__)
 
 
 class EngineCore(Scheduler):
@@ -166,6 +171,8 @@ class EngineCore(Scheduler):
         self.weights.load_dir(o.model_path)
         self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
                            compile_decode=o.compile_decode if cuda else False)
+        if o.max_num_seqs is None:  # rollout.engine.max_num_seqs: null, on CUDA (a CPU config has 128)
+            o.max_num_seqs = self._fitting_num_seqs()
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
         self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, -(-o.max_model_len // 16) * 16,
                           self.cfg.head_dim, o.device, o.dtype)
@@ -181,6 +188,18 @@ class EngineCore(Scheduler):
             self.graphs.capture_all(self.weights, self.kv)
             self.graph_capture_s = time.perf_counter() - t0
         return self.version
+
+    def _fitting_num_seqs(self) -> int:
+        """The most sequences, up to :data:`CUDA_MAX_NUM_SEQS`, whose KV cache of ``max_model_len``
+        tokens fits in :data:`_KV_SHARE_OF_FREE` of the device memory free now (weights loaded;
+        a colocated trainer's, decode graphs and activations take from the rest). Logged once."""
+        o = self.opts
+        free_bytes, _ = torch.cuda.mem_get_info(o.device)
+        n = slots_that_fit(int(free_bytes * _KV_SHARE_OF_FREE), self.cfg.num_layers, self.cfg.num_kv_heads,
+                           -(-o.max_model_len // 16) * 16, self.cfg.head_dim, o.dtype, CUDA_MAX_NUM_SEQS)
+        _log.info("rollout.engine.max_num_seqs: %d (KV cache of %d tokens each within %.0f%% of %.1f GiB free on %s)",
+                  n, o.max_model_len, 100 * _KV_SHARE_OF_FREE, free_bytes / 2**30, o.device)
+        return n
 
     def _cmd_submit(self, seq: Seq) -> None:
         if seq.seed < 0:

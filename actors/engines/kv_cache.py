@@ -62,6 +62,14 @@ class KVCache:
             self._v[:, dst, :, :length] = self._v[:, src, :, :length]
 
 
+def slots_that_fit(budget_bytes: int, num_layers: int, num_kv_heads: int, max_len: int, head_dim: int,
+                   dtype: torch.dtype, most: int) -> int:
+    """The most slots (1 to ``most``) whose keys and values, ``max_len`` positions each,
+    fit in ``budget_bytes`` (``rollout.engine.max_num_seqs: null`` on CUDA)."""
+    slot_bytes = 2 * num_layers * num_kv_heads * max_len * head_dim * dtype.itemsize
+    return max(1, min(most, budget_bytes // slot_bytes))
+
+
 class SlotTable:
     """The running requests' state on the host, by slot, so that the per-step
     and per-change work of the engine's thread does not loop over requests:

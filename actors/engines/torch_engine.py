@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from actors.engines.base import EngineAsleepError, RolloutEngine, check_in_flight, copy_output
-from actors.engines.config import EngineConfig
+from actors.engines.config import CPU_MAX_NUM_SEQS, EngineConfig
 from actors.engines.engine_core import EngineCore
 from actors.engines.engine_steps import EngineOptions, Event, Seq
 from actors.engines.weights import with_tied_head
@@ -50,8 +50,10 @@ class TorchEngine(RolloutEngine):
 
     ``model_path``: directory with ``config.json`` and ``*.safetensors``.
     ``device``: "cpu" or "cuda[:i]". ``dtype``: "float32" | "bfloat16" |
-    "float16" (None: float32 on CPU, bfloat16 on CUDA). ``max_num_seqs``:
-    KV slots = most requests decoded together. ``max_model_len``: most
+    "float16" (None or "auto": float32 on CPU, bfloat16 on CUDA). ``max_num_seqs``:
+    KV slots = most requests decoded together (None: 128 on CPU; on CUDA sized at
+    :meth:`setup` from the free memory, :attr:`max_num_seqs` and ``statistics()``
+    then tell). ``max_model_len``: most
     tokens (prompt + response) per request. ``seed``: seeds the per-request
     seeds of unseeded requests. ``cuda_graphs``: replay decode steps as CUDA
     graphs (CUDA only). ``max_prefill_tokens``: padded tokens per prefill batch.
@@ -63,14 +65,17 @@ class TorchEngine(RolloutEngine):
     """
 
     def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = _DEFAULTS.dtype,
-                 max_num_seqs: int = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
+                 max_num_seqs: int | None = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
                  seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
                  compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None):
-        if dtype is None:
-            dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+        cuda = str(device).startswith("cuda")
+        if dtype in (None, "auto"):
+            dtype = "bfloat16" if cuda else "float32"
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
-        if max_num_seqs < 1:
+        if max_num_seqs is None and not cuda:
+            max_num_seqs = CPU_MAX_NUM_SEQS
+        if max_num_seqs is not None and max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len} must be >= 2")
@@ -107,6 +112,7 @@ class TorchEngine(RolloutEngine):
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")
+        self.max_num_seqs = opts.max_num_seqs  # as sized by the engine's thread, where it was None
 
     async def close(self) -> None:
         if self._core is None or self._core.closed:
@@ -282,6 +288,7 @@ class TorchEngine(RolloutEngine):
             "num_running": len(core.running) if core else 0,
             "num_waiting": len(core.waiting) if core else 0,
             "num_preemptions": core.num_preemptions if core else 0,
+            "max_num_seqs": self.max_num_seqs or 0,  # 0: not sized yet (before setup, on CUDA)
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
             "num_generated_tokens": core.num_generated_tokens if core else 0,
