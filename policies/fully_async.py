@@ -28,6 +28,16 @@ repeatedly (``settle()`` before the loop stops: the last push must not be left
 half way). A background task that dies re-raises in :meth:`train`.
 Accounting invariant, checked every step: produced == trained + dropped + pending.
 
+Which groups a step trains (``policy.batch_order``): ``admission`` (default), the
+oldest groups admitted that are neither trained nor dropped, whole and in that
+order; the step waits until all of them are generated and queued (``_order``:
+group id -> None while generating, its oldest token version once reported). A
+group among them that the queue would drop as stale at this step is skipped
+(and dropped now, so its slots go back). ``completion``: the first whole groups
+to finish, which trains groups with a long sample later, staler, or never (the
+length bias ``batch_order`` documents). A resumed run trains the restored
+queue's groups first: the checkpoint's order, then any others the queue holds.
+
 A rollout actor that dies takes its groups with it: each is counted dropped
 (``actor_died``, its admission slots go back) unless the actor had put it
 into the queue already, and the feeder goes on with the actors left
@@ -45,8 +55,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from contracts.rollout import GroupRequest
-from contracts.training import StepReport
+import msgspec
+
+from contracts.rollout import GroupReport, GroupRequest
+from contracts.training import BatchRequest, StepReport
 from policies.admission import Admission, window_budget
 from policies.base import PolicyBase
 
@@ -81,9 +93,18 @@ class FullyAsyncPolicy(PolicyBase):
         self._released_queue_drops = 0  # the queue's stale drops whose admission slots went back
         self._push_owed = False  # a push came due while an evaluation ran: the next step makes it
         self._steps_beside_eval = 0  # steps trained since then
+        self._in_order = p.batch_order == "admission"
+        # batch_order=admission: every group admitted and not yet trained or dropped, in admission
+        # order: None while it is generating, the oldest version of its tokens once queued whole
+        self._order: dict[str, int | None] = {}
+        self._reported = asyncio.Event()  # set on every group report: the step may have its groups now
+        self._batch_groups: list[str] | None = None  # the groups the step being requested trains
+        self._adopt_queued = False  # resumed: the restored queue's groups not in ``_order`` join it first
 
     async def _start_background(self) -> None:
         if self._feeder is None:
+            if self._adopt_queued:
+                await self._adopt_queue_groups()
             self._failure = asyncio.get_running_loop().create_future()
             self._feeder = asyncio.create_task(self._feed(), name="feeder")
 
@@ -113,6 +134,8 @@ class FullyAsyncPolicy(PolicyBase):
                     return
                 actor = min(self.rollouts, key=lambda h: self._load[h.name])
                 group = self.next_group(gid)
+                if self._in_order:
+                    self._order[group.group_id] = None
                 self._load[actor.name] += 1
                 task = asyncio.create_task(self._run_group(actor, group), name=f"group-{gid}")
                 self._groups.add(task)
@@ -125,13 +148,15 @@ class FullyAsyncPolicy(PolicyBase):
     async def _run_group(self, actor: Any, group: GroupRequest) -> None:
         try:
             self.in_flight += group.n
-            release = 0
+            release, lost = 0, False
             try:
                 report = await actor.generate_group(group)
             except Exception as err:
                 if not await self.lose_rollout(actor, err):
                     raise
                 report, release = await self.lost_group(group)
+                lost = True
+            self._on_reported(report, whole=report.num_queued == group.n and not lost)
             kept = self.on_group(report, actor.name)
             self.in_flight -= group.n
             if kept < group.n or release:
@@ -145,6 +170,80 @@ class FullyAsyncPolicy(PolicyBase):
         finally:
             self._load[actor.name] -= 1
 
+    def _on_reported(self, report: GroupReport, whole: bool) -> None:
+        """A group came back: queued whole, it waits for its turn; otherwise (dropped by its
+        actor, lost with it, the queue's by now or the trainer's) it leaves the order."""
+        if report.group_id in self._order:
+            if whole:
+                self._order[report.group_id] = report.min_version
+            else:
+                del self._order[report.group_id]
+            self._reported.set()
+
+    def batch_request(self) -> BatchRequest:
+        request = super().batch_request()
+        if self._batch_groups is None:
+            return request
+        return msgspec.structs.replace(request, group_ids=self._batch_groups)
+
+    async def _oldest_groups(self) -> list[str]:
+        """The groups the next step trains (batch_order=admission): the oldest ones admitted,
+        once each is queued whole. One the queue would drop as stale at this step is left
+        out, and dropped now: its slots go back, so a full window still admits its replacement."""
+        p = self.cfg.policy
+        k = self.cfg.batch_size * p.require_batches // self.cfg.rollout.n
+        while True:
+            self._reported.clear()
+            picked: list[str] = []
+            stale: list[str] = []
+            for gid, version in self._order.items():
+                if version is None:  # generating: the groups after it wait for it
+                    break
+                # the queue's test (transfer_queue.samplers.is_stale) at the get's current_version
+                if self.step - version > p.max_staleness:
+                    stale.append(gid)
+                    continue
+                picked.append(gid)
+                if len(picked) == k:
+                    break
+            for gid in stale:
+                del self._order[gid]
+            if stale:
+                await self.queue.drop_stale(current_version=self.step, max_staleness=p.max_staleness)
+                await self._release_queue_drops()
+            if len(picked) == k:
+                for gid in picked:
+                    del self._order[gid]
+                return picked
+            await self._reported.wait()
+
+    async def _step(self) -> StepReport:
+        """The trainer step: with batch_order=admission, once its groups are queued."""
+        self._batch_groups = await self._oldest_groups() if self._in_order else None
+        return await super()._train_once()
+
+    async def _adopt_queue_groups(self) -> None:
+        """Resumed: the groups the restored queue holds whole go first, in the checkpoint's
+        order (those it still has), then the others (queued before their report came) as
+        they arrived; a group it no longer holds whole is never named."""
+        n = self.cfg.rollout.n
+        queued = {gid: version for gid, size, version in await self.queue.pending_groups() if size == n}
+        saved = {gid: version for gid, version in self._order.items() if gid in queued}
+        self._order = {**saved, **{gid: v for gid, v in queued.items() if gid not in saved}}
+        self._adopt_queued = False
+
+    def state_dict(self, queue: Any) -> dict[str, Any]:
+        state = super().state_dict(queue)
+        # the groups queued whole, in admission order (the resumed run trains them first, in it)
+        state["group_order"] = [[gid, v] for gid, v in self._order.items() if v is not None]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self._in_order:  # a checkpoint without an order (older ones): the queue's arrival order alone
+            self._order = {gid: version for gid, version in state.get("group_order", [])}
+            self._adopt_queued = True
+
     async def _train_once(self) -> StepReport:
         """One trainer step, unless a background task failed: then that error is
         raised here, after the step if the trainer already holds its batch (a
@@ -152,7 +251,7 @@ class FullyAsyncPolicy(PolicyBase):
         assert self._failure is not None
         if self._failure.done():
             self._failure.result()  # no step after a background failure
-        step = asyncio.ensure_future(super()._train_once())
+        step = asyncio.ensure_future(self._step())  # a wait for its groups is polled as the get is
         try:
             while not (await asyncio.wait([step, self._failure], timeout=_DROP_POLL_S,
                                           return_when=asyncio.FIRST_COMPLETED))[0]:
@@ -278,8 +377,14 @@ class FullyAsyncPolicy(PolicyBase):
         a = self.admission
         free = a.budget - a.carried - a.admitted_in_window
         sync = "" if self._sync is None or self._sync.done() else f"; a weight push of step {self._sync_step} is running"
-        return [f"admission: {a.carried} carried + {a.admitted_in_window} admitted of a window of {a.budget} "
-                f"({free} free; a group needs {self.cfg.rollout.n}){sync}"]
+        lines = [f"admission: {a.carried} carried + {a.admitted_in_window} admitted of a window of {a.budget} "
+                 f"({free} free; a group needs {self.cfg.rollout.n}){sync}"]
+        generating = next((gid for gid, v in self._order.items() if v is None), None)
+        if self._in_order and generating is not None:
+            ready = list(self._order.values()).index(None)
+            lines.append(f"batch order: admission; the step's groups are the oldest admitted: {ready} ahead of "
+                         f"group {generating} are queued, which is still generating")
+        return lines
 
     async def _open_window(self) -> None:
         """A sync happened: a new window carries what is outstanding now. Queue drops
