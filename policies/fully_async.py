@@ -33,7 +33,8 @@ oldest groups admitted that are neither trained nor dropped, whole and in that
 order; the step waits until all of them are generated and queued (``_order``:
 group id -> None while generating, its oldest token version once reported). A
 group among them that the queue would drop as stale at this step is skipped
-(and dropped now, so its slots go back). ``completion``: the first whole groups
+(and dropped now, so its slots go back), and so is one lost with a storage unit
+(the queue dropped it: ``_step`` picks again). ``completion``: the first whole groups
 to finish, which trains groups with a long sample later, staler, or never (the
 length bias ``batch_order`` documents). A resumed run trains the restored
 queue's groups first: the checkpoint's order, then any others the queue holds.
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -64,14 +66,21 @@ from policies.base import PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
-# How often a trainer step that waits for its batch looks for samples the queue dropped as stale.
+log = logging.getLogger(__name__)
+
+# How often a trainer step that waits for its batch looks for samples the queue dropped (stale, lost).
 _DROP_POLL_S = 0.25
 _UNRECORDED_STEP_WAIT_S = 30.0  # how long a stopped run waits for a step its trainer took unasked
 
 
-def _stale_drops(stats: Any) -> int:
-    """Samples the queue dropped as too old (its trainer-side staleness filter), ever."""
-    return stats.dropped_by_reason.get("stale", 0) + stats.dropped_by_reason.get("stale_group", 0)
+# Why the queue drops admitted samples before training: too old (its trainer-side staleness
+# filter), or lost with a storage unit. Their admission slots go back.
+_QUEUE_DROPS = ("stale", "stale_group", "storage_lost")
+
+
+def _queue_drops(stats: Any) -> int:
+    """Samples the queue dropped after admission (``_QUEUE_DROPS``), ever."""
+    return sum(stats.dropped_by_reason.get(reason, 0) for reason in _QUEUE_DROPS)
 
 
 class FullyAsyncPolicy(PolicyBase):
@@ -90,7 +99,7 @@ class FullyAsyncPolicy(PolicyBase):
         self._failure: asyncio.Future[None] | None = None
         self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
         self._sync_step = 0  # ... and the step whose weights it pushes
-        self._released_queue_drops = 0  # the queue's stale drops whose admission slots went back
+        self._released_queue_drops = 0  # the queue's drops (_QUEUE_DROPS) whose admission slots went back
         self._push_owed = False  # a push came due while an evaluation ran: the next step makes it
         self._steps_beside_eval = 0  # steps trained since then
         self._in_order = p.batch_order == "admission"
@@ -100,6 +109,7 @@ class FullyAsyncPolicy(PolicyBase):
         self._reported = asyncio.Event()  # set on every group report: the step may have its groups now
         self._batch_groups: list[str] | None = None  # the groups the step being requested trains
         self._adopt_queued = False  # resumed: the restored queue's groups not in ``_order`` join it first
+        self._storage_lost_seen = 0  # the queue's storage_lost drops when ``_order`` was last checked against it
 
     async def _start_background(self) -> None:
         if self._feeder is None:
@@ -186,7 +196,7 @@ class FullyAsyncPolicy(PolicyBase):
             return request
         return msgspec.structs.replace(request, group_ids=self._batch_groups)
 
-    async def _oldest_groups(self) -> list[str]:
+    async def _oldest_groups(self) -> dict[str, int]:
         """The groups the next step trains (batch_order=admission): the oldest ones admitted,
         once each is queued whole. One the queue would drop as stale at this step is left
         out, and dropped now: its slots go back, so a full window still admits its replacement."""
@@ -212,15 +222,45 @@ class FullyAsyncPolicy(PolicyBase):
                 await self.queue.drop_stale(current_version=self.step, max_staleness=p.max_staleness)
                 await self._release_queue_drops()
             if len(picked) == k:
-                for gid in picked:
-                    del self._order[gid]
-                return picked
+                return {gid: self._order.pop(gid) for gid in picked}  # type: ignore[misc]
             await self._reported.wait()
 
     async def _step(self) -> StepReport:
-        """The trainer step: with batch_order=admission, once its groups are queued."""
-        self._batch_groups = await self._oldest_groups() if self._in_order else None
-        return await super()._train_once()
+        """The trainer step: with batch_order=admission, once its groups are queued. A
+        storage unit lost meanwhile (its node died) may take some of them along: the queue
+        refuses to hand those out, and the step picks again from what it holds."""
+        if not self._in_order:
+            self._batch_groups = None
+            return await super()._train_once()
+        picked: dict[str, int] = {}
+        while True:
+            lost = await self._storage_lost()
+            if lost != self._storage_lost_seen:
+                await self._forget_lost_groups(picked)
+                self._storage_lost_seen = lost
+                await self._release_queue_drops()  # their slots: the groups that replace them may start now
+            picked = await self._oldest_groups()
+            self._batch_groups = list(picked)
+            try:
+                return await super()._train_once()
+            except Exception:
+                if await self._storage_lost() == lost:
+                    raise
+
+    async def _storage_lost(self) -> int:
+        return (await self.queue.statistics_async()).dropped_by_reason.get("storage_lost", 0)
+
+    async def _forget_lost_groups(self, picked: dict[str, int]) -> None:
+        """Samples were lost with a storage unit (dropped, counted by the queue): ``picked``
+        go back to the head of the order, and the groups queued whole that the queue no
+        longer holds leave it (never named: the queue would refuse them)."""
+        generating = {gid for gid, v in self._order.items() if v is None}  # a report meanwhile: put before it
+        queued = {gid for gid, size, _ in await self.queue.pending_groups() if size == self.cfg.rollout.n}
+        order = {**picked, **self._order}
+        self._order = {gid: v for gid, v in order.items() if v is None or gid in generating or gid in queued}
+        if len(self._order) < len(order):
+            log.warning("%d queued groups were lost with a storage unit (counted dropped: storage_lost); the "
+                        "steps train the next oldest", len(order) - len(self._order))
 
     async def _adopt_queue_groups(self) -> None:
         """Resumed: the groups the restored queue holds whole go first, in the checkpoint's
@@ -391,13 +431,13 @@ class FullyAsyncPolicy(PolicyBase):
         until now are not outstanding: none of them is released again later."""
         in_flight = self.in_flight  # read first: a group put meanwhile counts twice, never not at all
         stats = await self.queue.statistics_async()
-        self._released_queue_drops = _stale_drops(stats)
+        self._released_queue_drops = _queue_drops(stats)
         await self.admission.open_window(in_flight + stats.pending + stats.in_flight)
 
     async def _release_queue_drops(self) -> None:
-        """Give back the admission slots of samples the queue dropped as stale since the
+        """Give back the admission slots of samples the queue dropped (stale, lost) since the
         last release (or window): counted from the queue's own totals, so none twice."""
-        total = _stale_drops(await self.queue.statistics_async())
+        total = _queue_drops(await self.queue.statistics_async())
         new, self._released_queue_drops = total - self._released_queue_drops, max(total, self._released_queue_drops)
         if new > 0:  # counted before the await: a window opened meanwhile resets the count, not this
             await self.admission.release(new)

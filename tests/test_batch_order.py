@@ -89,8 +89,14 @@ class FakeTrainer:
         self.queue = queue
         self.version = 0
         self.steps: list[list[str]] = []  # the groups of each step, in batch order
+        self.before_get: Any = None  # a coroutine function of the request, awaited once before the next get
+        self.num_calls = 0
 
     async def train_step(self, request: BatchRequest) -> StepReport:
+        self.num_calls += 1
+        if self.before_get is not None:
+            before, self.before_get = self.before_get, None
+            await before(request)
         batch = await TrainerActor._get_batch(self, request)  # type: ignore[arg-type]
         samples = batch.samples
         groups = list(dict.fromkeys(s.group_id for s in samples))
@@ -195,3 +201,42 @@ def test_a_resumed_policy_trains_the_restored_queues_groups_first_in_the_saved_o
     queued, steps, saved = loop.run(scenario())
     assert (queued, saved) == (["g2", "g4", "g5", "g3"], ["g2", "g3", "g4", "g5"])  # the two orders differ
     assert steps == ([["g2", "g3"], ["g4", "g5"]] if saved_order else [["g2", "g4"], ["g5", "g3"]])
+
+
+@pytest.mark.parametrize("when", ["between steps", "at the get"])
+def test_groups_lost_with_a_storage_unit_are_skipped_and_the_run_goes_on(when):
+    """A storage unit dies (its node did) with some of the queued groups the policy
+    names next, between steps or after it named them: the queue drops them (counted:
+    storage_lost), and the steps train the next oldest groups instead of the gone ones."""
+
+    async def scenario() -> tuple[list[list[str]], list[dict], list[str]]:
+        queue = await TransferQueue.create(TransferQueueConfig(capacity=256, num_storage_units=2, lease_s=math.inf))
+        policy, trainer = await _policy("admission", queue)
+        controller = queue._d.controller
+        lose = controller.unit_lost
+        try:
+            records = await policy.train(1)
+            while policy.in_flight:  # every admitted group reported: queued, waiting for its turn
+                await asyncio.sleep(0.01)
+            queued = [g for g, _, _ in await queue.pending_groups()]
+            if when == "between steps":
+                await lose(0)  # the unit of every other put
+            else:
+                def unit_of(request: BatchRequest) -> int:  # the one holding the step's first group
+                    return controller._by_uid[f"{request.group_ids[0]}-0"].index % 2
+
+                trainer.before_get = lambda request: lose(unit_of(request))  # the get refuses it: picked again
+            records += await policy.train(3)  # checks produced == trained + dropped + pending every step
+            gone = sorted(set(queued) - {g for s in trainer.steps for g in s} - {g for g, _, _ in
+                                                                               await queue.pending_groups()})
+        finally:
+            await policy.close()
+            await queue.shutdown()
+        assert trainer.num_calls == len(trainer.steps) + (when == "at the get")  # one get refused, then
+        return trainer.steps, records, gone
+
+    steps, records, gone = loop.run(scenario())
+    trained = [g for s in steps for g in s]
+    assert gone and not set(gone) & set(trained)
+    assert records[-1]["dropped"] == {"storage_lost": len(gone) * N}
+    assert trained == sorted(trained, key=_index)  # still the oldest admitted, in order
