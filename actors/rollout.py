@@ -172,6 +172,7 @@ class RolloutActor(Actor):
         self.num_generated += len(samples)
         if whole:
             report.num_queued = len(samples)
+            report.min_version = min(s.min_version for s in samples)  # the queue's staleness test reads the same
             self.num_queued += len(samples)
         else:
             reasons = Counter(_drop_reason(s) for s in samples)

@@ -130,7 +130,7 @@ class TrainerActor(Actor):
                 return await self.queue.get(
                     consumer=request.consumer, batch_size=request.batch_size, sampler="grpo_group",
                     group_size=request.group_size, current_version=request.current_version,
-                    max_staleness=request.max_staleness)
+                    max_staleness=request.max_staleness, group_ids=request.group_ids)
             except StorageUnitLost as err:
                 if err.unit < 0:  # every unit is gone
                     raise
@@ -261,8 +261,14 @@ class TrainerGroup:
         return list(await asyncio.gather(*(getattr(w, method)(*args, **kwargs) for w in self.workers)))
 
     async def train_step(self, request: BatchRequest) -> StepReport:
-        share = msgspec.structs.replace(request, batch_size=request.batch_size // len(self.workers))
-        return merge_reports(await self._all("train_step", share))
+        n = len(self.workers)
+        share = msgspec.structs.replace(request, batch_size=request.batch_size // n)
+        if request.group_ids is None:
+            return merge_reports(await self._all("train_step", share))
+        # named groups: each worker takes its contiguous share of them, in order
+        per = len(request.group_ids) // n
+        shares = [msgspec.structs.replace(share, group_ids=request.group_ids[i * per:(i + 1) * per]) for i in range(n)]
+        return merge_reports(list(await asyncio.gather(*(w.train_step(r) for w, r in zip(self.workers, shares)))))
 
     async def weight_update(self) -> WeightUpdate | None:
         return _merged(await self._all("weight_update"))

@@ -52,6 +52,7 @@ class GroupReport(msgspec.Struct, kw_only=True):
     num_scored: int = 0  # samples whose reward was asked for (finished generating)
     num_reward_errors: int = 0  # ... of which the reward function raised or timed out
     reward_error: str | None = None  # the first of those: "Type: message (file:line)"; None: none failed
+    min_version: int = -1  # the oldest weight version of any token the group queued; -1: none queued
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):

@@ -94,10 +94,15 @@ def _version_bound(versions: list[int] | np.ndarray, pick, pick_array) -> int:
 
 def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     """Reward, staleness (``version`` minus each sample's oldest token version),
-    resumes and lengths of a training batch, as flat metrics."""
+    resumes and lengths of a training batch, as flat metrics.
+    ``zero_adv_group_share``: the share of its groups whose rewards are all equal
+    (no reward variance: zero group-relative advantage, no gradient)."""
     lags = [version - s.min_version for s in samples]
     num_tokens = sum(len(s.response_ids) for s in samples)
     n = len(samples)
+    rewards: dict[str, set[float | None]] = {}
+    for s in samples:
+        rewards.setdefault(s.group_id, set()).add(s.reward)
     return {
         "reward": sum(s.reward or 0.0 for s in samples) / n,
         "staleness_mean": sum(lags) / n,
@@ -106,4 +111,5 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
         "max_resumes": max(s.num_resumes for s in samples),
         "max_resume_span": max(s.max_version - s.min_version for s in samples),
         "response_len_mean": num_tokens / n,
+        "zero_adv_group_share": sum(len(r) == 1 for r in rewards.values()) / len(rewards),
     }

@@ -12,13 +12,16 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Which batch the trainer takes from the TransferQueue for its next step:
     ``batch_size`` samples in whole groups of ``group_size``, for consumer
     ``consumer``; samples more than ``max_staleness`` versions behind
-    ``current_version`` are dropped by the queue (``None``: no bound)."""
+    ``current_version`` are dropped by the queue (``None``: no bound).
+    ``group_ids``: the groups to train, whole, in this order (``batch_size ==
+    len(group_ids) * group_size``); ``None``: the first whole groups to complete."""
 
     consumer: str = "trainer"
     batch_size: int
     group_size: int
     current_version: int
     max_staleness: int | None = None
+    group_ids: list[str] | None = None
 
 
 class StepReport(msgspec.Struct, kw_only=True):

@@ -49,6 +49,14 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Trainer steps between weight syncs."""
     max_staleness: NonNegInt = 2
     """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
+    batch_order: Literal["admission", "completion"] = "admission"
+    """Fully-async: which groups a step trains. ``admission``: the oldest groups
+    admitted and not yet trained (the step waits until they are all generated),
+    as sync trains what it admitted. ``completion``: the first whole groups to
+    finish generating; it biases training to short responses: a group with one
+    long sample finishes last, so it is trained later, staler, or dropped as
+    stale, while all-short groups (often all right or all wrong: no advantage)
+    go first. The baselines train what they admitted either way."""
     reward_timeout_s: PosFloat = 30.0
     """A reward call slower than this counts as an error for its sample."""
     max_reward_error_share: Annotated[float, Meta(ge=0, le=1)] = 0.5

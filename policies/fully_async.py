@@ -28,6 +28,17 @@ repeatedly (``settle()`` before the loop stops: the last push must not be left
 half way). A background task that dies re-raises in :meth:`train`.
 Accounting invariant, checked every step: produced == trained + dropped + pending.
 
+Which groups a step trains (``policy.batch_order``): ``admission`` (default), the
+oldest groups admitted that are neither trained nor dropped, whole and in that
+order; the step waits until all of them are generated and queued (``_order``:
+group id -> None while generating, its oldest token version once reported). A
+group among them that the queue would drop as stale at this step is skipped
+(and dropped now, so its slots go back), and so is one lost with a storage unit
+(the queue dropped it: ``_step`` picks again). ``completion``: the first whole groups
+to finish, which trains groups with a long sample later, staler, or never (the
+length bias ``batch_order`` documents). A resumed run trains the restored
+queue's groups first: the checkpoint's order, then any others the queue holds.
+
 A rollout actor that dies takes its groups with it: each is counted dropped
 (``actor_died``, its admission slots go back) unless the actor had put it
 into the queue already, and the feeder goes on with the actors left
@@ -41,25 +52,35 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import Counter
 from typing import Any
 
-from contracts.rollout import GroupRequest
-from contracts.training import StepReport
+import msgspec
+
+from contracts.rollout import GroupReport, GroupRequest
+from contracts.training import BatchRequest, StepReport
 from policies.admission import Admission, window_budget
 from policies.base import PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
-# How often a trainer step that waits for its batch looks for samples the queue dropped as stale.
+log = logging.getLogger(__name__)
+
+# How often a trainer step that waits for its batch looks for samples the queue dropped (stale, lost).
 _DROP_POLL_S = 0.25
 _UNRECORDED_STEP_WAIT_S = 30.0  # how long a stopped run waits for a step its trainer took unasked
 
 
-def _stale_drops(stats: Any) -> int:
-    """Samples the queue dropped as too old (its trainer-side staleness filter), ever."""
-    return stats.dropped_by_reason.get("stale", 0) + stats.dropped_by_reason.get("stale_group", 0)
+# Why the queue drops admitted samples before training: too old (its trainer-side staleness
+# filter), or lost with a storage unit. Their admission slots go back.
+_QUEUE_DROPS = ("stale", "stale_group", "storage_lost")
+
+
+def _queue_drops(stats: Any) -> int:
+    """Samples the queue dropped after admission (``_QUEUE_DROPS``), ever."""
+    return sum(stats.dropped_by_reason.get(reason, 0) for reason in _QUEUE_DROPS)
 
 
 class FullyAsyncPolicy(PolicyBase):
@@ -78,12 +99,22 @@ class FullyAsyncPolicy(PolicyBase):
         self._failure: asyncio.Future[None] | None = None
         self._sync: asyncio.Task[None] | None = None  # the weight push in flight, if any
         self._sync_step = 0  # ... and the step whose weights it pushes
-        self._released_queue_drops = 0  # the queue's stale drops whose admission slots went back
+        self._released_queue_drops = 0  # the queue's drops (_QUEUE_DROPS) whose admission slots went back
         self._push_owed = False  # a push came due while an evaluation ran: the next step makes it
         self._steps_beside_eval = 0  # steps trained since then
+        self._in_order = p.batch_order == "admission"
+        # batch_order=admission: every group admitted and not yet trained or dropped, in admission
+        # order: None while it is generating, the oldest version of its tokens once queued whole
+        self._order: dict[str, int | None] = {}
+        self._reported = asyncio.Event()  # set on every group report: the step may have its groups now
+        self._batch_groups: list[str] | None = None  # the groups the step being requested trains
+        self._adopt_queued = False  # resumed: the restored queue's groups not in ``_order`` join it first
+        self._storage_lost_seen = 0  # the queue's storage_lost drops when ``_order`` was last checked against it
 
     async def _start_background(self) -> None:
         if self._feeder is None:
+            if self._adopt_queued:
+                await self._adopt_queue_groups()
             self._failure = asyncio.get_running_loop().create_future()
             self._feeder = asyncio.create_task(self._feed(), name="feeder")
 
@@ -113,6 +144,8 @@ class FullyAsyncPolicy(PolicyBase):
                     return
                 actor = min(self.rollouts, key=lambda h: self._load[h.name])
                 group = self.next_group(gid)
+                if self._in_order:
+                    self._order[group.group_id] = None
                 self._load[actor.name] += 1
                 task = asyncio.create_task(self._run_group(actor, group), name=f"group-{gid}")
                 self._groups.add(task)
@@ -125,13 +158,15 @@ class FullyAsyncPolicy(PolicyBase):
     async def _run_group(self, actor: Any, group: GroupRequest) -> None:
         try:
             self.in_flight += group.n
-            release = 0
+            release, lost = 0, False
             try:
                 report = await actor.generate_group(group)
             except Exception as err:
                 if not await self.lose_rollout(actor, err):
                     raise
                 report, release = await self.lost_group(group)
+                lost = True
+            self._on_reported(report, whole=report.num_queued == group.n and not lost)
             kept = self.on_group(report, actor.name)
             self.in_flight -= group.n
             if kept < group.n or release:
@@ -145,6 +180,110 @@ class FullyAsyncPolicy(PolicyBase):
         finally:
             self._load[actor.name] -= 1
 
+    def _on_reported(self, report: GroupReport, whole: bool) -> None:
+        """A group came back: queued whole, it waits for its turn; otherwise (dropped by its
+        actor, lost with it, the queue's by now or the trainer's) it leaves the order."""
+        if report.group_id in self._order:
+            if whole:
+                self._order[report.group_id] = report.min_version
+            else:
+                del self._order[report.group_id]
+            self._reported.set()
+
+    def batch_request(self) -> BatchRequest:
+        request = super().batch_request()
+        if self._batch_groups is None:
+            return request
+        return msgspec.structs.replace(request, group_ids=self._batch_groups)
+
+    async def _oldest_groups(self) -> dict[str, int]:
+        """The groups the next step trains (batch_order=admission): the oldest ones admitted,
+        once each is queued whole. One the queue would drop as stale at this step is left
+        out, and dropped now: its slots go back, so a full window still admits its replacement."""
+        p = self.cfg.policy
+        k = self.cfg.batch_size * p.require_batches // self.cfg.rollout.n
+        while True:
+            self._reported.clear()
+            picked: list[str] = []
+            stale: list[str] = []
+            for gid, version in self._order.items():
+                if version is None:  # generating: the groups after it wait for it
+                    break
+                # the queue's test (transfer_queue.samplers.is_stale) at the get's current_version
+                if self.step - version > p.max_staleness:
+                    stale.append(gid)
+                    continue
+                picked.append(gid)
+                if len(picked) == k:
+                    break
+            for gid in stale:
+                del self._order[gid]
+            if stale:
+                await self.queue.drop_stale(current_version=self.step, max_staleness=p.max_staleness)
+                await self._release_queue_drops()
+            if len(picked) == k:
+                return {gid: self._order.pop(gid) for gid in picked}  # type: ignore[misc]
+            await self._reported.wait()
+
+    async def _step(self) -> StepReport:
+        """The trainer step: with batch_order=admission, once its groups are queued. A
+        storage unit lost meanwhile (its node died) may take some of them along: the queue
+        refuses to hand those out, and the step picks again from what it holds."""
+        if not self._in_order:
+            self._batch_groups = None
+            return await super()._train_once()
+        picked: dict[str, int] = {}
+        while True:
+            lost = await self._storage_lost()
+            if lost != self._storage_lost_seen:
+                await self._forget_lost_groups(picked)
+                self._storage_lost_seen = lost
+                await self._release_queue_drops()  # their slots: the groups that replace them may start now
+            picked = await self._oldest_groups()
+            self._batch_groups = list(picked)
+            try:
+                return await super()._train_once()
+            except Exception:
+                if await self._storage_lost() == lost:
+                    raise
+
+    async def _storage_lost(self) -> int:
+        return (await self.queue.statistics_async()).dropped_by_reason.get("storage_lost", 0)
+
+    async def _forget_lost_groups(self, picked: dict[str, int]) -> None:
+        """Samples were lost with a storage unit (dropped, counted by the queue): ``picked``
+        go back to the head of the order, and the groups queued whole that the queue no
+        longer holds leave it (never named: the queue would refuse them)."""
+        generating = {gid for gid, v in self._order.items() if v is None}  # a report meanwhile: put before it
+        queued = {gid for gid, size, _ in await self.queue.pending_groups() if size == self.cfg.rollout.n}
+        order = {**picked, **self._order}
+        self._order = {gid: v for gid, v in order.items() if v is None or gid in generating or gid in queued}
+        if len(self._order) < len(order):
+            log.warning("%d queued groups were lost with a storage unit (counted dropped: storage_lost); the "
+                        "steps train the next oldest", len(order) - len(self._order))
+
+    async def _adopt_queue_groups(self) -> None:
+        """Resumed: the groups the restored queue holds whole go first, in the checkpoint's
+        order (those it still has), then the others (queued before their report came) as
+        they arrived; a group it no longer holds whole is never named."""
+        n = self.cfg.rollout.n
+        queued = {gid: version for gid, size, version in await self.queue.pending_groups() if size == n}
+        saved = {gid: version for gid, version in self._order.items() if gid in queued}
+        self._order = {**saved, **{gid: v for gid, v in queued.items() if gid not in saved}}
+        self._adopt_queued = False
+
+    def state_dict(self, queue: Any) -> dict[str, Any]:
+        state = super().state_dict(queue)
+        # the groups queued whole, in admission order (the resumed run trains them first, in it)
+        state["group_order"] = [[gid, v] for gid, v in self._order.items() if v is not None]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self._in_order:  # a checkpoint without an order (older ones): the queue's arrival order alone
+            self._order = {gid: version for gid, version in state.get("group_order", [])}
+            self._adopt_queued = True
+
     async def _train_once(self) -> StepReport:
         """One trainer step, unless a background task failed: then that error is
         raised here, after the step if the trainer already holds its batch (a
@@ -152,7 +291,7 @@ class FullyAsyncPolicy(PolicyBase):
         assert self._failure is not None
         if self._failure.done():
             self._failure.result()  # no step after a background failure
-        step = asyncio.ensure_future(super()._train_once())
+        step = asyncio.ensure_future(self._step())  # a wait for its groups is polled as the get is
         try:
             while not (await asyncio.wait([step, self._failure], timeout=_DROP_POLL_S,
                                           return_when=asyncio.FIRST_COMPLETED))[0]:
@@ -278,21 +417,27 @@ class FullyAsyncPolicy(PolicyBase):
         a = self.admission
         free = a.budget - a.carried - a.admitted_in_window
         sync = "" if self._sync is None or self._sync.done() else f"; a weight push of step {self._sync_step} is running"
-        return [f"admission: {a.carried} carried + {a.admitted_in_window} admitted of a window of {a.budget} "
-                f"({free} free; a group needs {self.cfg.rollout.n}){sync}"]
+        lines = [f"admission: {a.carried} carried + {a.admitted_in_window} admitted of a window of {a.budget} "
+                 f"({free} free; a group needs {self.cfg.rollout.n}){sync}"]
+        generating = next((gid for gid, v in self._order.items() if v is None), None)
+        if self._in_order and generating is not None:
+            ready = list(self._order.values()).index(None)
+            lines.append(f"batch order: admission; the step's groups are the oldest admitted: {ready} ahead of "
+                         f"group {generating} are queued, which is still generating")
+        return lines
 
     async def _open_window(self) -> None:
         """A sync happened: a new window carries what is outstanding now. Queue drops
         until now are not outstanding: none of them is released again later."""
         in_flight = self.in_flight  # read first: a group put meanwhile counts twice, never not at all
         stats = await self.queue.statistics_async()
-        self._released_queue_drops = _stale_drops(stats)
+        self._released_queue_drops = _queue_drops(stats)
         await self.admission.open_window(in_flight + stats.pending + stats.in_flight)
 
     async def _release_queue_drops(self) -> None:
-        """Give back the admission slots of samples the queue dropped as stale since the
+        """Give back the admission slots of samples the queue dropped (stale, lost) since the
         last release (or window): counted from the queue's own totals, so none twice."""
-        total = _stale_drops(await self.queue.statistics_async())
+        total = _queue_drops(await self.queue.statistics_async())
         new, self._released_queue_drops = total - self._released_queue_drops, max(total, self._released_queue_drops)
         if new > 0:  # counted before the await: a window opened meanwhile resets the count, not this
             await self.admission.release(new)

@@ -46,6 +46,7 @@ def _check_run(run, steps: int) -> None:
         assert m["produced"] == m["trained"] + sum(m["dropped"].values()) + m["pending"]
         assert m["staleness_max"] <= run.cfg.policy.max_staleness
         assert 0.0 <= m["reward"] <= 1.0
+        assert 0.0 <= m["zero_adv_group_share"] <= 1.0
     kinds = [m["sync/kind"] for m in h]
     assert kinds[0] == "full" and set(kinds[1:]) <= {"delta"}, kinds
     assert all(0.0 <= m["sync/changed_fraction"] <= 1.0 for m in h)
@@ -60,6 +61,7 @@ def test_fully_async_run_trains_a_few_steps(runtime, queue, tmp_path):
     run = launch(ROOT / "fully_async.yaml", *SHORT, f"runtime.type={runtime}", f"transfer_queue.deployment={queue}",
                  f"run.output_dir={tmp_path}")
     try:
+        assert run.cfg.policy.batch_order == "admission"  # the default: the oldest groups admitted, whole
         run.train(steps=2)  # step by step, as from a notebook
         run.train(steps=2)
         _check_run(run, 4)

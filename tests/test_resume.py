@@ -382,7 +382,14 @@ def test_a_resumed_policy_takes_back_the_whole_state_of_its_checkpoint(policy, t
         assert {k: v for k, v in state.items() if k not in _NOT_ROUND_TRIPPED} == \
             {k: v for k, v in saved.items() if k not in _NOT_ROUND_TRIPPED}
         assert p.next_group(0).group_id == f"g{saved['num_groups']}"  # ids go on, none reused
+        queued = {g for g, _, _ in loop.run(resumed.queue.pending_groups())}
         (m,) = resumed.train(1)
+        if policy == "fully_async":  # admission order: the step trains the checkpoint's oldest queued groups
+            k = run.cfg.trainer.batch_prompts
+            oldest = [g for g, _ in saved["group_order"]][:k]
+            assert len(oldest) == k and set(oldest) <= queued
+            assert not set(oldest) & {g for g, _, _ in loop.run(resumed.queue.pending_groups())}
+            assert not {r for r in m["dropped"] if r.startswith("stale")}  # none went stale waiting
         assert (m["failed_pushes"], m["lost_rollout_actors"], m["respawned_rollout_actors"]) == (2, 1, 1)
         # the new actors count from zero, beside the totals of those before: exact again with rollout stopped
         resumed.check()

@@ -143,6 +143,38 @@ async def test_grpo_sampler_hands_out_a_group_only_when_all_its_samples_are_read
 
 
 @pytest.mark.asyncio
+async def test_named_groups_are_handed_out_in_the_given_order_only_once_all_are_whole(tq: TransferQueue) -> None:
+    a, b, c = (make_samples(1, 2, prefix=p) for p in "abc")
+    await tq.put(c + b + a[:1])  # c and b complete first; a is still missing a member
+    named = dict(sampler="grpo_group", group_size=2, group_ids=["ag0", "bg0"])
+    with pytest.raises(QueueEmpty):
+        await tq.get_nowait("trainer", 4, **named)
+    waiting = asyncio.ensure_future(tq.get("trainer", 4, **named))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # b is whole, a is not: nothing is handed out
+    await tq.put(a[1:])
+    batch = await asyncio.wait_for(waiting, 5)
+    assert batch.uids == [s.uid for s in a + b]  # in the given order, not arrival order
+    assert [g for g, _, _ in await tq.pending_groups()] == ["cg0"]  # c waits for another batch
+    with pytest.raises(ValueError, match="sampler='grpo_group'"):
+        await tq.get("trainer", 2, group_ids=["cg0"], group_size=2)
+    with pytest.raises(ValueError, match="distinct groups"):
+        await tq.get("trainer", 2, sampler="grpo_group", group_size=2, group_ids=["cg0", "cg0"])
+
+
+@pytest.mark.asyncio
+async def test_a_named_group_the_queue_dropped_as_stale_raises_naming_it_instead_of_waiting(tq: TransferQueue) -> None:
+    old, fresh = make_samples(1, 2, version=0, prefix="old"), make_samples(1, 2, version=3, prefix="new")
+    await tq.put(old + fresh)
+    assert await tq.drop_stale(current_version=3, max_staleness=1) == 2
+    with pytest.raises(RuntimeError, match="'oldg0' was named for a batch but the queue dropped it as stale"):
+        await tq.get("trainer", 4, sampler="grpo_group", group_size=2, group_ids=["newg0", "oldg0"], timeout_s=5)
+    assert tq.statistics().dropped_by_reason == {"stale": 2}
+    assert await tq.pending_groups() == [("newg0", 2, 3)]  # the fresh group is still there, unleased
+    assert_accounting(tq.statistics())
+
+
+@pytest.mark.asyncio
 async def test_sequential_sampler_is_fifo(tq: TransferQueue) -> None:
     samples = make_samples(5)
     await tq.put(samples)

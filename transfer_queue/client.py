@@ -151,6 +151,7 @@ class TransferQueue:
         max_staleness: int | None = None,
         timeout_s: float | None = None,
         fields: Sequence[str] | None = None,
+        group_ids: Sequence[str] | None = None,
     ) -> Batch:
         """Lease ``batch_size`` samples for ``consumer`` once they are ready.
 
@@ -163,12 +164,15 @@ class TransferQueue:
         the ones returned. Blocks until ready; ``timeout_s`` bounds the wait
         (TimeoutError), ``timeout_s=0`` polls (QueueEmpty). After ``close()``,
         batches still formable are handed out, then EndOfStream.
+        ``group_ids`` (grpo_group only; ``batch_size == len(group_ids) * group_size``):
+        exactly these groups, whole, in this order; RuntimeError for one the queue
+        dropped (stale, or lost with a storage unit).
         The batch must be ``ack``-ed within ``cfg.lease_s`` or it is redelivered.
         """
         mask = fields_mask(fields)
         meta = await self._d.call(
             "get_batch", partition, consumer, batch_size, sampler, group_size, mask,
-            current_version, max_staleness, timeout_s,
+            current_version, max_staleness, timeout_s, None if group_ids is None else list(group_ids),
         )  # fmt: skip
         try:
             rows = await self._d.read(meta.indices, None if mask == FULL_MASK else mask_fields(mask))
@@ -180,6 +184,17 @@ class TransferQueue:
     async def get_nowait(self, consumer: str, batch_size: int, **kwargs: Any) -> Batch:
         """``get`` that never waits: QueueEmpty when no batch is ready."""
         return await self.get(consumer, batch_size, timeout_s=0, **kwargs)
+
+    async def drop_stale(self, current_version: int, max_staleness: int, partition: str = "train",
+                         whole_groups: bool = True) -> int:
+        """Drop now what a ``get`` with these bounds would drop first (reasons ``"stale"``,
+        ``"stale_group"`` with ``whole_groups``); returns the number of samples dropped."""
+        return await self._d.call("drop_stale", partition, current_version, max_staleness, whole_groups)
+
+    async def pending_groups(self, partition: str = "train") -> list[tuple[str, int, int]]:
+        """(group id, samples, oldest token version) of each group with samples waiting
+        (not leased), in the arrival order of each group's first sample."""
+        return [tuple(g) for g in await self._d.call("pending_groups", partition)]
 
     async def ack(self, batch_id: str) -> int:
         """The batch was consumed: its samples are delivered and freed. LeaseLost if not leased."""

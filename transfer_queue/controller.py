@@ -32,14 +32,14 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from transfer_queue.codec import FULL_MASK, fields_mask
 from transfer_queue.config import TransferQueueConfig
 from transfer_queue.counters import QueueCounters
 from transfer_queue.errors import EndOfStream, LeaseLost, QueueClosed, QueueEmpty, QueueFull, StorageUnitLost
 from transfer_queue.records import Lease, Record, remember
-from transfer_queue.samplers import SAMPLERS, is_stale
+from transfer_queue.samplers import SAMPLERS, is_stale, named_groups
 from transfer_queue.wire import BatchMeta, PartitionStats, QueueStats, SampleTags, Snapshot
 
 __all__ = ["Controller"]
@@ -70,6 +70,7 @@ class Controller:
         self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
         self._settled_uids: dict[str, str] = {}  # uid -> "delivered" | "dropped (reason)"
         self._dead_groups: dict[str, dict[str, None]] = {}  # partition -> group ids
+        self._lost_groups: dict[str, None] = {}  # group ids with samples lost with a storage unit
         self._counts = QueueCounters()  # put, delivered, redelivered, dropped; per consumer
         # A put's new samples all go to one storage unit (round robin over puts), so a
         # write is one message: global index = slot * num_storage_units + unit.
@@ -262,11 +263,23 @@ class Controller:
         current_version: int | None = None,
         max_staleness: int | None = None,
         timeout_s: float | None = None,
+        group_ids: Sequence[str] | None = None,
     ) -> BatchMeta:
         """Lease a batch for ``consumer`` once one can be formed; see ``TransferQueue.get``."""
         pick = SAMPLERS.get(sampler)
         if pick is None:
             raise ValueError(f"unknown sampler {sampler!r}; samplers are {sorted(SAMPLERS)}")
+        if group_ids is not None:
+            group_ids = list(group_ids)
+            if sampler != "grpo_group":
+                raise ValueError(f"group_ids name whole groups: they need sampler='grpo_group', not {sampler!r}")
+            if len(set(group_ids)) != len(group_ids) or batch_size != len(group_ids) * group_size:
+                raise ValueError(f"group_ids must be {batch_size} // group_size={group_size} distinct groups, got "
+                                 f"{len(group_ids)} ({len(set(group_ids))} distinct)")
+            named = group_ids
+
+            def pick(candidates, batch_size, group_size):  # noqa: ARG001 -- batch_size checked above
+                return named_groups(candidates, named, group_size)
         if not 1 <= batch_size <= self._cfg.capacity:
             raise ValueError(f"batch_size must be in [1, capacity={self._cfg.capacity}], got {batch_size}")
         if group_size < 1 or (sampler == "grpo_group" and batch_size % group_size):
@@ -284,6 +297,8 @@ class Controller:
                 await self._drop_lost()
             if current_version is not None:
                 await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
+            if group_ids is not None:
+                self._check_alive(partition, group_ids)
             pending = self._pending.get(partition, {})
             picked = None
             if len(pending) >= batch_size:  # every sampler needs that many: skip the scan each write wakes
@@ -296,6 +311,36 @@ class Controller:
                 raise QueueEmpty(f"no batch of {batch_size} ready in partition {partition!r}")
             if not await self._wait(changed, deadline):
                 raise TimeoutError(f"no batch of {batch_size} ready in partition {partition!r} after {timeout_s}s")
+
+    def _check_alive(self, partition: str, group_ids: list[str]) -> None:
+        """Raise for a named group whose samples were dropped: it can never be handed out whole."""
+        dead = self._dead_groups.get(partition, {})
+        for gid in group_ids:
+            if gid in dead:
+                raise RuntimeError(f"group {gid!r} was named for a batch but the queue dropped it as stale; "
+                                   "a consumer names only groups it knows are queued and fresh")
+            if gid in self._lost_groups:
+                raise RuntimeError(f"group {gid!r} was named for a batch but its samples were lost with a "
+                                   "storage unit")
+
+    async def drop_stale(self, partition: str, current_version: int, max_staleness: int, whole_groups: bool) -> int:
+        """Drop now what a get at ``current_version`` would drop as stale (counted the same
+        way); returns how many samples. For a consumer that names its groups: the stale
+        ones it skips hold queue room and admission slots until something drops them."""
+        dropped: Counter[str] = Counter()
+        await self._drop_stale(partition, current_version, max_staleness, whole_groups, dropped)
+        return sum(dropped.values())
+
+    def pending_groups(self, partition: str) -> list[tuple[str, int, int]]:
+        """(group id, samples, oldest token version) of every group with unleased samples,
+        in the arrival order of each group's first sample (a resumed consumer that names
+        its groups takes them from here)."""
+        groups: dict[str, list[int]] = {}
+        for rec in self._pending.get(partition, {}).values():
+            got = groups.setdefault(rec.group_id, [0, rec.min_version])
+            got[0] += 1
+            got[1] = min(got[1], rec.min_version)
+        return [(gid, n, v) for gid, (n, v) in groups.items()]
 
     async def _drop_stale(
         self, partition: str, current_version: int, max_staleness: int, whole_groups: bool, dropped: Counter[str]
@@ -463,6 +508,8 @@ class Controller:
         self._lost_returned = False
         lost = [r for part in self._pending.values() for r in part.values() if self._on_lost_unit(r.index)]
         if lost:
+            for r in lost:
+                remember(self._lost_groups, r.group_id, None)
             await self._drop(lost, Counter(storage_lost=len(lost)))
         return len(lost)
 

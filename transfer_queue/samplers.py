@@ -8,6 +8,8 @@ anything; the controller leases what it returns.
     sequential   the first ``batch_size`` ready samples (FIFO)
     grpo_group   whole GRPO groups only: a group is handed out once all its
                  ``group_size`` samples are ready; groups stay contiguous
+    named_groups the whole groups a consumer names, in its order (the policy
+                 decides which groups a step trains; ``get(group_ids=...)``)
 
 The staleness filter runs before the sampler: ``is_stale`` says whether a
 sample's version lag exceeds the consumer's bound; the controller drops such
@@ -17,10 +19,10 @@ group with reason ``"stale_group"``, since that group can never be whole).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-__all__ = ["SAMPLERS", "Candidate", "Sampler", "grpo_group", "is_stale", "sequential"]
+__all__ = ["SAMPLERS", "Candidate", "Sampler", "grpo_group", "is_stale", "named_groups", "sequential"]
 
 
 class Candidate(Protocol):
@@ -71,6 +73,24 @@ def grpo_group(candidates: Iterable[Candidate], batch_size: int, group_size: int
 
 
 _TAKEN: list = []  # never appended to: a picked group's later members are skipped before that
+
+
+def named_groups(candidates: Iterable[Candidate], group_ids: Sequence[str], group_size: int) -> list[Candidate] | None:
+    """The groups ``group_ids``, whole (``group_size`` samples each) and in that order, or
+    None until every one of them is. Members beyond ``group_size`` wait for a later batch;
+    candidates of other groups are not looked at."""
+    members: dict[str, list[Candidate]] = {gid: [] for gid in group_ids}
+    missing = len(members)
+    for c in candidates:
+        got = members.get(c.group_id)
+        if got is None or len(got) == group_size:
+            continue
+        got.append(c)
+        if len(got) == group_size:
+            missing -= 1
+            if not missing:
+                return [c for gid in group_ids for c in members[gid]]
+    return None
 
 
 def is_stale(candidate: Candidate, current_version: int, max_staleness: int) -> bool:
