@@ -40,15 +40,20 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: Literal["fully_async", "sync", "one_step_off"] = "fully_async"
     """Schedule: fully-async, synchronous on-policy, or one-step-off baseline."""
-    staleness_threshold: NonNegFloat = 1.0
+    staleness_threshold: NonNegFloat = 2.0
     """Extra samples admitted per sync window, as a fraction of the window's
-    training need (0 = generate only what the next sync window trains on)."""
+    training need (0 = generate only what the next sync window trains on).
+    With ``batch_order: admission`` a trained group is about this many steps
+    older than the weights it trains: 2 keeps one GPU's engine busy beside the
+    trainer while the lag stays small (docs/benchmarks.md, "Time to quality")."""
     require_batches: PosInt = 1
     """Batches the trainer takes per step."""
     trigger_parameter_sync_step: PosInt = 1
     """Trainer steps between weight syncs."""
-    max_staleness: NonNegInt = 2
-    """Trainer-side bound: drop samples whose oldest token is more than this many versions old."""
+    max_staleness: NonNegInt = 6
+    """Trainer-side bound: drop samples whose oldest token is more than this many versions old.
+    A safety net above the lag ``staleness_threshold`` sets (plus a push's and an evaluation's
+    steps), so that the oldest groups, the ones admission order trains next, are not dropped."""
     batch_order: Literal["admission", "completion"] = "admission"
     """Fully-async: which groups a step trains. ``admission``: the oldest groups
     admitted and not yet trained (the step waits until they are all generated),
