@@ -268,8 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "fully_async.yaml"),
                    help="the config every run starts from (default: fully_async.yaml, the CPU default job)")
-    p.add_argument("--policies", default="sync,fully_async",
-                   help=f"comma list of {', '.join(POLICIES)} and --variant names")
+    p.add_argument("--policies", default=None,
+                   help=f"comma list of {', '.join(POLICIES)} and --variant names (default sync,fully_async); "
+                        "with --merge, the policies to keep (default: all)")
     p.add_argument("--variant", action="append", type=_variant, default=[], metavar="NAME=OVERRIDES",
                    help="another policy to run: a name and its space-separated overrides, e.g. "
                         "'fa_s4=policy.type=fully_async policy.staleness_threshold=4'")
@@ -292,7 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.merge:
         return args
     args.variants = dict(args.variant)
-    names = args.policies.split(",")
+    names = (args.policies or "sync,fully_async").split(",")
     unknown = [n for n in names if n not in POLICIES and n not in args.variants]
     if unknown:
         p.error(f"--policies: unknown {', '.join(map(repr, unknown))} (known: {', '.join([*POLICIES, *args.variants])})")
@@ -314,7 +315,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "policies": {n: POLICIES.get(n) or args.variants[n] for n in args.names}}
 
 
-def merge(paths: list[str]) -> dict[str, Any]:
+def merge(paths: list[str], keep: list[str] | None = None) -> dict[str, Any]:
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     first = parts[0]
     shared = {k: v for k, v in first["settings"].items() if k != "policies"}
@@ -325,10 +326,15 @@ def merge(paths: list[str]) -> dict[str, Any]:
         for name, overrides in part["settings"]["policies"].items():
             if policies.setdefault(name, overrides) != overrides:
                 raise SystemExit(f"--merge: policy {name} has other overrides in {path}")
+    if keep:
+        if unknown := [n for n in keep if n not in policies]:
+            raise SystemExit(f"--policies: {', '.join(unknown)} not in the merged results ({', '.join(policies)})")
+        policies = {n: policies[n] for n in keep}
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in policies}
     for part in parts:
         for name, rs in part["runs"].items():
-            runs[name] += rs
+            if name in runs:
+                runs[name] += rs
     for name, rs in runs.items():
         seeds = [r["seed"] for r in rs]
         if len(set(seeds)) != len(seeds):
@@ -345,7 +351,7 @@ def merge(paths: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
-        result = merge(args.merge)
+        result = merge(args.merge, args.policies.split(",") if args.policies else None)
     else:
         import actors.models  # noqa: F401  transformers, ~2 s a process pays once: not in its first timed run
         result = {"bench": "time_to_quality", "settings": settings(args),

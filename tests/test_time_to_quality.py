@@ -101,6 +101,8 @@ def test_the_benchmark_runs_two_seeds_writes_its_json_and_plot_and_merges(tmp_pa
     merged = json.loads(merged_path.read_text())
     assert [r["seed"] for r in merged["runs"]["sync"]] == [0, 1, 2]
     assert merged["summary"]["policies"]["sync"]["seeds"] == [0, 1, 2]
+    assert ttq.main(["--merge", str(out), str(more), "--policies", "fully_async", "--out", str(merged_path)]) == 0
+    assert list(json.loads(merged_path.read_text())["runs"]) == ["fully_async"]  # sync's target from the first kept
     other = json.loads(more.read_text())
     other["settings"]["steps"] = 8
     (tmp_path / "other.json").write_text(json.dumps(other))
