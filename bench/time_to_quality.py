@@ -14,11 +14,13 @@ seed (``bench.async_vs_sync.rotated``) so no policy always runs first.
 Each run is timed from launch: the clock starts before the config is read and
 stops at its last step, so startup (actors, model load, the engine's first
 graphs) counts, and so do the held-out evaluations (``policy.eval_every``,
-greedy, ``policy.eval_prompts`` prompts, at step 0 and every K steps). An
-evaluation runs beside training: fully-async trains on meanwhile, the
-baselines wait for it at their next push, as in ``bench.async_vs_sync``; nobody
-gets generation while the clock is stopped. A point of the curve is the reward
-of the weights of step s, at the time step s ended.
+greedy, ``policy.eval_prompts`` prompts, at step 0 and every K steps). What a
+process or machine pays once (imports, on-disk kernel caches) is paid before
+the first timed run (``preload``, the throw-away run). An evaluation runs
+beside training: fully-async trains on meanwhile, the baselines wait for it at
+their next push, as in ``bench.async_vs_sync``; nobody gets generation while
+the clock is stopped. A point of the curve is the reward of the weights of
+step s, at the time step s ended.
 
 Per evaluation the JSON keeps the step, the trained samples, the seconds since
 launch and since the first step began (startup excluded), the reward and the
@@ -108,6 +110,18 @@ def run_once(name: str, overrides: list[str], seed: int, args: argparse.Namespac
                          "zero_adv_group_share"],
         "dropped": hist[-1]["dropped"] if hist else {},
     }
+
+
+def preload(args: argparse.Namespace) -> None:
+    """Read every policy's config once, untimed: what a process imports to read one
+    (transformers; Liger's and Triton's modules when ``trainer.kernels`` resolves to
+    liger: ~5 s on an H100 host) is paid once per process, and would otherwise land
+    in whichever run a call times first."""
+    import actors.models  # noqa: F401  transformers: resolving a model path imports it
+    from actors.config import load_config
+
+    for name in args.names:
+        load_config(args.config, [*args.overrides, *(POLICIES.get(name) or args.variants[name])])
 
 
 # ----------------------------------------------------------------- statistics
@@ -353,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         result = merge(args.merge, args.policies.split(",") if args.policies else None)
     else:
-        import actors.models  # noqa: F401  transformers, ~2 s a process pays once: not in its first timed run
+        preload(args)
         result = {"bench": "time_to_quality", "settings": settings(args),
                   "machine": f"{platform.node()} {platform.machine()}", "cpu_count": os.cpu_count(),
                   "seeds": list(range(args.first_seed, args.first_seed + args.seeds)), "policy_order": {},
