@@ -56,6 +56,50 @@ def resolve_model_path(path: str | pathlib.Path, base_dir: str | pathlib.Path | 
     return found
 
 
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def check_model_files(model_dir: str | pathlib.Path) -> None:
+    """Refuse a model directory whose files are corrupt before anything loads them,
+    with a ``ValueError`` naming the file: ``config.json`` that transformers cannot
+    read as a config, safetensors files whose header is not one (garbage, truncated,
+    a Git LFS pointer), a ``tokenizer.json`` or ``tokenizer_config.json`` that does
+    not parse (a task with a tokenizer of its own never reads them; an export copies
+    them). Reads headers only: milliseconds, a large tokenizer.json a few tenths of a second."""
+    import json
+
+    import safetensors
+    import tokenizers
+
+    d = pathlib.Path(model_dir)
+    try:
+        transformers.AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises, the file is what is wrong
+        raise ValueError(f"model file {str(d / 'config.json')!r} is not a model config ({_one_line(err)})") from None
+    files = [d / "model.safetensors"] if (d / "model.safetensors").is_file() else []
+    index = d / "model.safetensors.index.json"
+    if not files and index.is_file():
+        try:
+            files = [d / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except Exception as err:  # noqa: BLE001 - any parse failure: the index is unreadable
+            raise ValueError(f"model file {str(index)!r} is not a safetensors index ({_one_line(err)})") from None
+    for f in files:
+        try:
+            with safetensors.safe_open(str(f), framework="pt"):
+                pass
+        except Exception as err:  # noqa: BLE001 - missing, truncated, garbage: the file is what is wrong
+            raise ValueError(f"model file {str(f)!r} is not a safetensors file ({_one_line(err)})") from None
+    checks = (("tokenizer.json", lambda f: tokenizers.Tokenizer.from_file(str(f))),
+              ("tokenizer_config.json", lambda f: json.loads(f.read_text())))
+    for name, load in checks:
+        if (d / name).is_file():
+            try:
+                load(d / name)
+            except Exception as err:  # noqa: BLE001 - any parse failure: the file is corrupt
+                raise ValueError(f"tokenizer file {str(d / name)!r} is corrupt ({_one_line(err)})") from None
+
+
 def load_causal_lm(
     path: str | pathlib.Path,
     *,

@@ -48,11 +48,12 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self.startup_actors: dict[str, dict[str, float]] = {}  # inside actors_s: each actor's parts
         self._t_startup = time.perf_counter()
         self._task_data = dict(task_data or {})
-        from actors.models import resolve_model_path  # ~1.7 s to import (transformers): not for --help
+        from actors.models import check_model_files, resolve_model_path  # ~1.7 s to import (transformers)
 
         self.cfg = cfg
-        # a wrong model path fails before anything is created on disk
+        # a wrong model path, or a corrupt file in it, fails before anything is created on disk
         self.model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
+        check_model_files(self.model_path)
         self.resumed_from = resume
         self._resume_step = 0  # the step of the checkpoint resumed from
         if resume is None:

@@ -79,6 +79,11 @@ def _check_types(task: str, **values) -> None:
         raise ValueError(f"task {task!r}: option {key} must be {what}, got {value!r}")
 
 
+_CHAT_PROMPTS = "the prompt is chat messages, which only a chat template can render"
+_CHAT_REMEDY = ("use a model whose tokenizer has a chat template (model.path), or give plain-text prompts "
+                "(a string per row) with task.kwargs.chat_template=false")
+
+
 class _TextTask(Task):
     """Shared plumbing for tasks whose prompts and answers are text: render
     with the tokenizer, decode the response, score it with a reward on text."""
@@ -86,7 +91,8 @@ class _TextTask(Task):
     name = "text"
 
     def __init__(self, tokenizer=None, *, model_path: str | None, chat_template: bool, system_prompt: str,
-                 reward: str, reward_timeout_s: float | None) -> None:
+                 reward: str, reward_timeout_s: float | None, chat_prompt_at: str | None = None) -> None:
+        """``chat_prompt_at``: where the data has a prompt of chat messages (``file:row``), if it has one."""
         _check_types(self.name, chat_template=(chat_template, bool), system_prompt=(system_prompt, str),
                      reward=(reward, str))
         if reward_timeout_s is None:
@@ -94,6 +100,9 @@ class _TextTask(Task):
         self.score = resolve_reward(reward, timeout_s=reward_timeout_s)  # before the (slow) tokenizer load
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path, self.name)
         if chat_template and not getattr(self.tokenizer, "chat_template", None):
+            if chat_prompt_at is not None:  # raw text cannot render messages: one way out, not two in a circle
+                raise ValueError(f"task {self.name!r}: {chat_prompt_at}: {_CHAT_PROMPTS}, and the tokenizer of "
+                                 f"{str(model_path)!r} has none: {_CHAT_REMEDY}")
             raise ValueError(f"task {self.name!r}: the tokenizer of {str(model_path)!r} has no chat template; "
                              f"set task.kwargs.chat_template=false to feed prompts as raw text")
         self.chat_template, self.system_prompt = chat_template, system_prompt
@@ -196,10 +205,11 @@ class TextDataset(_TextTask):
                      load_rows(eval_data, **fields, name="eval_data") if eval_data is not None else [])
         chat = next((row for row in train_rows + eval_rows if isinstance(row.prompt, list)), None)
         if chat is not None and not chat_template:
-            raise ValueError(f"task {self.name!r}: {chat.where}: the prompt is chat messages, which only a chat "
-                             "template can render: set task.kwargs.chat_template=true")
+            raise ValueError(f"task {self.name!r}: {chat.where}: {_CHAT_PROMPTS}: set task.kwargs.chat_template=true "
+                             f"if the tokenizer of model.path has one; else {_CHAT_REMEDY}")
         super().__init__(tokenizer, model_path=model_path, chat_template=chat_template,
-                         system_prompt=system_prompt, reward=reward, reward_timeout_s=reward_timeout_s)
+                         system_prompt=system_prompt, reward=reward, reward_timeout_s=reward_timeout_s,
+                         chat_prompt_at=None if chat is None else chat.where)
         self.path = path or "data"
         self.eval_path = eval_path or ("eval_data" if eval_data is not None else "")
         self.max_prompt_tokens = max_prompt_tokens
