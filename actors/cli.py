@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             _error(err, args.traceback)
             return 2
         signals.run = run
+        print(json.dumps({"run_dir": str(run.dir)}), flush=True)  # where to look while it runs
         try:
             with run:
                 try:

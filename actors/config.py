@@ -105,6 +105,11 @@ class RunConfig(_Section):
     (``<run dir>/checkpoints/step-<N>``) holds what ``--resume`` needs: the
     trainer's HF-loadable weights and optimizer, RNG states, counters, the
     queue's samples, the resolved config."""
+    save_final: bool = True
+    """Write a run checkpoint of the last step when the run closes after training
+    (unless one of that step exists or training failed), so that ``python -m
+    actors.export <run dir> <out>`` and ``python -m actors.evaluate <run dir>``
+    work on every finished run. On the built-in tiny model it takes well under a second."""
     keep_checkpoints: Annotated[int, Meta(ge=2)] = 2
     """Run checkpoints kept: older ones are deleted once a newer one is complete
     (at least 2, so a checkpoint torn by a crash leaves the previous one)."""
@@ -450,7 +455,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # Everything else is what the checkpoint was made of (model, task, batch shape,
 # dtypes, schedule, queue, sync): changing it would resume a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
-                  "run.keep_checkpoints", "run.loggers", "run.wandb_project", "run.wandb_mode",
+                  "run.keep_checkpoints", "run.save_final", "run.loggers", "run.wandb_project", "run.wandb_mode",
                   "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s", "runtime.mps",
                   "runtime.mps_trainer_sm_percent",
                   "rollout.max_respawns", "trainer.kernels", "trainer.cuda_graphs")

@@ -34,17 +34,20 @@ class NotebookAPI:
     dir: pathlib.Path
     history: list[dict[str, Any]]
     initial_eval: dict[str, Any] | None
+    last_checkpoint: pathlib.Path | None
     policy: Any
     queue: Any
     _train_call: Any
     _closed: bool
 
     def summary(self) -> dict[str, Any]:
-        """First-10% vs last-10% reward, throughput and drops of the run so far, and
-        the held-out eval reward before the first step and at the last evaluation."""
+        """First-10% vs last-10% reward, throughput and drops of the run so far, the
+        held-out eval reward before the first step and at the last evaluation, and
+        the newest checkpoint (the final one once the run closed: ``run.save_final``)."""
         h = self.history
         if not h:
             return {"steps": 0, "run_dir": str(self.dir)}
+        ckpt = {} if self.last_checkpoint is None else {"checkpoint": str(self.last_checkpoint)}
         k = max(1, len(h) // 10)
         first = sum(m["reward"] for m in h[:k]) / k
         last = sum(m["reward"] for m in h[-k:]) / k
@@ -58,7 +61,7 @@ class NotebookAPI:
             "reward_gain": round(last - first, 4), "wall_s": round(h[-1]["elapsed_s"], 1),
             "samples_per_s": round(h[-1]["samples_per_s"], 2), "trained": h[-1]["trained"],
             "dropped": h[-1]["dropped"], "staleness_max": max(m["staleness_max"] for m in h),
-            "run_dir": str(self.dir),
+            "run_dir": str(self.dir), **ckpt,
         }
 
     def __repr__(self) -> str:

@@ -46,6 +46,7 @@ class Checkpointing:
     _metrics_file: Any
     _resume_step: int
     _closed: bool
+    _train_failed: bool  # a train call ended on an error: no final checkpoint
 
     def save_checkpoint(self) -> pathlib.Path:
         """Write a run checkpoint now (between ``train`` calls); returns its directory."""
@@ -80,6 +81,15 @@ class Checkpointing:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.last_checkpoint
+
+    async def _save_final(self) -> pathlib.Path | None:
+        """The run closes: write the checkpoint of its last step (``run.save_final``)
+        unless it trained no step, a checkpoint of that step exists, or training
+        stopped on an error (the step's state may be torn: the last checkpoint stands)."""
+        if (not self.cfg.run.save_final or self._train_failed or self.policy is None or self.policy.step == 0
+                or self.policy.step == self._resume_step):
+            return None
+        return await self._checkpoint()
 
     async def _restore(self, ckpt: pathlib.Path) -> None:
         """Bring the freshly set up run to checkpoint ``ckpt``: trainer, queue,

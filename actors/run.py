@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -30,6 +32,8 @@ from actors.training import TrainCall, Training
 from actors.wiring import Wiring
 
 __all__ = ["Run"]
+
+log = logging.getLogger(__name__)
 
 _CLOSE_TRAIN_WAIT_S = 10.0  # close() lets a train call still running end its step this long, then cancels it
 
@@ -67,6 +71,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self._stop_signal: int | None = None  # set by request_stop: checkpoint after this step, then stop
         self._train_call: TrainCall | None = None  # the train call in progress (interrupt stops it)
         self._closed = False
+        self._train_failed = False  # a train call ended on an error: no final checkpoint at close
         self._discarded = False  # setup failed: no summary, the run directory removed
         self.stop_reason: str | None = None  # the line a run stopped early with, kept in summary.json
         self.runtime: Any = None
@@ -137,6 +142,15 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
                 if not (await asyncio.wait([call.task], timeout=wait_s))[0]:
                     call.task.cancel()
                 await asyncio.gather(call.task, return_exceptions=True)
+            if not self._discarded and not self.stop_reason:
+                try:
+                    final = await self._save_final()  # actors.export and actors.evaluate read it
+                except Exception as err:  # noqa: BLE001 - the run still closes; its last checkpoint stands
+                    print(f"warning: no final checkpoint ({type(err).__name__}: {' '.join(str(err).split())}); "
+                          f"the last one is {self.last_checkpoint}", file=sys.stderr)
+                else:
+                    if final is not None:
+                        log.info("final checkpoint: %s", final)
             if self.policy is not None:
                 await self.policy.close()
             if self.queue is not None:

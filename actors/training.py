@@ -68,6 +68,7 @@ class Training:
     _stop_signal: int | None
     _train_call: TrainCall | None
     _closed: bool
+    _train_failed: bool  # a train call ended on an error (the run saves no final checkpoint)
     startup: dict[str, float]  # startup phases, seconds; closed by the first step (_close_startup)
     startup_actors: dict[str, dict[str, float]]  # each actor's start by part, inside startup's actors_s
     _t_startup: float  # perf_counter at the start of the run's construction
@@ -149,6 +150,10 @@ class Training:
         self._train_call, call.task = call, asyncio.current_task()
         try:
             return await self._train(steps, call)
+        except BaseException as err:
+            if not isinstance(err, RunStopped):  # RunStopped wrote its checkpoint
+                self._train_failed = True
+            raise
         finally:
             self._train_call = None
 

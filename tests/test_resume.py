@@ -313,7 +313,8 @@ def test_a_torn_checkpoint_is_detected_and_the_previous_one_is_used(stopped_run,
 
     with pytest.raises(ConfigError, match=r"^trainer\.lr: cannot change when resuming"):
         launch(None, "trainer.lr=1e-3", resume=run_dir)
-    run = launch(None, f"run.total_steps={prev_step + 2}", "runtime.type=local", resume=run_dir)
+    run = launch(None, f"run.total_steps={prev_step + 2}", "runtime.type=local", "run.save_final=false",
+                 resume=run_dir)  # no final checkpoint: it could take the torn one's name
     try:
         assert run.resumed_from == previous and len(run.history) == prev_step
         assert [m["step"] for m in run.train()] == [prev_step + 1, prev_step + 2]
