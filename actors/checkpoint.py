@@ -162,8 +162,8 @@ def find(path: str | pathlib.Path) -> tuple[pathlib.Path, list[tuple[pathlib.Pat
     found = list_checkpoints(p)
     if not found:
         raise ValueError(f"--resume {str(p)!r}: no checkpoint in {str(checkpoints_dir(p))!r} (a run writes one "
-                         "every run.checkpoint_every steps, when stopped by SIGTERM or SIGINT, and when it closes after "
-                         "training unless run.save_final=false)")
+                         "every run.checkpoint_every steps, when stopped by SIGTERM or SIGINT, and when it closes "
+                         "after training unless run.save_final=false)")
     skipped = []
     for ckpt, _ in reversed(found):
         reason = verify(ckpt)

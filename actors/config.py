@@ -110,6 +110,12 @@ class RunConfig(_Section):
     (unless one of that step exists or training failed), so that ``python -m
     actors.export <run dir> <out>`` and ``python -m actors.evaluate <run dir>``
     work on every finished run. On the built-in tiny model it takes well under a second."""
+    log_samples_every: NonNegInt = 10
+    """Every this many trainer steps (and at step 1), write ``log_samples`` of the
+    step's trained samples (prompt, completion, reward) to ``<run dir>/samples.jsonl``
+    and, with the ``tensorboard`` logger, as text under ``samples`` (0 = never)."""
+    log_samples: NonNegInt = 4
+    """How many samples each such step writes (spread over the batch's groups)."""
     keep_checkpoints: Annotated[int, Meta(ge=2)] = 2
     """Run checkpoints kept: older ones are deleted once a newer one is complete
     (at least 2, so a checkpoint torn by a crash leaves the previous one)."""
@@ -455,7 +461,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 # Everything else is what the checkpoint was made of (model, task, batch shape,
 # dtypes, schedule, queue, sync): changing it would resume a different run.
 RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop_grace_s", "run.checkpoint_every",
-                  "run.keep_checkpoints", "run.save_final", "run.loggers", "run.wandb_project", "run.wandb_mode",
+                  "run.keep_checkpoints", "run.save_final", "run.log_samples_every", "run.log_samples", "run.loggers",
+                  "run.wandb_project", "run.wandb_mode",
                   "runtime.type", "runtime.address", "runtime.num_cpus", "runtime.connect_timeout_s", "runtime.mps",
                   "runtime.mps_trainer_sm_percent",
                   "rollout.max_respawns", "trainer.kernels", "trainer.cuda_graphs")

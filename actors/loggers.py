@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from actors.backends.config import import_error
 
-__all__ = ["LOGGER_TYPES", "MetricsLog", "flatten", "loggers_unavailable", "open_metrics_log"]
+__all__ = ["LOGGER_TYPES", "MetricsLog", "flatten", "loggers_unavailable", "open_metrics_log", "sample_rows"]
 
 LOGGER_TYPES = ("jsonl", "tensorboard", "wandb")
 #: The package each optional logger needs (the extra of the same name installs it).
@@ -90,6 +90,29 @@ def flatten(record: dict[str, Any]) -> tuple[int, dict[str, int | float], dict[s
     return int(record["step"]), scalars, texts
 
 
+def sample_rows(step: int, samples: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
+    """``samples.jsonl`` rows of a step's samples: prompt and completion as text
+    (special tokens kept, so a missing stop shows) when ``tokenizer`` decodes, else
+    as token ids; reward, finish reason, completion length and the weight versions."""
+    decode = getattr(tokenizer, "decode", None)
+
+    def text(ids: list[int]) -> str | list[int]:
+        try:
+            return decode(list(ids)) if decode is not None else list(ids)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot decode these ids: show the ids
+            return list(ids)
+
+    return [{"step": step, "prompt": text(s.prompt_ids), "completion": text(s.response_ids), "reward": s.reward,
+             "finish_reason": s.finish_reason, "num_tokens": len(s.response_ids),
+             "versions": [s.min_version, s.max_version]} for s in samples]
+
+
+def _samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """A step's sample rows as one TensorBoard text (markdown)."""
+    return "\n\n".join(f"**reward {r['reward']}** ({r['finish_reason']}, {r['num_tokens']} tokens)\n\n"
+                        f"```\n{r['prompt']}\n--- completion ---\n{r['completion']}\n```" for r in rows)
+
+
 class _Mirror(Protocol):
     """A logger beside metrics.jsonl: gets every record, flattened."""
 
@@ -141,6 +164,9 @@ class TensorBoardMirror:
         for key, value in texts.items():
             self.writer.add_text(key, value, global_step=step)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.writer.add_text("samples", _samples_markdown(rows), global_step=step)
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -181,6 +207,18 @@ class MetricsLog:
         self._file = open(path, "a", buffering=1)
         self._mirrors = mirrors
         self._partial = ""  # a line not yet ended (write is called with whole lines)
+        self._samples_path = path.with_name("samples.jsonl")
+
+    def write_samples(self, rows: list[dict[str, Any]]) -> None:
+        """Append a step's sample rows (:func:`sample_rows`) to ``samples.jsonl``, and
+        show them in TensorBoard as text (a W&B step is logged once: not there)."""
+        if not rows:
+            return
+        with open(self._samples_path, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        for mirror in self._mirrors:
+            if isinstance(mirror, TensorBoardMirror):
+                mirror.log_samples(rows[0]["step"], rows)
 
     def write(self, text: str) -> int:
         n = self._file.write(text)

@@ -119,7 +119,8 @@ class TrainerActor(Actor):
         return StepReport(version=self.backend.version, num_samples=len(samples),
                           num_tokens=sum(len(s.response_ids) for s in samples),
                           wait_s=t1 - t0, train_s=time.perf_counter() - t1, dropped=dict(batch.dropped),
-                          metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}})
+                          metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}},
+                          examples=_spread(samples, request.num_examples))
 
     async def _get_batch(self, request: BatchRequest) -> Any:
         """The batch ``request`` describes. One whose rows a lost storage unit held
@@ -322,6 +323,12 @@ def _merged(handles: list[WeightUpdate | None]) -> WeightUpdate | None:
     return None if handles[0] is None else merge_updates(handles)
 
 
+def _spread(samples: list[Sample], k: int) -> list[Sample]:
+    """``k`` of ``samples`` at even spacing (a batch is whole groups: k groups' firsts when it has k)."""
+    n = len(samples)
+    return [samples[i * n // k] for i in range(min(k, n))]
+
+
 def merge_reports(reports: list[StepReport]) -> StepReport:
     """One step's report from every worker's: counts summed, the slowest
     worker's times, batch statistics weighted by samples (maxima kept as
@@ -344,7 +351,7 @@ def merge_reports(reports: list[StepReport]) -> StepReport:
             sum(v * r.num_samples for v, r in zip(values, reports)) / max(n, 1))
     return StepReport(version=reports[0].version, num_samples=n, num_tokens=sum(r.num_tokens for r in reports),
                       wait_s=max(r.wait_s for r in reports), train_s=max(r.train_s for r in reports),
-                      dropped=dropped, metrics=metrics)
+                      dropped=dropped, metrics=metrics, examples=[e for r in reports for e in r.examples])
 
 
 def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import loop
 from actors import notebook
 from actors.config import Config, checkpoint_every
+from actors.loggers import sample_rows
 from policies.base import NoProgressError
 
 __all__ = ["RunStopped", "TrainCall", "Training"]
@@ -184,6 +185,10 @@ class Training:
                     break
                 t_step = time.perf_counter()
                 (m,) = await self._watched(self.policy.train(1))
+                if self.policy.examples:  # run.log_samples_every: a few completions to read
+                    rows = sample_rows(m["step"], self.policy.examples[:self.cfg.run.log_samples],
+                                       getattr(self.policy.task, "tokenizer", None))
+                    self._metrics_file.write_samples(rows)
                 if "total_s" not in self.startup:
                     self._close_startup(m, t_call, t_step)
                 if self.resumed_from is not None and m["step"] == self._resume_step + 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from contracts.sample import Sample
+
 __all__ = ["BatchRequest", "StepReport"]
 
 
@@ -22,6 +24,8 @@ class BatchRequest(msgspec.Struct, frozen=True, kw_only=True):
     current_version: int
     max_staleness: int | None = None
     group_ids: list[str] | None = None
+    num_examples: int = 0
+    """How many of the batch's samples the report returns (``StepReport.examples``), 0 = none."""
 
 
 class StepReport(msgspec.Struct, kw_only=True):
@@ -39,3 +43,5 @@ class StepReport(msgspec.Struct, kw_only=True):
     train_s: float
     dropped: dict[str, int] = msgspec.field(default_factory=dict)
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    examples: list[Sample] = msgspec.field(default_factory=list)
+    """A few of the trained samples, spread over the batch (``BatchRequest.num_examples``)."""

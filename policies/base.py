@@ -77,6 +77,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
         self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
         self._eval: tuple[int, asyncio.Task[None]] | None = None  # an evaluation beside training: its step, task
+        self.examples: list[Any] = []  # a few samples of the latest step (``run.log_samples``), or none
         self._init_faults(respawn_rollout)
         reward = cfg.task.kwargs.get("reward")
         self.reward_guard = RewardGuard(
@@ -102,9 +103,11 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
 
     def batch_request(self) -> BatchRequest:
         p = self.cfg.policy
+        every, step = self.cfg.run.log_samples_every, self.step + 1
+        show = every and (step == 1 or step % every == 0)  # run.log_samples of this step's samples, for samples.jsonl
         return BatchRequest(consumer=self.consumer, batch_size=self.cfg.batch_size * p.require_batches,
                             group_size=self.cfg.rollout.n, current_version=self.step,
-                            max_staleness=p.max_staleness)
+                            max_staleness=p.max_staleness, num_examples=self.cfg.run.log_samples if show else 0)
 
     async def _train_once(self) -> StepReport:
         """One trainer step: the trainer takes its batch from the queue itself.
@@ -247,6 +250,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             t0 = time.perf_counter()
             await self._before_step()
             report = await self._train_once()
+            self.examples = report.examples
             self.trained += report.num_samples
             self.step += 1
             dropped = sum(report.dropped.values())

@@ -123,8 +123,8 @@ class FakeTask:
 def _cfg(batch_order: str, max_staleness: int = 2) -> Any:
     policy = PolicyConfig(batch_order=batch_order, max_staleness=max_staleness,  # type: ignore[arg-type]
                           overlap_push=False, staleness_threshold=1.0)
-    return SimpleNamespace(run=SimpleNamespace(seed=0), rollout=SimpleNamespace(n=N, max_respawns=0),
-                           policy=policy, task=TaskConfig(), batch_size=BATCH_PROMPTS * N)
+    return SimpleNamespace(run=SimpleNamespace(seed=0, log_samples_every=0),
+                           rollout=SimpleNamespace(n=N, max_respawns=0), policy=policy, task=TaskConfig(), batch_size=BATCH_PROMPTS * N)
 
 
 async def _policy(batch_order: str, queue: TransferQueue, max_staleness: int = 2) -> tuple[FullyAsyncPolicy, Any]:

@@ -51,8 +51,10 @@ from transfer_queue.codec import encode_new_rows
 from transfer_queue.served import ServedDeployment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# run.log_samples_every=0: the few samples a step shows in samples.jsonl ride its report through the
+# driver on purpose (run.log_samples of them every N steps); every other sample byte must not
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8",
-         "sync.mode=delta"]
+         "sync.mode=delta", "run.log_samples_every=0"]
 
 
 # ------------------------------------------------------------ the probe itself

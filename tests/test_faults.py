@@ -399,8 +399,8 @@ def _policy_with_one_group_reported(counts: RolloutCounts) -> Any:
     from policies.baselines import SyncPolicy
     from policies.config import PolicyConfig, TaskConfig
 
-    cfg = SimpleNamespace(run=SimpleNamespace(seed=0), rollout=SimpleNamespace(n=4, max_respawns=0),
-                          policy=PolicyConfig(), task=TaskConfig())
+    cfg = SimpleNamespace(run=SimpleNamespace(seed=0, log_samples_every=0),
+                          rollout=SimpleNamespace(n=4, max_respawns=0), policy=PolicyConfig(), task=TaskConfig())
     policy = SyncPolicy(cfg, rollouts=[], trainer=None, queue=_FakeQueue(), task=None, weight_sync=None)
     policy.in_flight = 4
     policy.on_group(GroupReport(group_id="g0", num_samples=4, num_queued=4, counts=counts), "fake-rollout")

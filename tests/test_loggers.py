@@ -131,7 +131,10 @@ def test_the_default_job_logs_the_same_metrics_to_tensorboard_and_wandb_as_to_me
         assert _tb_scalars(acc, tag) == want, tag
     texts = {t.removesuffix("/text_summary") for t in acc.Tags()["tensors"] if t.endswith("/text_summary")}
     assert set(acc.Tags()["tensors"]) == {f"{t}/text_summary" for t in texts}  # no scalar as a tensor
-    assert {k for _, t in expected.values() for k in t} | {"config"} == texts
+    assert {k for _, t in expected.values() for k in t} | {"config", "samples"} == texts
+    shown = _tb_texts(acc, "samples/text_summary")  # samples.jsonl's rows of step 1 (run.log_samples_every)
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert list(shown) == [1] and all(row["completion"] in shown[1].decode() for row in rows)
     assert _tb_texts(acc, "sync/kind/text_summary")[1] == b"full"
     assert b"trainer.lr" in acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
 

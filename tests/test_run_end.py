@@ -1,6 +1,7 @@
 """What a run leaves behind (issue 46 item 4): a finished default run has its final
 weights (``run.save_final``), so ``actors.export`` writes a model transformers
-loads; the run directory is named when the run starts."""
+loads; ``samples.jsonl`` holds a few completions with their rewards; the run
+directory is named when the run starts."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def finished(tmp_path_factory) -> tuple[pathlib.Path, list[str]]:
     out = tmp_path_factory.mktemp("finished") / "runs"
     stdout = io.StringIO()
     with redirect_stdout(stdout):
-        assert main([CONFIG, *SMALL, "run.total_steps=3", f"run.output_dir={out}"]) == 0
+        assert main([CONFIG, *SMALL, "run.total_steps=3", "run.log_samples_every=2", "run.log_samples=3",
+                     f"run.output_dir={out}"]) == 0
     (run_dir,) = out.iterdir()
     return run_dir, stdout.getvalue().splitlines()
 
@@ -46,6 +48,16 @@ def test_a_finished_default_run_names_its_directory_first_and_exports_a_model_tr
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), local_files_only=True,
                                                               dtype=torch.float32)
     assert type(model).__name__ == "Qwen2ForCausalLM"
+
+
+def test_samples_jsonl_holds_completions_with_their_rewards_every_n_steps(finished):
+    run_dir, _ = finished
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 1, 1, 2, 2, 2]  # step 1, then every 2nd; 3 each
+    for row in rows:
+        assert row["prompt"].startswith("<bos>R") and isinstance(row["completion"], str)
+        assert 0.0 <= row["reward"] <= 1.0 and row["finish_reason"] in ("stop", "length")
+        assert row["num_tokens"] <= 8
 
 
 def test_a_run_with_save_final_off_or_whose_training_failed_writes_no_final_checkpoint(tmp_path):
