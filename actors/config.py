@@ -70,6 +70,7 @@ __all__ = [
     "checkpoint_every",
     "load_config",
     "load_resume_config",
+    "load_saved_config",
     "to_yaml",
 ]
 
@@ -468,14 +469,26 @@ RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop
                   "rollout.max_respawns", "trainer.kernels", "trainer.cuda_graphs")
 
 
-def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:
-    """The resolved config a checkpoint saved (``config.yaml``), with overrides of
-    :data:`RESUMABLE_KEYS` only; any other key is a :class:`ConfigError` naming it."""
-    p = pathlib.Path(saved)
+def _saved_tree(p: pathlib.Path) -> tuple[dict[str, Any], str]:
+    """A resolved config a run saved (``config.yaml``): its tree and ``base_dir``."""
     tree = _moved(read_yaml(p), resumed=True)
     base_dir = tree.pop("base_dir", None)
     if not isinstance(base_dir, str):
         raise ConfigError(f"{p}: not a resolved run config (no base_dir)")
+    return tree, base_dir
+
+
+def load_saved_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+    """The resolved config a run saved (``config.yaml``), with any ``overrides``
+    (``actors.evaluate``: another model path, held-out data)."""
+    tree, base_dir = _saved_tree(pathlib.Path(saved))
+    return build_config(apply_overrides(tree, list(overrides)), base_dir)
+
+
+def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+    """The resolved config a checkpoint saved (``config.yaml``), with overrides of
+    :data:`RESUMABLE_KEYS` only; any other key is a :class:`ConfigError` naming it."""
+    tree, base_dir = _saved_tree(pathlib.Path(saved))
     before = build_config(dict(tree), base_dir, check=False)  # as saved: this machine may lack what it used
     cfg = build_config(apply_overrides(tree, list(overrides)), base_dir)
     changed = [key for key in _diff(msgspec.to_builtins(before), msgspec.to_builtins(cfg))

@@ -26,7 +26,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = ("actors", "contracts", "loop", "policies", "sync", "transfer_queue")
 CONSUMERS = ("bench", "tools", "tests")
-COMPOSITION_ROOT = ("actors.launch", "actors.config", "actors.export", "actors.cli", "actors.run", "actors.wiring",
+COMPOSITION_ROOT = ("actors.launch", "actors.config", "actors.export", "actors.evaluate", "actors.cli", "actors.run", "actors.wiring",
                     "actors.training", "actors.resume", "actors.notebook_api")
 
 #: What each low package may import (besides itself).

@@ -1,7 +1,8 @@
 """What a run leaves behind (issue 46 item 4): a finished default run has its final
 weights (``run.save_final``), so ``actors.export`` writes a model transformers
-loads; ``samples.jsonl`` holds a few completions with their rewards; the run
-directory is named when the run starts."""
+loads and ``actors.evaluate`` scores it in one JSON line; ``samples.jsonl`` holds a
+few completions with their rewards; the run directory is named when the run
+starts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from actors import export
+from actors import evaluate, export
 from actors.cli import main
 from actors.launch import launch
 
@@ -58,6 +59,22 @@ def test_samples_jsonl_holds_completions_with_their_rewards_every_n_steps(finish
         assert row["prompt"].startswith("<bos>R") and isinstance(row["completion"], str)
         assert 0.0 <= row["reward"] <= 1.0 and row["finish_reason"] in ("stop", "length")
         assert row["num_tokens"] <= 8
+
+
+def test_evaluate_scores_an_export_and_a_run_directory_in_one_json_line(finished, tmp_path, capsys):
+    run_dir, _ = finished
+    assert export.main([str(run_dir), str(tmp_path / "model")]) == 0
+    capsys.readouterr()
+    assert evaluate.main([str(tmp_path / "model"), "policy.eval_prompts=4"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    scored = json.loads(line)
+    assert scored["num_prompts"] == 4 and 0.0 <= scored["reward"] <= 1.0 and scored["task"] == "reverse_digits"
+    assert evaluate.main([str(run_dir), "policy.eval_prompts=4"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["reward"] == scored["reward"] and json.loads(line)["step"] == 3  # the same weights
+    assert evaluate.main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"error: '{tmp_path / 'nope'}' is not a directory (a run directory or a " \
+                                      "model directory)\n"
 
 
 def test_a_run_with_save_final_off_or_whose_training_failed_writes_no_final_checkpoint(tmp_path):
