@@ -305,6 +305,9 @@ def _import(spec: str) -> Callable[..., Any]:
             raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: "
                              f"{type(e).__name__}: {e}") from None
         where = f"module {module_name!r}"
+    if "<" in attr:  # "f.<locals>.g", "<lambda>": what launch(reward=fn) recorded of a function it was given
+        raise ValueError(f"reward {spec!r}: a function defined inside another (or a lambda) has no import path; "
+                         "pass the function itself again: launch(..., reward=fn)")
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"reward {spec!r}: {where} has no attribute {attr!r}")

@@ -206,6 +206,22 @@ def test_a_reward_function_passed_to_launch_trains_in_child_processes_too(chat_m
             "<locals>.negative_length") in saved.read_text()  # the run's config records which function it was
 
 
+def test_a_run_trained_with_a_closure_as_its_reward_resumes_when_it_is_passed_again(chat_model, tmp_path):
+    def minus_one(completions, **kwargs):
+        return [-1.0 for _ in completions]
+
+    start = [f"model.path={chat_model}", "task.type=text_dataset", "run.checkpoint_every=1"]
+    data = [{"prompt": f"R{d}:"} for d in DIGITS]
+    with launch(ROOT / "fully_async.yaml", *SHORT, *start, f"run.output_dir={tmp_path}", data=data,
+                reward=minus_one) as run:
+        run.train(steps=1)
+    with pytest.raises(ValueError, match=r"<locals>\.minus_one': a function defined inside another .* pass the "
+                                         r"function itself again: launch\(\.\.\., reward=fn\)"):
+        launch(None, resume=run.dir, data=data)
+    with launch(None, resume=run.dir, data=data, reward=minus_one) as resumed:
+        assert [m["reward"] for m in resumed.train(steps=1)] == [-1.0]
+
+
 def test_a_reward_passed_to_launch_must_be_a_function_the_task_takes():
     with pytest.raises(ValueError, match=r"^launch\(reward=...\): expected a function, got str 'math'"):
         launch(ROOT / "fully_async.yaml", reward="math")
