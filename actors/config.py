@@ -397,7 +397,8 @@ def _check_task(task: TaskConfig, base_dir: str) -> None:
     except TypeError as err:
         raise ConfigError(f"task.kwargs: bad options for task {task.type!r}: {err}") from None
     reward = task.kwargs.get("reward")
-    if isinstance(reward, str) and "reward" in signature.parameters:
+    if isinstance(reward, str) and "reward" in signature.parameters and "<" not in reward.rpartition(":")[2]:
+        # (a nested function's "<locals>" name: recorded by launch(reward=fn), which passes it again to resume)
         task.kwargs["reward"] = reward = anchor_reward_spec(reward, base_dir)  # actors may run elsewhere
         try:
             reward_form(reward)  # a function no form fits is refused now, not at its first sample

@@ -6,6 +6,7 @@ From a notebook::
     from actors.launch import launch
     run = launch("fully_async.yaml", "trainer.lr=2e-6")
     run.train(steps=10)      # step by step; call again to continue
+    run = launch("fully_async.yaml", "task.type=text_dataset", data=ds, reward=my_reward)  # your rows and reward
     await run.train_async(10)       # the same from code on an event loop
     run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, 95.3 samples/s, runs/...)
     run.metrics(); run.plot()       # the records as a table (pandas); reward, staleness, throughput
@@ -46,15 +47,19 @@ This module is the entry; the composition root it opens is split by concern:
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from actors.cli import main
-from actors.config import load_config
+from actors.config import Config, load_config
 from actors.resume import resume_config
 from actors.run import Run
 from actors.training import RunStopped
+from policies.rewards import reward_form, reward_name
+from policies.tasks import task_factory
 
 __all__ = ["Run", "RunStopped", "launch", "main"]
 
@@ -66,7 +71,8 @@ _DEFAULT_CONFIG = "fully_async.yaml"
 
 
 def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
-           resume: str | pathlib.Path | None = None, data: Any = None, eval_data: Any = None) -> Run:
+           resume: str | pathlib.Path | None = None, data: Any = None, eval_data: Any = None,
+           reward: Callable[..., Any] | None = None) -> Run:
     """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`.
 
     ``resume``: a run directory (its newest whole checkpoint) or one checkpoint
@@ -74,14 +80,44 @@ def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
     left out), overrides only of keys a resume may change (``RESUMABLE_KEYS``).
     ``data`` / ``eval_data``: the ``text_dataset`` task's rows from Python, a
     ``datasets.Dataset`` or a list of dicts, instead of ``task.kwargs.path`` /
-    ``eval_path`` (they travel to every rollout actor; pass them again to resume)."""
+    ``eval_path`` (they travel to every rollout actor; pass them again to resume).
+    ``reward``: the task's reward as a Python function in any form of
+    ``policies.rewards`` (TRL's ``fn(completions, **kwargs)`` among them), instead of
+    ``task.kwargs.reward``, which records its ``module:qualname``; it travels to every
+    rollout actor like ``data`` (pass it again to resume)."""
     task_data = {k: v for k, v in (("data", data), ("eval_data", eval_data)) if v is not None}
     if resume is None:
-        return Run(load_config(config, list(overrides)), task_data=task_data)
-    if config not in (None, _DEFAULT_CONFIG):
-        raise ValueError("launch(resume=...) continues with the checkpoint's own config: pass overrides only")
-    ckpt, cfg = resume_config(resume, list(overrides))
+        cfg, ckpt = load_config(config, list(overrides)), None
+    else:
+        if config not in (None, _DEFAULT_CONFIG):
+            raise ValueError("launch(resume=...) continues with the checkpoint's own config: pass overrides only")
+        ckpt, cfg = resume_config(resume, list(overrides))
+    if reward is not None:
+        task_data["reward"] = _reward_function(cfg, reward)
     return Run(cfg, resume=ckpt, task_data=task_data)
+
+
+def _reward_function(cfg: Config, reward: Any) -> Callable[..., Any]:
+    """``reward`` checked (a function the task takes, in a form :mod:`policies.rewards`
+    knows) and recorded in ``cfg.task.kwargs.reward`` by name, for the saved config
+    and the run's errors; ``ValueError`` naming ``launch(reward=...)`` otherwise."""
+    if not callable(reward):
+        raise ValueError(f"launch(reward=...): expected a function, got {type(reward).__name__} {reward!r:.80} "
+                         "(a name or a file.py:function goes in task.kwargs.reward)")
+    factory = task_factory(cfg.task.type)
+    try:
+        takes = "reward" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes = True  # a builtin or C callable: its options are checked when it is built
+    if not takes:
+        raise ValueError(f"launch(reward=...): task {cfg.task.type!r} takes no reward function; "
+                         "set task.type=text_dataset (or text_arithmetic)")
+    try:
+        reward_form(reward)
+    except ValueError as err:
+        raise ValueError(f"launch(reward=...): {err}") from None
+    cfg.task.kwargs["reward"] = reward_name(reward)
+    return reward
 
 
 if __name__ == "__main__":

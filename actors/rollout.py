@@ -22,7 +22,7 @@ with what is left of its budget (the injected ``next_request`` / ``absorb``
 rule); with ``partial_rollout=False`` it ends as ``abort`` and its group is
 dropped, counted. A group with a failed member is dropped whole (the trainer
 takes only whole groups), counted by reason in the report: ``reward_error``
-(the reward raised or returned a bad value), ``reward_timeout`` (it took longer
+(the reward raised or returned no finite number), ``reward_timeout`` (it took longer
 than ``reward_timeout_s``), ``aborted``, and ``group_incomplete`` for the
 failed member's group-mates.
 
@@ -36,6 +36,7 @@ against the queue's own count of samples put.
 from __future__ import annotations
 
 import asyncio
+import math
 import sysconfig
 import threading
 import time
@@ -65,7 +66,11 @@ _REWARD_TIMEOUT = "reward: TimeoutError"  # the start of a timed-out sample's ``
 
 def where(err: BaseException) -> str:
     """`` (file:line)`` of the innermost frame of ``err``'s traceback outside the
-    standard library and installed packages: where the user's reward raised."""
+    standard library and installed packages: where the user's reward raised; ""
+    for an error that names its place itself (a ``location``: where a function
+    that returned no score is defined, ``policies.rewards.RewardValueError``)."""
+    if getattr(err, "location", None):
+        return ""
     outside = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
     return f" ({outside[-1].filename}:{outside[-1].lineno})" if outside else ""
 
@@ -270,8 +275,8 @@ class RolloutActor(Actor):
                 raise TimeoutError(f"the reward took {seconds:.3g} s, over "
                                    f"reward_timeout_s={self.reward_timeout_s:g} s")
             reward = float(value)
-            if not 0.0 <= reward <= 1.0:
-                raise ValueError(f"reward {reward} outside [0, 1]")
+            if not math.isfinite(reward):  # any finite float is a reward: GRPO compares a group's own scores
+                raise ValueError(f"reward {reward} is not a finite number")
             sample.reward = reward
         except Exception as err:  # isolated on purpose: one bad reward, one dropped sample
             self.num_reward_errors += 1

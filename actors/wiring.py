@@ -12,6 +12,8 @@ import functools
 import itertools
 import os
 import pathlib
+import pickle
+import sys
 import time
 from typing import Any
 
@@ -34,7 +36,39 @@ from sync.link import TrainerLink, weight_sync_fn
 from transfer_queue import TransferQueue
 from transfer_queue.served import QueueHost, ServedDeployment, new_secret
 
-__all__ = ["Wiring"]
+__all__ = ["ByValue", "Wiring"]
+
+
+class ByValue:
+    """A function that pickle would send by name where a child process cannot find
+    it (defined in ``__main__``: a notebook's, or a script's that spawn does not
+    import again; inside another function; a lambda), sent by value with cloudpickle
+    (Ray's copy, as Ray sends it) instead: it arrives as the function itself. Here
+    it calls through, and looks like the function to ``inspect`` (``__wrapped__``)."""
+
+    def __init__(self, fn: Any) -> None:
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            import cloudpickle
+        except ImportError:  # a dependency of Ray's, which ships its own copy
+            from ray import cloudpickle
+        return pickle.loads, (cloudpickle.dumps(self.__wrapped__),)
+
+
+def _found_by_name(fn: Any) -> bool:
+    """Whether a child process finds ``fn`` by its module and qualified name (as pickle sends it)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or module == "__main__" or not qualname or module not in sys.modules:
+        return False
+    obj: Any = sys.modules[module]
+    for part in qualname.split("."):  # "<locals>" in a nested function's name is no attribute
+        obj = getattr(obj, part, None)
+    return obj is fn
 
 
 class Wiring:
@@ -164,8 +198,13 @@ class Wiring:
     def _task_kwargs(self) -> dict[str, Any]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
         relative one is tried against the config file's directory, then the current
-        one, as ``model.path`` is (actors in other processes may run elsewhere)."""
+        one, as ``model.path`` is (actors in other processes may run elsewhere); a
+        reward function (``launch(reward=fn)``) that a child process could not find
+        by name, sent by value (:class:`ByValue`)."""
         kwargs = {**self.cfg.task.kwargs, **self._task_data}
+        reward = kwargs.get("reward")
+        if callable(reward) and self.cfg.runtime.type != "local" and not _found_by_name(reward):
+            kwargs["reward"] = ByValue(reward)
         for key in ("path", "eval_path"):
             value = kwargs.get(key)
             if isinstance(value, str) and value and not pathlib.Path(value).expanduser().is_absolute():

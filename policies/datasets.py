@@ -15,7 +15,9 @@ Field names may be dotted paths into nested records: ``reward_model.ground_truth
 is ``record["reward_model"]["ground_truth"]`` (a key that itself holds the dots
 is taken first). The prompt must be a non-empty string or a non-empty list of
 messages, each with a string ``role`` and ``content``; the answer a non-empty
-string or a number (turned into its text: ``42`` -> ``"42"``).
+string or a number (turned into its text: ``42`` -> ``"42"``). A reward that
+reads no answer (TRL's form) loads rows with ``answer_required=False``: the
+answer is then the field's text when it is one, else "".
 
 JSONL: one JSON object per line; blank lines are ignored.
 """
@@ -36,6 +38,9 @@ import msgspec
 __all__ = ["ArithmeticProblems", "Row", "load_rows"]
 
 
+_Fields = tuple[str, str, bool]  # (prompt_field, answer_field, answer_required)
+
+
 class Row(msgspec.Struct, frozen=True):
     """One validated example: the ``prompt`` (text, or chat messages) and the
     ``answer`` text, ``where`` it was read (``file:line``), and the whole
@@ -48,7 +53,7 @@ class Row(msgspec.Struct, frozen=True):
 
 
 def load_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
-              answer_field: str = "answer", name: str = "data") -> list[Row]:
+              answer_field: str = "answer", name: str = "data", answer_required: bool = True) -> list[Row]:
     """Every row of ``source``, in order: a JSONL or Parquet (``.parquet``/``.pq``)
     file or a ``datasets`` ``save_to_disk`` directory at that path (absolute, or
     relative to the current directory), or rows given as they are: a
@@ -56,8 +61,8 @@ def load_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]], *, prompt
 
     Raises ``ValueError`` naming the file — and the line and field where one is
     at fault — when the file is missing, empty, not JSON, or a row lacks a
-    field or has one of the wrong type."""
-    fields = (prompt_field, answer_field)
+    field or has one of the wrong type (the answer field: only when ``answer_required``)."""
+    fields = (prompt_field, answer_field, answer_required)
     if isinstance(source, Mapping):  # a DatasetDict, say: iterating it would give split names
         raise ValueError(f"dataset {name!r} is a mapping ({', '.join(map(str, source))}), not rows: "
                          "give one split, e.g. ds['train']")
@@ -80,7 +85,7 @@ def load_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]], *, prompt
     return rows
 
 
-def _jsonl_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
+def _jsonl_rows(p: pathlib.Path, name: str, fields: _Fields) -> list[Row]:
     rows = []
     try:
         with p.open(encoding="utf-8") as f:
@@ -104,7 +109,7 @@ def _jsonl_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row
     return rows
 
 
-def _parquet_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
+def _parquet_rows(p: pathlib.Path, name: str, fields: _Fields) -> list[Row]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -118,7 +123,7 @@ def _parquet_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[R
     return [_row(record, f"{name}:row {i}", fields) for i, record in enumerate(table.to_pylist(), start=1)]
 
 
-def _disk_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]:
+def _disk_rows(p: pathlib.Path, name: str, fields: _Fields) -> list[Row]:
     """A directory written by ``Dataset.save_to_disk`` (a ``DatasetDict``'s is refused,
     naming its splits: each split is a directory of its own)."""
     try:
@@ -138,7 +143,7 @@ def _disk_rows(p: pathlib.Path, name: str, fields: tuple[str, str]) -> list[Row]
     return _dataset_rows(ds, name, fields)
 
 
-def _dataset_rows(ds: Iterable[Mapping[str, Any]], name: str, fields: tuple[str, str]) -> list[Row]:
+def _dataset_rows(ds: Iterable[Mapping[str, Any]], name: str, fields: _Fields) -> list[Row]:
     columns = getattr(ds, "column_names", None)  # a datasets.Dataset knows them before its first row
     if isinstance(columns, list):
         _check_columns(name, columns, fields)
@@ -152,9 +157,9 @@ def _dataset_rows(ds: Iterable[Mapping[str, Any]], name: str, fields: tuple[str,
     return rows
 
 
-def _check_columns(name: str, columns: list[str], fields: tuple[str, str]) -> None:
+def _check_columns(name: str, columns: list[str], fields: _Fields) -> None:
     """A field whose top-level column is absent is a file-level error (every row would fail)."""
-    for field in fields:
+    for field in fields[:2] if fields[2] else fields[:1]:
         if field not in columns and field.split(".", 1)[0] not in columns:
             raise ValueError(f"dataset {name!r}: no column {field!r} (columns: {', '.join(columns)})")
 
@@ -180,9 +185,9 @@ def _get(record: dict, path: str, where: str) -> Any:
     return value
 
 
-def _row(record: dict, where: str, fields: tuple[str, str]) -> Row:
-    prompt_field, answer_field = fields
-    prompt, answer = _get(record, prompt_field, where), _get(record, answer_field, where)
+def _row(record: dict, where: str, fields: _Fields) -> Row:
+    prompt_field, answer_field, answer_required = fields
+    prompt = _get(record, prompt_field, where)
     if isinstance(prompt, (list, tuple)):
         prompt = _messages(prompt, where, prompt_field)
     elif not isinstance(prompt, str):
@@ -190,6 +195,9 @@ def _row(record: dict, where: str, fields: tuple[str, str]) -> Row:
                          f"got {_json_type(prompt)}")
     elif not prompt.strip():
         raise ValueError(f"{where}: field {prompt_field!r} is empty")
+    if not answer_required:  # the reward reads no answer: what there is, as text, for whoever shows it
+        return Row(prompt=prompt, answer=_optional_answer(record, answer_field), where=where, fields=record)
+    answer = _get(record, answer_field, where)
     if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
         answer = str(answer)
     if not isinstance(answer, str):
@@ -197,6 +205,17 @@ def _row(record: dict, where: str, fields: tuple[str, str]) -> Row:
     if not answer.strip():
         raise ValueError(f"{where}: field {answer_field!r} is empty")
     return Row(prompt=prompt, answer=answer, where=where, fields=record)
+
+
+def _optional_answer(record: dict, answer_field: str) -> str:
+    """The answer field's text when the row has one that is a string or a number, else ""."""
+    try:
+        answer = _get(record, answer_field, "")
+    except ValueError:  # no such field
+        return ""
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
+        return str(answer)
+    return answer if isinstance(answer, str) else ""
 
 
 def _messages(prompt: list | tuple, where: str, field: str) -> list[dict[str, Any]]:

@@ -1,10 +1,13 @@
 """Reward functions on decoded text, and the user functions a run may name.
 
 Every reward is adapted, when it is resolved, to one internal call
-``reward(response: Response) -> float`` in [0, 1], where the :class:`Response`
+``reward(response: Response) -> float``, where the :class:`Response`
 holds the model's decoded text (special tokens removed), the row's ground
 truth and the row itself. A user function may be written in any of three forms,
-told apart by its parameter names (read once, when the config loads):
+told apart by its parameter names (read once, when the config loads). Any
+finite number is a score (GRPO compares the scores of one prompt's group, so
+their scale is the user's); NaN, an infinity or what is no number raise
+:class:`RewardValueError`, which names the function's file and line:
 
     text   fn(text, answer) -> float                        this repo's own form
     verl   compute_score(data_source, solution_str, ground_truth, extra_info=None)
@@ -16,7 +19,11 @@ told apart by its parameter names (read once, when the config loads):
            of the row; ``None`` ("not applicable") scores 0.0, which is what
            TRL's sum over reward functions makes of it when it is the only one
 
-Names a run may give (``task.kwargs.reward``):
+A TRL function reads no answer: a dataset needs an answer field only for the
+other two forms (and the built-in rewards, which are in the first).
+
+Names a run may give (``task.kwargs.reward``; from Python, ``launch(reward=fn)``
+passes the function itself):
 
     exact_match   the whole response equals the answer, after stripping
                   whitespace and trailing punctuation (``.,;:!?``); case-sensitive
@@ -27,8 +34,8 @@ Names a run may give (``task.kwargs.reward``):
     file.py:fn    the same, from a Python file (verl's custom_reward_function.path)
 
 The rollout actor calls a task's reward on its worker thread under
-``policy.reward_timeout_s`` and counts a failure (raise, hang, a value outside
-[0, 1]) as a dropped sample. A user function additionally runs on a thread of
+``policy.reward_timeout_s`` and counts a failure (raise, hang, a value that is
+no finite number) as a dropped sample. A user function additionally runs on a thread of
 its own under the same timeout, so one that hangs costs the actor one timed-out
 sample instead of its worker thread (which weight updates also run on).
 """
@@ -36,6 +43,7 @@ sample instead of its worker thread (which weight updates also run on).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -53,8 +61,9 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BUILTIN_REWARDS", "FORMS", "Response", "anchor_reward_spec", "exact_match", "extract_final_answer",
-           "math_answer", "parse_number", "resolve_reward", "reward_form"]
+__all__ = ["BUILTIN_REWARDS", "FORMS", "Response", "RewardValueError", "anchor_reward_spec", "defined_at",
+           "exact_match", "extract_final_answer", "math_answer", "parse_number", "resolve_reward", "reward_form",
+           "reward_name"]
 
 RewardFn = Callable[[str, str], float]
 
@@ -203,26 +212,70 @@ FORMS = {"text": "(text, answer)", "verl": "(data_source, solution_str, ground_t
          "trl": "(completions, **kwargs)"}
 
 
-def resolve_reward(spec: str, *, timeout_s: float) -> Callable[[Response], float]:
+class RewardValueError(ValueError):
+    """A user reward function returned what is no score (NaN, an infinity, not a
+    number, a TRL list of the wrong length). ``location`` is where the function
+    is defined (``file:line``, "" when unknown): what the run's error line names,
+    since the traceback ends in this module, not the user's."""
+
+    def __init__(self, message: str, location: str = "") -> None:
+        super().__init__(message)
+        self.location = location
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps ``location`` across processes
+        return type(self), (str(self), self.location)
+
+
+def resolve_reward(spec: str | Callable[..., Any], *, timeout_s: float) -> Callable[[Response], float]:
     """The reward named by ``spec`` as one call ``reward(response) -> float``: a
     built-in name (``exact_match``, ``math``), ``package.module:function``
     (``function`` may be dotted, e.g. ``Class.method``) or ``path/to/file.py:function``,
-    imported now, in whichever of :data:`FORMS` its signature shows. A user
-    function runs on its own thread under ``timeout_s`` (see :class:`TimedReward`).
+    imported now, or the function itself (``launch(reward=fn)``), in whichever of
+    :data:`FORMS` its signature shows. A user function runs on its own thread under
+    ``timeout_s`` (see :class:`TimedReward`).
 
     Raises ``ValueError`` naming ``spec`` when it is none of these, when its module
     cannot be imported, when what it names is missing or not callable, or when
     its signature fits no form."""
-    if spec in BUILTIN_REWARDS:
+    if isinstance(spec, str) and spec in BUILTIN_REWARDS:
         return _adapt(BUILTIN_REWARDS[spec], "text")
-    fn = _import(spec)
-    return TimedReward(_adapt(fn, _form(fn, spec), spec), name=spec, timeout_s=timeout_s)
+    fn, name = _function(spec)
+    return TimedReward(_adapt(fn, _form(fn, name), name), name=name, timeout_s=timeout_s)
 
 
-def reward_form(spec: str) -> str:
-    """The form (a key of :data:`FORMS`) of the reward ``spec`` names, importing it;
-    ``ValueError`` as :func:`resolve_reward` raises. What the config checks on load."""
-    return "text" if spec in BUILTIN_REWARDS else _form(_import(spec), spec)
+def reward_form(spec: str | Callable[..., Any]) -> str:
+    """The form (a key of :data:`FORMS`) of the reward ``spec`` names (or is), importing
+    it; ``ValueError`` as :func:`resolve_reward` raises. What the config checks on load."""
+    if isinstance(spec, str) and spec in BUILTIN_REWARDS:
+        return "text"
+    fn, name = _function(spec)
+    return _form(fn, name)
+
+
+def reward_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a function (what errors and the run's config call it)."""
+    fn = inspect.unwrap(fn)
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}:{qualname}"
+
+
+def defined_at(fn: Callable[..., Any]) -> str:
+    """``file:line`` where ``fn`` (a function, a method, a partial of one or an object
+    with ``__call__``) is defined; "" when it has no Python source (a builtin)."""
+    fn = inspect.unwrap(fn)
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+
+
+def _function(spec: str | Callable[..., Any]) -> tuple[Callable[..., Any], str]:
+    """The user function ``spec`` names (imported) or is, and its name for errors."""
+    if isinstance(spec, str):
+        return _import(spec), spec
+    if not callable(spec):
+        raise ValueError(f"reward: expected a function or a name, got {type(spec).__name__} {spec!r:.80}")
+    return spec, reward_name(spec)
 
 
 def anchor_reward_spec(spec: str, base_dir: str) -> str:
@@ -252,6 +305,9 @@ def _import(spec: str) -> Callable[..., Any]:
             raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: "
                              f"{type(e).__name__}: {e}") from None
         where = f"module {module_name!r}"
+    if "<" in attr:  # "f.<locals>.g", "<lambda>": what launch(reward=fn) recorded of a function it was given
+        raise ValueError(f"reward {spec!r}: a function defined inside another (or a lambda) has no import path; "
+                         "pass the function itself again: launch(..., reward=fn)")
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"reward {spec!r}: {where} has no attribute {attr!r}")
@@ -314,10 +370,27 @@ def _verl_keywords(sig: inspect.Signature) -> tuple[str, ...]:
     return names if _takes_any_keyword(sig) else tuple(k for k in names if k in sig.parameters)
 
 
-def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Response], Any]:
-    """``fn`` (written in ``form``) as the one internal call on a :class:`Response`."""
+def _score(value: Any, fn: Callable[..., Any], name: str) -> float:
+    """``value``, a score ``fn`` returned, as a float: any finite number (a bool, numpy's
+    float32 too); else :class:`RewardValueError` naming ``fn`` and where it is defined."""
+    if isinstance(value, numbers.Real) and math.isfinite(value):  # numbers.Real: bools and numpy's floats too
+        return float(value)
+    what = "a finite number" if isinstance(value, numbers.Real) else "a number"
+    raise _returned(fn, name, f"{value!r:.80}; expected {what}")
+
+
+def _returned(fn: Callable[..., Any], name: str, what: str) -> RewardValueError:
+    """The error for a function ``fn`` that returned ``what``, naming where it is defined."""
+    where = defined_at(fn)
+    return RewardValueError(f"reward {name or reward_name(fn)!r}{f' ({where})' if where else ''} returned {what}",
+                            where)
+
+
+def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Response], float]:
+    """``fn`` (written in ``form``) as the one internal call on a :class:`Response`,
+    its result checked (:func:`_score`) on the thread that called it."""
     if form == "text":
-        return lambda r: fn(r.text, r.answer)
+        return lambda r: _score(fn(r.text, r.answer), fn, name)
     sig = inspect.signature(fn)
     if form == "verl":
         keywords = _verl_keywords(sig)
@@ -328,10 +401,9 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
             score = fn(**{k: given[k] for k in keywords})
             if isinstance(score, dict):  # verl's reward managers take result["score"] and log the rest
                 if "score" not in score:
-                    raise ValueError(f"reward {name!r} returned a dict without a 'score' key "
-                                     f"(keys: {', '.join(map(str, score))})")
+                    raise _returned(fn, name, f"a dict without a 'score' key (keys: {', '.join(map(str, score))})")
                 score = score["score"]
-            return score
+            return _score(score, fn, name)
 
         return verl
     any_keyword = _takes_any_keyword(sig)
@@ -345,9 +417,8 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
             kwargs = {k: v for k, v in kwargs.items() if k in sig.parameters}
         scores = fn(**kwargs)
         if not isinstance(scores, (list, tuple)) or len(scores) != 1:
-            raise ValueError(f"reward {name!r} returned {scores!r}; expected a list of one score per "
-                             "completion (here one)")
-        return 0.0 if scores[0] is None else scores[0]
+            raise _returned(fn, name, f"{scores!r:.80}; expected a list of one score per completion (here one)")
+        return 0.0 if scores[0] is None else _score(scores[0], fn, name)
 
     return trl
 
@@ -359,8 +430,8 @@ class TimedReward:
     gets a fresh one. So a hung function never holds its caller's thread, and
     threads are made only on timeouts. With ``max_stuck`` abandoned calls
     still running, further calls fail at once (``RuntimeError``) rather than
-    pile up threads. A result that is not a finite number in [0, 1] raises
-    ``ValueError`` naming the function. Calls pass their arguments to ``fn``."""
+    pile up threads. Calls pass their arguments to ``fn`` (an adapted function:
+    it checks its own result) and return its result."""
 
     def __init__(self, fn: Callable[..., Any], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
         if not timeout_s > 0:
@@ -393,12 +464,7 @@ class TimedReward:
                     self._num_stuck += 1
                     jobs.put(None)
             raise TimeoutError(f"reward {self.name!r} took longer than {self.timeout_s} s") from None
-        if isinstance(value, bool):
-            value = float(value)
-        # numbers.Real: numpy's float32 too, which verl-style functions often return
-        if not isinstance(value, numbers.Real) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"reward {self.name!r} returned {value!r}; expected a number in [0, 1]")
-        return float(value)
+        return value
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:

@@ -1,6 +1,6 @@
 """What every task is: a source of :class:`Prompt` s (token ids) and a verifier
-that scores a response's token ids in [0, 1]. The tasks themselves and their
-registry are in :mod:`policies.tasks`.
+that scores a response's token ids (any finite float; the built-in tasks' are
+in [0, 1]). The tasks themselves and their registry are in :mod:`policies.tasks`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Prompt(msgspec.Struct, kw_only=True):
 
 
 class Task(abc.ABC):
-    """A source of prompts plus a verifier that scores responses in [0, 1]."""
+    """A source of prompts plus a verifier that scores responses (any finite float)."""
 
     tokenizer: object
     stop_token_ids: tuple[int, ...]
@@ -36,7 +36,8 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def reward(self, meta: dict[str, str], response_ids: list[int]) -> float:
-        """Score one response (token ids, maybe ending in a stop token) in [0, 1]."""
+        """Score one response (token ids, maybe ending in a stop token): any finite
+        float (GRPO compares a group's scores); NaN or an infinity is counted as an error."""
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """At most ``n`` fixed held-out prompts, the same on every call and in

@@ -13,11 +13,12 @@ import json
 import logging
 import pathlib
 import random
+from collections.abc import Callable
 from typing import Any
 
 from policies.config import PolicyConfig
 from policies.datasets import ArithmeticProblems, Row, load_rows
-from policies.rewards import Response, resolve_reward
+from policies.rewards import Response, resolve_reward, reward_form
 from policies.task_base import Prompt, Task
 
 __all__ = ["END_OF_TURN_TOKENS", "TextArithmetic", "TextDataset", "load_tokenizer", "text_stop_token_ids"]
@@ -74,7 +75,8 @@ def _check_types(task: str, **values) -> None:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
             continue
-        what = ("true or false" if bool in kinds else "a string" if str in kinds
+        what = ("true or false" if bool in kinds else "a string or a function" if Callable in kinds
+                else "a string" if str in kinds
                 else "an integer" if kinds == (int,) else "a number")
         raise ValueError(f"task {task!r}: option {key} must be {what}, got {value!r}")
 
@@ -91,10 +93,11 @@ class _TextTask(Task):
     name = "text"
 
     def __init__(self, tokenizer=None, *, model_path: str | None, chat_template: bool, system_prompt: str,
-                 reward: str, reward_timeout_s: float | None, chat_prompt_at: str | None = None) -> None:
+                 reward: str | Callable[..., Any], reward_timeout_s: float | None,
+                 chat_prompt_at: str | None = None) -> None:
         """``chat_prompt_at``: where the data has a prompt of chat messages (``file:row``), if it has one."""
         _check_types(self.name, chat_template=(chat_template, bool), system_prompt=(system_prompt, str),
-                     reward=(reward, str))
+                     reward=(reward, (str, Callable)))
         if reward_timeout_s is None:
             reward_timeout_s = PolicyConfig().reward_timeout_s
         self.score = resolve_reward(reward, timeout_s=reward_timeout_s)  # before the (slow) tokenizer load
@@ -172,9 +175,10 @@ class TextDataset(_TextTask):
     records allowed (see ``policies.datasets``); ``eval_path`` (optional) holds
     the held-out rows ``eval_prompts`` serves, first rows first. Training draws
     rows uniformly, with replacement, using only the policy's rng. ``reward``:
-    ``exact_match``, ``math``, ``package.module:function`` or ``file.py:function``
-    in any of the forms of ``policies.rewards`` (verl's and TRL's get the row's
-    other columns). ``chat_template``: render with the tokenizer's chat template
+    ``exact_match``, ``math``, ``package.module:function`` or ``file.py:function``,
+    or from Python the function itself, in any of the forms of ``policies.rewards``
+    (verl's and TRL's get the row's other columns; a TRL one reads no answer, so
+    rows need no ``answer_field`` for it). ``chat_template``: render with the tokenizer's chat template
     (an error when it has none: set it false for raw text; chat-message prompts
     need it).
     ``max_prompt_tokens`` (0 = no limit): a row whose rendered prompt is longer
@@ -186,11 +190,11 @@ class TextDataset(_TextTask):
 
     def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
                  data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
-                 chat_template: bool = True, system_prompt: str = "", reward: str = "math",
+                 chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., Any] = "math",
                  max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
                      answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int),
-                     chat_template=(chat_template, bool))
+                     chat_template=(chat_template, bool), reward=(reward, (str, Callable)))
         if max_prompt_tokens < 0:
             raise ValueError(f"task {self.name!r}: max_prompt_tokens must be >= 0 (0 = no limit), "
                              f"got {max_prompt_tokens}")
@@ -198,7 +202,8 @@ class TextDataset(_TextTask):
             raise ValueError(f"task.kwargs: task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
                              "or data (a datasets.Dataset or a list of dicts, from Python), and at most one of "
                              "eval_path and eval_data")
-        fields = {"prompt_field": prompt_field, "answer_field": answer_field}
+        fields = {"prompt_field": prompt_field, "answer_field": answer_field,
+                  "answer_required": reward_form(reward) != "trl"}  # TRL's form reads no answer
         # bad data fails before the tokenizer load
         train_rows = load_rows(path, **fields) if path else load_rows(data, **fields, name="data")
         eval_rows = (load_rows(eval_path, **fields) if eval_path else
@@ -262,7 +267,8 @@ class TextArithmetic(_TextTask):
     def __init__(self, tokenizer=None, *, model_path: str | None = None, digits: int = 2, num_operands: int = 2,
                  ops: str = "+-", tail_alpha: float = 0.0, max_digits: int = 12, eval_fraction: float = 0.1,
                  instruction: str = "Answer with the number only.", chat_template: bool = True,
-                 system_prompt: str = "", reward: str = "math", reward_timeout_s: float | None = None) -> None:
+                 system_prompt: str = "", reward: str | Callable[..., Any] = "math",
+                 reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, digits=(digits, int), num_operands=(num_operands, int), ops=(ops, str),
                      tail_alpha=(tail_alpha, (int, float)), max_digits=(max_digits, int),
                      eval_fraction=(eval_fraction, (int, float)), instruction=(instruction, str))

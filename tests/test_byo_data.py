@@ -5,6 +5,7 @@ trained on), and what cannot work is refused on load, in one line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import shutil
@@ -12,7 +13,9 @@ import shutil
 import pytest
 
 from actors.config import ConfigError, load_config
+import loop
 from actors.launch import launch
+from policies.reward_guard import RewardsFailing
 from tests.extras import needs_mark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,8 +60,10 @@ def _verl_rows(digits: list[str]) -> list[dict]:
              "extra_info": {"split": "train", "index": i}} for i, d in enumerate(digits)]
 
 
-def _train(*overrides: str, tmp_path: pathlib.Path, **data: object) -> list[dict]:
-    """Three steps; every sample scored (none dropped for its reward); the records."""
+def _train(*overrides: str, tmp_path: pathlib.Path, bounds: tuple[float, float] = (0.0, 1.0),
+           **data: object) -> list[dict]:
+    """Three steps; every sample scored (none dropped for its reward), each step's
+    mean reward within ``bounds``; the records."""
     run = launch(ROOT / "fully_async.yaml", *SHORT, *overrides, f"run.output_dir={tmp_path / 'runs'}", **data)
     with run:
         records = run.train(steps=3)
@@ -66,7 +71,7 @@ def _train(*overrides: str, tmp_path: pathlib.Path, **data: object) -> list[dict
     assert [m["step"] for m in records] == [1, 2, 3]
     for m in records:
         assert not {"reward_error", "reward_timeout"} & set(m["dropped"]), m["dropped"]
-        assert 0.0 <= m["reward"] <= 1.0
+        assert bounds[0] <= m["reward"] <= bounds[1]
     return records
 
 
@@ -162,3 +167,115 @@ def test_the_example_verl_files_load_with_their_nested_answer():
                          answer_field="reward_model.ground_truth")
         assert rows and all(r.prompt[0]["role"] == "user" and r.answer.lstrip("-").isdigit() for r in rows)
         assert {r.fields["data_source"] for r in rows} == {"asyncrl/arithmetic"}
+
+
+# -- TRL's rewards as TRL writes them; a reward passed to launch; rewards that are no number ----------------------
+
+
+def reward_len(completions, **kwargs):
+    """TRL's quick-start reward, as its documentation writes it: negative numbers."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+@needs_mark("datasets", "datasets")
+def test_trls_quick_start_reward_len_over_a_conversational_dataset_without_answers_trains_three_steps(
+        chat_model, tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"R{d}:"}]} for d in DIGITS])
+    assert ds.column_names == ["prompt"]  # no answer column: TRL's form reads none
+    records = _train(f"model.path={chat_model}", "task.type=text_dataset",
+                     "task.kwargs.reward=tests.test_byo_data:reward_len", tmp_path=tmp_path, bounds=(-20.0, 0.0),
+                     data=ds)
+    # a conversational completion is a list of one message (len 1): every score is -19, and it reached the run
+    assert [m["reward"] for m in records] == [-19.0] * 3
+
+
+def test_a_reward_function_passed_to_launch_trains_in_child_processes_too(chat_model, tmp_path):
+    offset = 1.0
+
+    def negative_length(completions, **kwargs):  # a closure: no child process could find it by name
+        return [-(offset + len(c)) for c in completions]
+
+    rows = [{"prompt": f"R{d}:"} for d in DIGITS]  # TRL's standard format: text prompts, text completions
+    records = _train(f"model.path={chat_model}", "task.type=text_dataset", "runtime.type=process",
+                     tmp_path=tmp_path, bounds=(-100.0, -1.0), data=rows, reward=negative_length)
+    assert any(m["reward"] < -1.0 for m in records)  # responses' lengths: scored by the function, in the children
+    [saved] = (tmp_path / "runs").glob("*/config.yaml")
+    assert ("reward: tests.test_byo_data:test_a_reward_function_passed_to_launch_trains_in_child_processes_too."
+            "<locals>.negative_length") in saved.read_text()  # the run's config records which function it was
+
+
+def test_a_run_trained_with_a_closure_as_its_reward_resumes_when_it_is_passed_again(chat_model, tmp_path):
+    def minus_one(completions, **kwargs):
+        return [-1.0 for _ in completions]
+
+    start = [f"model.path={chat_model}", "task.type=text_dataset", "run.checkpoint_every=1"]
+    data = [{"prompt": f"R{d}:"} for d in DIGITS]
+    with launch(ROOT / "fully_async.yaml", *SHORT, *start, f"run.output_dir={tmp_path}", data=data,
+                reward=minus_one) as run:
+        run.train(steps=1)
+    with pytest.raises(ValueError, match=r"<locals>\.minus_one': a function defined inside another .* pass the "
+                                         r"function itself again: launch\(\.\.\., reward=fn\)"):
+        launch(None, resume=run.dir, data=data)
+    with launch(None, resume=run.dir, data=data, reward=minus_one) as resumed:
+        assert [m["reward"] for m in resumed.train(steps=1)] == [-1.0]
+
+
+def test_a_reward_passed_to_launch_must_be_a_function_the_task_takes():
+    with pytest.raises(ValueError, match=r"^launch\(reward=...\): expected a function, got str 'math'"):
+        launch(ROOT / "fully_async.yaml", reward="math")
+    with pytest.raises(ValueError, match=r"^launch\(reward=...\): task 'reverse_digits' takes no reward function"):
+        launch(ROOT / "fully_async.yaml", reward=reward_len)
+    with pytest.raises(ValueError, match=r"^launch\(reward=...\): reward 'tests.test_byo_data:three_positional': "
+                                         r"its signature \(completion, answer, prompt\) fits none"):
+        launch(ROOT / "fully_async.yaml", "task.type=text_dataset", reward=three_positional)
+
+
+_CALLS = itertools.count()
+
+
+def nan_then_inf_then_lengths(completions, **kwargs):
+    """NaN on its first call, an infinity on its second, then the completion's length."""
+    call = next(_CALLS)
+    return [float("nan") if call == 0 else float("inf") if call == 1 else float(len(completions[0]))]
+
+
+def test_a_nan_or_infinite_reward_is_a_counted_error_of_its_sample_and_the_run_goes_on(chat_model, tmp_path):
+    global _CALLS
+    _CALLS = itertools.count()  # the function runs here (local runtime)
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"model.path={chat_model}", "task.type=text_dataset",
+                 f"run.output_dir={tmp_path}", data=[{"prompt": f"R{d}:"} for d in DIGITS],
+                 reward=nan_then_inf_then_lengths)
+    with run:
+        records = run.train(steps=3)
+        run.check()
+        # counted as a reward that raises is: each sample's own error, its group dropped, in the metrics
+        assert records[-1]["dropped"]["reward_error"] == 2
+        assert records[-1]["dropped"]["group_incomplete"] in (2, 6)  # one group, or two
+        assert [loop.run(h.statistics())["num_reward_errors"] for h in run.policy.rollouts] == [2]
+        line = f"{__file__}:{nan_then_inf_then_lengths.__code__.co_firstlineno}"
+        assert run.policy.reward_guard.last_error in [  # the latest failed group's first: shown if the run stops
+            f"RewardValueError: reward 'tests.test_byo_data:nan_then_inf_then_lengths' ({line}) returned {v}; "
+            "expected a finite number" for v in ("nan", "inf")]
+
+
+def always_nan(completions, **kwargs):
+    return [float("nan")]
+
+
+def always_raises(text, answer):
+    raise KeyError("no grader for this row")
+
+
+@pytest.mark.parametrize(("reward", "where"), [
+    (always_nan, f"({__file__}:{always_nan.__code__.co_firstlineno}) returned nan; expected a finite number"),
+    (always_raises, f"KeyError: 'no grader for this row' ({__file__}:{always_raises.__code__.co_firstlineno + 1})"),
+])
+def test_a_reward_error_s_line_names_the_user_s_file_and_line(chat_model, tmp_path, reward, where):
+    run = launch(ROOT / "fully_async.yaml", *SHORT, f"model.path={chat_model}", "task.type=text_dataset",
+                 f"run.output_dir={tmp_path}", data=[{"prompt": f"R{d}:", "answer": d} for d in DIGITS],
+                 reward=reward)
+    with run, pytest.raises(RewardsFailing) as err:
+        run.train(steps=3)
+    assert where in str(err.value) and "\n" not in str(err.value)

@@ -180,6 +180,23 @@ def test_rows_come_from_a_list_of_dicts_a_dataset_or_its_save_to_disk_directory(
         load_rows(splits)
 
 
+def test_rows_need_no_answer_field_when_the_reward_reads_none(tmp_path):
+    chat = [{"role": "user", "content": "Say hi"}]
+    records = [{"prompt": chat}, {"prompt": "Count", "answer": 3}, {"prompt": "Odd", "answer": ["a list"]}]
+    rows = load_rows(records, answer_required=False)
+    assert [(r.prompt, r.answer) for r in rows] == [(chat, ""), ("Count", "3"), ("Odd", "")]
+    assert rows[2].fields == records[2]  # the column itself still reaches a TRL reward, as it is
+    path = _write(tmp_path / "d.jsonl", '{"prompt": "a"}')
+    assert load_rows(path, answer_required=False)[0].answer == ""
+    with pytest.raises(ValueError, match=r":1: missing field 'answer'"):
+        load_rows(path)
+    datasets = needs("datasets", "datasets")
+    ds = datasets.Dataset.from_list([{"prompt": chat}])  # no answer column: refused only when it is needed
+    assert load_rows(ds, answer_required=False)[0].answer == ""
+    with pytest.raises(ValueError, match="dataset 'data': no column 'answer' \\(columns: prompt\\)"):
+        load_rows(ds)
+
+
 def test_a_datasets_directory_without_the_package_names_the_extra(tmp_path, monkeypatch):
     (tmp_path / "ds").mkdir()
     monkeypatch.setitem(sys.modules, "datasets", None)

@@ -1,11 +1,14 @@
+import pickle
 import threading
 import time
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
-from policies.rewards import (FORMS, Response, TimedReward, anchor_reward_spec, exact_match, extract_final_answer,
-                              math_answer, parse_number, resolve_reward, reward_form)
+from policies.rewards import (FORMS, Response, RewardValueError, TimedReward, anchor_reward_spec, defined_at,
+                              exact_match, extract_final_answer, math_answer, parse_number, resolve_reward,
+                              reward_form, reward_name)
 
 
 def R(text: str, answer: str = "", **kw) -> Response:  # noqa: N802 - reads as the call it stands for
@@ -249,19 +252,58 @@ def test_a_bad_reward_path_is_a_value_error_naming_it(spec, message):
         resolve_reward(spec, timeout_s=1.0)
 
 
-def test_a_user_function_that_raises_or_returns_out_of_range_raises_to_its_caller():
+def returns_what_it_is_told(text, answer):  # defined on the line RETURNS_LINE names
+    return {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "str": "0.5", "none": None,
+            "neg": -19, "big": 2, "true": True, "np": np.float32(0.5)}[text]
+
+
+RETURNS_LINE = returns_what_it_is_told.__code__.co_firstlineno
+
+
+def reward_len(completions, **kwargs):  # TRL's quick-start reward: negative numbers
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def test_any_finite_number_is_a_score_and_what_is_none_raises_naming_the_function_s_file_and_line():
+    fn = resolve_reward("tests.test_rewards:returns_what_it_is_told", timeout_s=1.0)
+    assert [fn(R(t)) for t in ("neg", "big", "true", "np")] == [-19.0, 2.0, 1.0, 0.5]
+    assert resolve_reward("tests.test_rewards:reward_len", timeout_s=1.0)(R("x" * 5)) == -15.0
+    for told, expected in [("nan", "nan; expected a finite number"), ("inf", "inf; expected a finite number"),
+                           ("-inf", "-inf; expected a finite number"), ("str", "'0.5'; expected a number"),
+                           ("none", "None; expected a number")]:
+        with pytest.raises(RewardValueError) as err:
+            fn(R(told))
+        assert str(err.value) == (f"reward 'tests.test_rewards:returns_what_it_is_told' ({__file__}:{RETURNS_LINE}) "
+                                  f"returned {expected}")
+        assert err.value.location == f"{__file__}:{RETURNS_LINE}"
+    with pytest.raises(RewardValueError, match=r"\(.*test_rewards\.py:\d+\) returned \[1\.0, 1\.0\]"):
+        resolve_reward("tests.test_rewards:trl_two_scores", timeout_s=1.0)(R("5", fields=ROW))
+
+
+def test_a_reward_value_error_keeps_its_location_across_processes():
+    err = pickle.loads(pickle.dumps(RewardValueError("reward 'f' returned nan", "f.py:3")))
+    assert (str(err), err.location) == ("reward 'f' returned nan", "f.py:3")
+
+
+def test_a_function_itself_is_a_reward_named_by_its_module_and_qualname():
+    def local(completions, **kwargs):
+        return [len(c) for c in completions]
+
+    fn = resolve_reward(local, timeout_s=1.0)
+    assert isinstance(fn, TimedReward) and fn(R("abc")) == 3.0 and reward_form(local) == "trl"
+    assert fn.name == reward_name(local) == ("tests.test_rewards:test_a_function_itself_is_a_reward_named_by_its_"
+                                             "module_and_qualname.<locals>.local")
+    assert defined_at(local) == f"{__file__}:{local.__code__.co_firstlineno}"
+    with pytest.raises(ValueError, match="reward: expected a function or a name, got int 3"):
+        resolve_reward(3, timeout_s=1.0)
+
+
+def test_a_user_function_that_raises_raises_to_its_caller():
     def boom(text, answer):
         raise KeyError("no grader")
 
     with pytest.raises(KeyError, match="no grader"):
         TimedReward(boom, name="boom", timeout_s=1.0)("a", "b")
-    with pytest.raises(ValueError, match=r"reward 'big' returned 2; expected a number in \[0, 1\]"):
-        TimedReward(lambda t, a: 2, name="big", timeout_s=1.0)("a", "b")
-    with pytest.raises(ValueError, match="returned nan"):
-        TimedReward(lambda t, a: float("nan"), name="nan", timeout_s=1.0)("a", "b")
-    assert TimedReward(lambda t, a: True, name="bool", timeout_s=1.0)("a", "b") == 1.0
-    np = pytest.importorskip("numpy")
-    assert TimedReward(lambda: np.float32(0.5), name="np", timeout_s=1.0)() == 0.5  # verl functions return these
 
 
 def test_a_hanging_user_function_times_out_without_holding_its_caller(release):

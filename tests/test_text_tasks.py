@@ -223,7 +223,7 @@ def test_bad_text_task_options_are_named(tok, model_dir, tmp_path):
         make_task("text_dataset", model_path=model_dir)
     with pytest.raises(ValueError, match="option chat_template must be true or false, got 'no'"):
         make_task("text_arithmetic", model_path=model_dir, chat_template="no")
-    with pytest.raises(ValueError, match="option reward must be a string, got 1"):
+    with pytest.raises(ValueError, match="option reward must be a string or a function, got 1"):
         make_task("text_dataset", model_path=model_dir, path=TRAIN, reward=1)
     with pytest.raises(ValueError, match="option digits must be an integer, got 2.5"):
         make_task("text_arithmetic", model_path=model_dir, digits=2.5)
@@ -301,6 +301,38 @@ def test_a_user_reward_that_raises_is_counted_by_the_actor(tok):
         asyncio.run(actor.close())
     assert bad.finish_reason == "error" and "RuntimeError: grader crashed" in bad.error
     assert good.reward == 1.0 and actor.num_reward_errors == 1
+
+
+def scores_as_told(text: str, answer: str) -> float:
+    return {"nan": float("nan"), "inf": float("inf"), "neg": -2.5}.get(text.strip(), 1.0)
+
+
+def test_a_user_reward_of_nan_or_an_infinity_is_counted_naming_where_the_function_is_defined(tok):
+    task = make_task("text_dataset", tokenizer=tok, path=TRAIN, reward="tests.test_text_tasks:scores_as_told")
+    actor = _actor(task, timeout_s=5.0)
+    samples = [_sample(tok, text, "1") for text in ("nan", "inf", "neg", "fine")]
+
+    async def scenario():
+        for sample in samples:
+            await actor._score(sample)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(actor.close())
+    line = f"{__file__}:{scores_as_told.__code__.co_firstlineno}"
+    assert [s.error for s in samples[:2]] == [
+        f"reward: RewardValueError: reward 'tests.test_text_tasks:scores_as_told' ({line}) returned {v}; expected a "
+        "finite number" for v in ("nan", "inf")]  # the user's line, not this project's, and only once
+    assert [s.reward for s in samples[2:]] == [-2.5, 1.0] and actor.num_reward_errors == 2
+
+
+def test_a_dataset_needs_an_answer_field_only_for_a_reward_that_reads_one(tok):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "level": 3}]
+    task = TextDataset(tok, data=rows, reward=trl_score)  # a function itself, in TRL's form: no answer read
+    assert task._train[0].meta == {"answer": "", "row": "data:row 1"}
+    with pytest.raises(ValueError, match=r"data:row 1: missing field 'answer' \(fields: prompt, level\)"):
+        TextDataset(tok, data=rows, reward="math")
 
 
 class _FakeTask:
