@@ -111,7 +111,8 @@ class Wiring:
                 seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
                 next_request=next_request, absorb=absorb, queue=self.queue,
-                reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
+                reward_timeout_s=cfg.policy.reward_timeout_s, reward_workers=cfg.policy.reward_workers,
+                torch_threads=1)
 
         trainer, rollouts = await self._start_actors(spawn_rollout)
         lap("actors_s")
