@@ -373,7 +373,8 @@ class RolloutActor(Actor):
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
                 "num_scoring": self.num_scoring, "num_reward_calls": self.num_reward_calls,
                 "reward_call_s": self.reward_call_s,
-                "reward_busy_s": self.reward_busy_s + (time.perf_counter() - self._busy_since if self.num_scoring else 0.0),
+                "reward_busy_s": self.reward_busy_s
+                + (time.perf_counter() - self._busy_since if self.num_scoring else 0.0),
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()
 

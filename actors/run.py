@@ -145,6 +145,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         """Setup failed: stop what was started and remove what this run created on
         disk (its directory, and parents it made that are left empty). Nothing ran."""
         self._discarded = True
+        self._end_setup_status()
         try:
             self.close()
         except Exception:  # noqa: BLE001 - the setup error is the one to report; this one would hide it

@@ -19,6 +19,7 @@ import time
 import pytest
 
 import loop
+from actors import notebook
 from actors.launch import launch
 from policies.rewards import TimedReward
 
@@ -105,3 +106,15 @@ def test_sigterm_while_reward_calls_are_blocked_exits_143_within_the_grace_with_
     assert line == "stopped by SIGTERM (no step boundary within 2 s, run.stop_grace_s), without a checkpoint"
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["stopped"] == line
+
+
+def test_the_progress_display_names_the_setup_phase_and_the_samples_being_scored(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(notebook, "interactive", lambda: True)  # as in a terminal: the setup line is shown
+    (tmp_path / "slow.py").write_text("import time\ndef reward(text, answer):\n    time.sleep(0.4)\n    return 1.0\n")
+    run = launch(ROOT / "fully_async.yaml", *TEXT, *ONE_GROUP, f"task.kwargs.reward={tmp_path / 'slow.py'}:reward",
+                 "policy.reward_workers=1", "run.progress=true", f"run.output_dir={tmp_path / 'runs'}")
+    with run:
+        run.train(1)  # 8 samples, 0.4 s each, one at a time: about 3 s of scoring
+    err = capsys.readouterr().err
+    assert "setup: starting the trainer and rollout actors" in err
+    assert any(f"scoring {n} samples" in err for n in range(2, 9)), err[-2000:]
