@@ -1,7 +1,7 @@
 """Rewards that take time: scored several at once on the rollout actor's reward
 pool (``policy.reward_workers``), an ``async def`` reward awaited at once; the
 run's own counters say how many calls ran together. And a run always ends:
-SIGTERM while reward calls are blocked exits 143 within ``run.stop_grace_s``
+SIGTERM (SIGINT) while reward calls are blocked exits 143 (130) within ``run.stop_grace_s``
 plus a few seconds, with its line and a ``summary.json``."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def test_a_pool_of_one_scores_one_call_at_a_time(tmp_path):
     assert stats["reward_call_s"] / stats["reward_busy_s"] <= 1.0, stats
 
 
-def test_sigterm_while_reward_calls_are_blocked_exits_143_within_the_grace_with_a_summary(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_reward_calls_are_blocked_exits_143_or_130_within_the_grace_with_a_summary(tmp_path, signum):
     (tmp_path / "stuck_reward.py").write_text(
         "import pathlib, time\n"
         "def reward(text, answer):\n"
@@ -97,13 +98,14 @@ def test_sigterm_while_reward_calls_are_blocked_exits_143_within_the_grace_with_
         time.sleep(0.05)
     time.sleep(0.5)  # every worker of the pool is blocked now
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 2 + 10
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert proc.returncode == 128 + signum, err[-2000:]
+    name = signal.Signals(signum).name
     ack, line = err.strip().splitlines()
-    assert ack.startswith("SIGTERM: stopping after step 1 with a checkpoint (within 2 s, run.stop_grace_s")
-    assert line == "stopped by SIGTERM (no step boundary within 2 s, run.stop_grace_s), without a checkpoint"
+    assert ack.startswith(f"{name}: stopping after step 1 with a checkpoint (within 2 s, run.stop_grace_s")
+    assert line == f"stopped by {name} (no step boundary within 2 s, run.stop_grace_s), without a checkpoint"
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "summary.json").read_text())["stopped"] == line
 
