@@ -18,7 +18,8 @@ from typing import Any
 
 from tqdm import TqdmWarning
 
-__all__ = ["PANELS", "TrainResult", "describe", "extend_total_steps", "metrics_table", "plot", "progress_bar"]
+__all__ = ["PANELS", "TrainResult", "describe", "extend_total_steps", "metrics_table", "plot", "progress_bar",
+           "interactive", "setup_status", "waiting_for"]
 
 # What ``plot`` draws by default, one panel each: (record key, label) pairs.
 PANELS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -47,6 +48,27 @@ _tqdm_class()
 def progress_bar(total: int, initial: int) -> Any:
     """A bar counting trainer steps from ``initial`` to ``total``."""
     return _tqdm_class()(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def interactive() -> bool:
+    """Whether someone watches stderr live: a terminal, or a notebook's kernel.
+    Elsewhere (a log file, a pipe) a redrawn line would stay as lines of clutter."""
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
+def setup_status() -> Any:
+    """A bar without a count that says which phase of setup a run is in (its
+    description) and, ticking, for how long: a slow start is never a still screen.
+    Gone once the run is set up (or its setup failed)."""
+    return _tqdm_class()(total=None, desc="setup", bar_format="{desc} ({elapsed})", dynamic_ncols=True, leave=False,
+                         file=sys.stderr)
+
+
+def waiting_for(rollout_stats: Sequence[dict[str, Any]]) -> str:
+    """What a step waits for, from its rollout actors' statistics: the samples
+    being scored (``num_scoring``: queued for or in a reward call), else generation."""
+    scoring = sum(int(st.get("num_scoring", 0)) for st in rollout_stats)
+    return f"scoring {scoring} sample{'s' * (scoring != 1)}" if scoring else "generating"
 
 
 def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, closed: bool, run_dir: Any) -> str:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import math
 import sysconfig
-import threading
 import time
 import traceback
 from collections import Counter
@@ -50,6 +49,7 @@ import torch
 
 from actors import gc_clock
 from actors.engines import EngineConfig, RolloutEngine, make_engine
+from actors.reward_pool import RewardPool
 from actors.runtime import Actor, quiet_transformers
 from contracts.placement import Placement, placement as placement_of
 from contracts.rollout import (GenerateOutput, GroupReport, GroupRequest, InFlight, RolloutCounts, SamplingParams,
@@ -78,22 +78,6 @@ def where(err: BaseException) -> str:
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-def _reward_each(reward: Callable[..., Any], work: list[tuple[dict, Any]], outcomes: list[Any],
-                 abandoned: threading.Event) -> None:
-    """On the worker thread: ``reward(meta, response ids)`` for each of ``work`` in turn,
-    into ``outcomes[i]`` as (its value or the exception it raised, its seconds); stops
-    once the batch is ``abandoned`` (timed out)."""
-    for i, (meta, response_ids) in enumerate(work):
-        if abandoned.is_set():
-            return
-        t0 = time.perf_counter()
-        try:
-            value: Any = reward(meta, list(response_ids))
-        except Exception as err:  # noqa: BLE001 - the loop turns it into this sample's error
-            value = err
-        outcomes[i] = (value, time.perf_counter() - t0)
-
-
 def _drop_reason(sample: Sample) -> str:
     """Why ``sample`` keeps its group out of the queue (its group-mates: ``group_incomplete``)."""
     if sample.finish_reason == "error" and (sample.error or "").startswith(_REWARD_TIMEOUT):
@@ -117,7 +101,7 @@ class RolloutActor(Actor):
     def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
                  next_request: Callable[..., Any], absorb: Callable[..., bool], queue: TransferQueue,
-                 reward_timeout_s: float = 30.0, torch_threads: int | None = None) -> None:
+                 reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None) -> None:
         self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
         self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens
         self.partial_rollout, self.reward_timeout_s = partial_rollout, reward_timeout_s
@@ -129,8 +113,12 @@ class RolloutActor(Actor):
         self._link: EngineLink | None = None  # once the transport is known
         self._link_group: tuple[str, int] | None = None  # (backend, sources) of the broadcast group joined
         self.num_reward_errors = 0  # timeouts included
-        self._to_score: list[tuple[Sample, asyncio.Future[None]]] = []  # finished, waiting for the next batch
-        self._scorer: asyncio.Task[None] | None = None  # scores batches while any sample waits
+        self.rewards = RewardPool(reward_workers)  # threads start with the first reward call
+        self.num_scoring = 0  # samples submitted to the pool and not scored yet
+        self.num_reward_calls = 0  # ended (returned, raised or timed out)
+        self.reward_call_s = 0.0  # summed seconds of the reward calls themselves
+        self.reward_busy_s = 0.0  # wall seconds while any sample was being scored (queued or running)
+        self._busy_since = 0.0  # perf_counter when num_scoring last rose from 0
         self.num_reward_timeouts = 0
         self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
         self.num_generated = 0  # samples of every group finished generating: then queued, or dropped here
@@ -221,47 +209,33 @@ class RolloutActor(Actor):
         await self._score(sample)
 
     async def _score(self, sample: Sample) -> None:
-        """Reward in [0, 1]; a reward function that raises (or hangs) marks
+        """Reward (any finite float); a reward function that raises (or hangs) marks
         only this sample as ``error`` — counted, never fatal to the run.
 
-        Rewards run on the worker thread, one batch at a time: samples that
-        finish while a batch is scored go together in the next, one trip to
-        the thread (and back to this loop, which shares the GIL with the
-        engine's thread) per batch, not per sample. Each reward is timed from
-        its own start there: samples behind a slow one are not charged for it.
-        A reward that hangs (not cut short by its own guard, ``TimedReward``)
-        times out its batch's unscored samples after ``reward_timeout_s`` per
-        sample of the batch."""
-        scored = asyncio.get_running_loop().create_future()
-        self._to_score.append((sample, scored))
-        if self._scorer is None:
-            self._scorer = asyncio.ensure_future(self._score_batches())
-        await scored
-
-    async def _score_batches(self) -> None:
-        batch: list[tuple[Sample, asyncio.Future[None]]] = []
+        Rewards run on the actor's reward pool, ``reward_workers`` calls at
+        once (``actors/reward_pool.py``), each timed from its own start there:
+        samples queued behind slow ones are not charged for them. A reward
+        that hangs (not cut short by its own guard, ``TimedReward``) times out
+        after ``reward_timeout_s`` once its turn came (the wait for a free
+        worker allowed for); its thread is abandoned. ``reward_call_s`` /
+        ``reward_busy_s`` is how many calls ran at once on average."""
+        if self.num_scoring == 0:
+            self._busy_since = time.perf_counter()
+        self.num_scoring += 1
+        ahead = (self.num_scoring - 1) // self.rewards.num_workers  # rounds of calls before this one's turn
+        call = self.rewards.submit(self.task.reward, sample.meta, list(sample.response_ids))
+        outcome: tuple[Any, float] | None = None
         try:
-            while self._to_score:
-                batch, self._to_score = self._to_score, []
-                outcomes: list[tuple[Any, float] | None] = [None] * len(batch)  # the thread fills them in
-                abandoned = threading.Event()
-                try:
-                    await asyncio.wait_for(self.blocking(_reward_each, self.task.reward,
-                                                         [(s.meta, s.response_ids) for s, _ in batch], outcomes,
-                                                         abandoned), self.reward_timeout_s * len(batch))
-                except TimeoutError:
-                    abandoned.set()  # what the thread had not reached by now times out, and is not run
-                except Exception as err:  # noqa: BLE001 - the thread is gone (closing): the batch fails, counted
-                    abandoned.set()
-                    outcomes = [o or (err, 0.0) for o in outcomes]
-                for (sample, scored), outcome in zip(batch, outcomes):
-                    self._take_reward(sample, outcome)
-                    if not scored.done():
-                        scored.set_result(None)
-        finally:  # cancelled (the actor closing): whoever waits for a score is cancelled too
-            self._scorer = None
-            for _, scored in (*batch, *self._to_score):
-                scored.cancel()  # a no-op for those already scored
+            outcome = await asyncio.wait_for(asyncio.wrap_future(call), self.reward_timeout_s * (ahead + 1) + 1.0)
+        except TimeoutError:
+            call.cancel()  # still queued: never run
+        finally:
+            self.num_scoring -= 1
+            if self.num_scoring == 0:
+                self.reward_busy_s += time.perf_counter() - self._busy_since
+        self.num_reward_calls += 1
+        self.reward_call_s += outcome[1] if outcome is not None else self.reward_timeout_s
+        self._take_reward(sample, outcome)
 
     def _take_reward(self, sample: Sample, outcome: tuple[Any, float] | None) -> None:
         """Set ``sample``'s reward from what its reward call returned, or mark it ``error``."""
@@ -402,10 +376,15 @@ class RolloutActor(Actor):
         return {**engine, "loop_cpu_s": time.thread_time(), "process_cpu_s": time.process_time(), **gc_clock.snapshot(),
                 "num_reward_errors": self.num_reward_errors,
                 "num_reward_timeouts": self.num_reward_timeouts, "num_aborted": self.num_aborted,
+                "num_scoring": self.num_scoring, "num_reward_calls": self.num_reward_calls,
+                "reward_call_s": self.reward_call_s,
+                "reward_busy_s": self.reward_busy_s
+                + (time.perf_counter() - self._busy_since if self.num_scoring else 0.0),
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()
 
     async def close(self) -> None:
+        self.rewards.close()  # a call blocked in user code is abandoned, never waited for
         if self.engine is not None:
             await self.engine.close()
         await super().close()

@@ -20,6 +20,7 @@ import os
 import pathlib
 import shutil
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,6 +37,39 @@ __all__ = ["Run"]
 log = logging.getLogger(__name__)
 
 _CLOSE_TRAIN_WAIT_S = 10.0  # close() lets a train call still running end its step this long, then cancels it
+
+_open_runs: list[Run] = []  # set up and not closed yet: closed at exit (_close_at_exit)
+_exit_hook_lock = threading.Lock()
+_exit_hook = False
+
+
+def _close_at_exit() -> None:
+    """Close the runs a script left open (it never called ``close()``, or raised
+    past it) as the interpreter ends, before it joins the actors' threads: their
+    actors stop, ``summary.json`` says how the run ended, and the process exits
+    with Python's own code instead of aborting on threads still running."""
+    raised = getattr(sys, "last_value", None)  # the uncaught exception Python just printed, if any
+    for run in list(_open_runs):
+        if run.stop_reason is None:
+            run.stop_reason = ("closed at exit: the script ended without run.close()" if raised is None else
+                               f"closed at exit after the script raised {type(raised).__name__}: "
+                               + " ".join(str(raised).split()))
+        try:
+            run.close()
+        except Exception as err:  # noqa: BLE001 - at exit: one line, and the other runs still close
+            print(f"asyncrl: closing {run.dir} at exit failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
+def _track(run: Run) -> None:
+    """Close ``run`` at exit unless it is closed before (see :func:`_close_at_exit`)."""
+    global _exit_hook
+    with _exit_hook_lock:
+        if not _exit_hook:
+            # before the interpreter joins non-daemon threads (an actor's worker), as
+            # concurrent.futures' own exit hook, registered earlier, runs after this one
+            threading._register_atexit(_close_at_exit)
+            _exit_hook = True
+    _open_runs.append(run)
 
 
 class Run(Wiring, Training, Checkpointing, NotebookAPI):
@@ -91,6 +125,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
             self._metrics_file = open_metrics_log(self.dir, cfg.run,
                                                   resume_step=None if resume is None else self._resume_step)
             self._t_constructed = time.perf_counter()
+            _track(self)
         except BaseException:
             self._discard(made)
             raise
@@ -115,6 +150,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         """Setup failed: stop what was started and remove what this run created on
         disk (its directory, and parents it made that are left empty). Nothing ran."""
         self._discarded = True
+        self._end_setup_status()
         try:
             self.close()
         except Exception:  # noqa: BLE001 - the setup error is the one to report; this one would hide it
@@ -133,6 +169,8 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         if self._closed:
             return
         self._closed = True
+        if self in _open_runs:
+            _open_runs.remove(self)
 
         async def _close() -> None:
             call = self._train_call

@@ -50,6 +50,7 @@ class TrainCall:
 
 
 _WAKE_S = 0.1  # how often train_async's caller wakes while it waits
+_WAITING_EVERY_S = 1.0  # how often the progress bar says what a step waits for
 
 
 class Training:
@@ -184,7 +185,14 @@ class Training:
                 if call.interrupted:  # a step boundary: nothing of this call runs on after it
                     break
                 t_step = time.perf_counter()
-                (m,) = await self._watched(self.policy.train(1))
+                waiting = asyncio.ensure_future(self._show_waiting(bar)) if bar is not None else None
+                try:
+                    (m,) = await self._watched(self.policy.train(1))
+                finally:
+                    if waiting is not None:
+                        waiting.cancel()
+                        await asyncio.gather(waiting, return_exceptions=True)
+                        bar.set_description_str("", refresh=False)
                 if self.policy.examples:  # run.log_samples_every: a few completions to read
                     rows = sample_rows(m["step"], self.policy.examples[:self.cfg.run.log_samples],
                                        getattr(self.policy.task, "tokenizer", None))
@@ -218,6 +226,17 @@ class Training:
             if bar is not None:
                 bar.close()
         return out
+
+    async def _show_waiting(self, bar: Any) -> None:
+        """While a step runs, say on ``bar`` every second what it waits for (the
+        samples being scored, or generation): a slow step is never a still bar."""
+        while True:
+            await asyncio.sleep(_WAITING_EVERY_S)
+            try:
+                stats = await asyncio.gather(*(h.statistics() for h in self.policy.rollouts))
+            except Exception:  # noqa: BLE001 - an actor lost meanwhile: the policy reports it, not the bar
+                continue
+            bar.set_description_str(notebook.waiting_for(stats))
 
     def _close_startup(self, record: dict[str, Any], t_call: float, t_step: float) -> None:
         """The run's first trained step: ``startup`` gets ``before_train_s`` (from the end of

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import torch
 
+from actors import notebook
 from actors.config import Config
 from actors.mps import MpsDaemon
 from actors.placement import reserve_roles
@@ -99,10 +100,25 @@ class Wiring:
         cfg = self.cfg
         last = time.perf_counter()
 
+        status = self._setup_status = (notebook.setup_status() if cfg.run.progress and notebook.interactive()
+                                       else None)
+        phases = {"mps_s": "starting the runtime", "runtime_s": "loading the task", "task_s": "placing the roles",
+                  "roles_s": "opening the queue", "queue_s": "starting the trainer and rollout actors",
+                  "actors_s": "opening the weight link", "weight_link_s": "making the policy"}
+
         def lap(phase: str) -> None:
             nonlocal last
             now = time.perf_counter()
             self.startup[phase], last = now - last, now
+            if status is not None:
+                if phase in phases:
+                    status.set_description_str(f"setup: {phases[phase]}")
+                else:
+                    self._end_setup_status()
+
+        if status is not None:
+            status.set_description_str("setup: starting the runtime")
+            self._setup_ticker = asyncio.ensure_future(self._tick(status))
 
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
@@ -145,7 +161,8 @@ class Wiring:
                 seed=cfg.run.seed + i, make_task=make_task_fn, sampling=sampling,
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
                 next_request=next_request, absorb=absorb, queue=self.queue,
-                reward_timeout_s=cfg.policy.reward_timeout_s, torch_threads=1)
+                reward_timeout_s=cfg.policy.reward_timeout_s, reward_workers=cfg.policy.reward_workers,
+                torch_threads=1)
 
         trainer, rollouts = await self._start_actors(spawn_rollout)
         lap("actors_s")
@@ -168,6 +185,21 @@ class Wiring:
                                   weight_sync=weight_sync,
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)
         lap("policy_s")
+
+    async def _tick(self, status: Any) -> None:
+        """Redraw ``status`` every second: its elapsed time moves while a phase takes long."""
+        while True:
+            await asyncio.sleep(1.0)
+            status.refresh()
+
+    def _end_setup_status(self) -> None:
+        """Close the setup status line (set up, or failed)."""
+        ticker, status = getattr(self, "_setup_ticker", None), getattr(self, "_setup_status", None)
+        self._setup_ticker = self._setup_status = None
+        if ticker is not None:
+            ticker.cancel()
+        if status is not None:
+            status.close()
 
     async def _start_actors(self, spawn_rollout: Any) -> tuple[Any, list[Any]]:
         """The trainer (its workers) and the rollout actors (``spawn_rollout(i)``)

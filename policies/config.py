@@ -63,7 +63,12 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stale, while all-short groups (often all right or all wrong: no advantage)
     go first. The baselines train what they admitted either way."""
     reward_timeout_s: PosFloat = 30.0
-    """A reward call slower than this counts as an error for its sample."""
+    """A reward call slower than this counts as an error for its sample (a timeout)."""
+    reward_workers: PosInt = 8
+    """Reward calls each rollout actor runs at once, on a pool of threads the run
+    never waits for at exit (an ``async def`` reward: awaited at once on the
+    process's loop, this many at a time). A reward that waits (a judge model, a
+    sandbox) scores a step about this many times sooner than one call at a time."""
     max_reward_error_share: Annotated[float, Meta(ge=0, le=1)] = 0.5
     """Stop the run (one line with the reward's error, exit 1) when the reward
     function fails (raises, times out) on more than this share of the last

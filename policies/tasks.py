@@ -1,4 +1,5 @@
-"""Verifiable tasks: prompts in, a reward in [0, 1] for a response out.
+"""Verifiable tasks: prompts in, a reward for a response out (any finite float;
+the built-in tasks' are in [0, 1]).
 
 A task speaks token ids, not text: prompts are built straight from the
 tokenizer's vocabulary and rewards are computed on response ids, so no

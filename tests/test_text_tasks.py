@@ -356,17 +356,9 @@ def _scored_sample(i: int, n: int):
     return Sample(uid=f"s{i}", group_id="g", prompt_ids=[1], response_ids=[7] * n)
 
 
-def test_samples_finishing_together_are_scored_in_one_trip_to_the_worker_thread():
+def test_samples_finishing_together_are_scored_at_once_on_the_reward_pool():
     task = _FakeTask()
     actor = _actor(task, timeout_s=5.0)
-    trips = []
-    blocking = actor.blocking
-
-    async def counted(fn, *args):
-        trips.append(len(args[1]))  # the batch's samples
-        return await blocking(fn, *args)
-
-    actor.blocking = counted
 
     async def scenario():
         samples = [_scored_sample(i, 1 + i % 2) for i in range(8)]
@@ -379,8 +371,8 @@ def test_samples_finishing_together_are_scored_in_one_trip_to_the_worker_thread(
         samples = asyncio.run(scenario())
     finally:
         asyncio.run(actor.close())
-    assert trips == [8, 1]
     assert [s.reward for s in samples] == [1.0, 0.0] * 4 + [1.0] and actor.num_reward_errors == 0
+    assert actor.num_reward_calls == 9 and actor.num_scoring == 0
 
 
 def test_a_closing_actor_cancels_who_waits_for_a_score_instead_of_leaving_it_waiting():
@@ -390,18 +382,20 @@ def test_a_closing_actor_cancels_who_waits_for_a_score_instead_of_leaving_it_wai
 
     async def scenario():
         waiting = asyncio.ensure_future(actor._score(_scored_sample(0, 1)))
-        while not task.threads:  # the batch is on the worker thread
+        while not task.threads:  # the call is on a thread of the pool
             await asyncio.sleep(0.01)
-        actor._scorer.cancel()  # what the loop's shutdown does to a task left running
+        waiting.cancel()  # what the loop's shutdown does to a task left running
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(waiting, 5)
-        assert actor._scorer is None
+        assert actor.num_scoring == 0
+        t0 = time.monotonic()
+        await actor.close()  # the blocked call is abandoned, not waited for past the pool's short wait
+        assert time.monotonic() - t0 < 3
 
     try:
         asyncio.run(scenario())
     finally:
         task.hold.set()
-        asyncio.run(actor.close())
 
 
 def test_a_chat_template_that_refuses_a_system_turn_is_a_named_error():
