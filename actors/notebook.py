@@ -11,6 +11,7 @@ plot: the ``plot`` extra, named by the error without it).
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import warnings
 from collections.abc import Sequence
@@ -56,12 +57,36 @@ def interactive() -> bool:
     return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
-def setup_status() -> Any:
+class SetupStatus:
     """A bar without a count that says which phase of setup a run is in (its
-    description) and, ticking, for how long: a slow start is never a still screen.
-    Gone once the run is set up (or its setup failed)."""
-    return _tqdm_class()(total=None, desc="setup", bar_format="{desc} ({elapsed})", dynamic_ncols=True, leave=False,
-                         file=sys.stderr)
+    description) and, ticking every second, for how long: a slow start is never a
+    still screen. Made on the running loop; gone once the run is set up (or failed)."""
+
+    #: what runs after each phase of ``Run.startup`` ends
+    NEXT = {"mps_s": "starting the runtime", "runtime_s": "loading the task", "task_s": "placing the roles",
+            "roles_s": "opening the queue", "queue_s": "starting the trainer and rollout actors",
+            "actors_s": "opening the weight link", "weight_link_s": "making the policy"}
+
+    def __init__(self) -> None:
+        self._bar = _tqdm_class()(total=None, desc="setup: starting the runtime", bar_format="{desc} ({elapsed})",
+                                  dynamic_ncols=True, leave=False, file=sys.stderr)
+        self._ticker = asyncio.ensure_future(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._bar.refresh()
+
+    def lap(self, phase: str) -> bool:
+        """``phase`` ended: name the next one; False once none is left (setup is done)."""
+        if phase not in self.NEXT:
+            return False
+        self._bar.set_description_str(f"setup: {self.NEXT[phase]}")
+        return True
+
+    def close(self) -> None:
+        self._ticker.cancel()
+        self._bar.close()
 
 
 def waiting_for(rollout_stats: Sequence[dict[str, Any]]) -> str:

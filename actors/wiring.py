@@ -100,25 +100,14 @@ class Wiring:
         cfg = self.cfg
         last = time.perf_counter()
 
-        status = self._setup_status = (notebook.setup_status() if cfg.run.progress and notebook.interactive()
-                                       else None)
-        phases = {"mps_s": "starting the runtime", "runtime_s": "loading the task", "task_s": "placing the roles",
-                  "roles_s": "opening the queue", "queue_s": "starting the trainer and rollout actors",
-                  "actors_s": "opening the weight link", "weight_link_s": "making the policy"}
+        self._setup_status = notebook.SetupStatus() if cfg.run.progress and notebook.interactive() else None
 
         def lap(phase: str) -> None:
             nonlocal last
             now = time.perf_counter()
             self.startup[phase], last = now - last, now
-            if status is not None:
-                if phase in phases:
-                    status.set_description_str(f"setup: {phases[phase]}")
-                else:
-                    self._end_setup_status()
-
-        if status is not None:
-            status.set_description_str("setup: starting the runtime")
-            self._setup_ticker = asyncio.ensure_future(self._tick(status))
+            if self._setup_status is not None and not self._setup_status.lap(phase):
+                self._end_setup_status()
 
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
@@ -186,18 +175,9 @@ class Wiring:
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)
         lap("policy_s")
 
-    async def _tick(self, status: Any) -> None:
-        """Redraw ``status`` every second: its elapsed time moves while a phase takes long."""
-        while True:
-            await asyncio.sleep(1.0)
-            status.refresh()
-
     def _end_setup_status(self) -> None:
         """Close the setup status line (set up, or failed)."""
-        ticker, status = getattr(self, "_setup_ticker", None), getattr(self, "_setup_status", None)
-        self._setup_ticker = self._setup_status = None
-        if ticker is not None:
-            ticker.cancel()
+        status, self._setup_status = getattr(self, "_setup_status", None), None
         if status is not None:
             status.close()
 
