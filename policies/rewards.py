@@ -44,7 +44,6 @@ others in flight (it must not block that loop: ``await`` the slow parts).
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import importlib
@@ -53,17 +52,15 @@ import inspect
 import math
 import numbers
 import pathlib
-import queue
 import re
 import sys
-import threading
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
 import msgspec
 
-import loop
+from policies.reward_calls import TimedReward, settle
 
 __all__ = ["BUILTIN_REWARDS", "FORMS", "Response", "RewardValueError", "anchor_reward_spec", "defined_at",
            "exact_match", "extract_final_answer", "math_answer", "parse_number", "resolve_reward", "reward_form",
@@ -394,7 +391,7 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
     """``fn`` (written in ``form``) as the one internal call on a :class:`Response`,
     its result checked (:func:`_score`) on the thread that called it."""
     if form == "text":
-        return lambda r: _score(_settle(fn(r.text, r.answer)), fn, name)
+        return lambda r: _score(settle(fn(r.text, r.answer)), fn, name)
     sig = inspect.signature(fn)
     if form == "verl":
         keywords = _verl_keywords(sig)
@@ -402,7 +399,7 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
         def verl(r: Response) -> Any:
             given = {"data_source": r.fields.get("data_source"), "solution_str": r.text, "ground_truth": r.answer,
                      "extra_info": r.fields.get("extra_info")}
-            score = _settle(fn(**{k: given[k] for k in keywords}))
+            score = settle(fn(**{k: given[k] for k in keywords}))
             if isinstance(score, dict):  # verl's reward managers take result["score"] and log the rest
                 if "score" not in score:
                     raise _returned(fn, name, f"a dict without a 'score' key (keys: {', '.join(map(str, score))})")
@@ -419,91 +416,9 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
         kwargs.update(prompts=[r.prompt], completions=[completion], completion_ids=[list(r.ids)])
         if not any_keyword:
             kwargs = {k: v for k, v in kwargs.items() if k in sig.parameters}
-        scores = _settle(fn(**kwargs))
+        scores = settle(fn(**kwargs))
         if not isinstance(scores, (list, tuple)) or len(scores) != 1:
             raise _returned(fn, name, f"{scores!r:.80}; expected a list of one score per completion (here one)")
         return 0.0 if scores[0] is None else _score(scores[0], fn, name)
 
     return trl
-
-
-class TimedReward:
-    """Runs a user reward function on a daemon thread of its own and waits at
-    most ``timeout_s`` for it; a call that takes longer raises ``TimeoutError``
-    and its thread is abandoned (it exits when the call ends). Concurrent
-    calls (the rollout actor's reward pool, ``policy.reward_workers``) each get
-    a thread: an idle one from an earlier call, else a new one, so there are
-    as many as calls ever ran at once plus the abandoned. So a hung function
-    never holds its caller's thread. With ``max_stuck`` abandoned calls still
-    running, further calls fail at once (``RuntimeError``) rather than pile up
-    threads. Calls pass their arguments to ``fn`` (an adapted function: it
-    checks its own result) and return its result."""
-
-    def __init__(self, fn: Callable[..., Any], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"reward {name!r}: timeout_s must be > 0, got {timeout_s}")
-        self.fn, self.name, self.timeout_s, self.max_stuck = fn, name, timeout_s, max_stuck
-        self.num_timeouts = 0
-        self._num_stuck = 0
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] = []  # the job queues of threads waiting for a call
-
-    def __call__(self, *args: Any) -> float:
-        with self._lock:
-            if self._num_stuck >= self.max_stuck:
-                raise RuntimeError(f"reward {self.name!r}: {self._num_stuck} calls still running after timing "
-                                   f"out ({self.timeout_s} s); refusing more until they end")
-            if self._idle:
-                jobs = self._idle.pop()
-            else:
-                jobs = queue.SimpleQueue()
-                threading.Thread(target=self._work, args=(jobs,), name="reward-fn", daemon=True).start()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        jobs.put((done, args))
-        try:
-            value = done.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            with self._lock:
-                self.num_timeouts += 1
-                self._num_stuck += 1
-            jobs.put(None)  # abandon this thread: it exits when the hung call ends
-            raise TimeoutError(f"reward {self.name!r} took longer than {self.timeout_s} s") from None
-        with self._lock:
-            self._idle.append(jobs)
-        return value
-
-    def _work(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                break
-            done, args = job
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                done.set_result(self.fn(*args))
-            except Exception as e:  # delivered to the caller, who counts it
-                done.set_exception(e)
-            except BaseException as e:  # SystemExit and the like must not end the caller
-                done.set_exception(RuntimeError(f"reward {self.name!r} raised {type(e).__name__}: {e}"))
-        with self._lock:  # only an abandoned thread gets None
-            self._num_stuck -= 1
-
-
-def _settle(value: Any) -> Any:
-    """``value``, or what it resolves to when it is awaitable (an ``async def``
-    reward's coroutine): awaited on the process's one loop (``loop.submit``),
-    beside every other reward call awaiting there, while this thread waits.
-    Called on a reward thread, never on the loop (it would wait for itself)."""
-    if not inspect.isawaitable(value):
-        return value
-    if loop.in_loop():
-        if inspect.iscoroutine(value):
-            value.close()
-        raise RuntimeError("an async reward was called on the event loop's own thread; score it on a worker "
-                           "thread (the rollout actor's reward pool does)")
-
-    async def wait() -> Any:
-        return await value
-
-    return loop.submit(wait()).result()
