@@ -172,12 +172,10 @@ class TorchBackend(TrainerBackend):
             compile_model(self.model)
         if self.cuda_graphs and self.padded_reason is not None:  # graphs need packing, which fell back as it does
             _log.warning("trainer.cuda_graphs: off, as this model trains padded (%s)", self.padded_reason)
-            self.cuda_graphs = False
-        if self.cuda_graphs:
-            reason = graphs_unsupported(self.device, self.dtype, packed=self.packed, compile=self.compile,
-                                        activation_checkpointing=self.activation_checkpointing,
-                                        world_size=self.world_size)
-            if reason is not None:
+        elif self.cuda_graphs:
+            if (reason := graphs_unsupported(self.device, self.dtype, packed=self.packed, compile=self.compile,
+                                             activation_checkpointing=self.activation_checkpointing,
+                                             world_size=self.world_size)) is not None:
                 raise ValueError(f"trainer.cuda_graphs: {reason}")
             self._graphs = GraphedPasses(self.model, self._packed_forward, self.device)
 
