@@ -98,16 +98,8 @@ class Wiring:
         model and optimizer loaded, engines' weights and KV caches (compile and CUDA graphs
         where an engine does them at setup); ``weight_link_s``, ``policy_s``)."""
         cfg = self.cfg
-        last = time.perf_counter()
-
+        self._lap_at, lap = time.perf_counter(), self._lap
         self._setup_status = notebook.SetupStatus() if cfg.run.progress and notebook.interactive() else None
-
-        def lap(phase: str) -> None:
-            nonlocal last
-            now = time.perf_counter()
-            self.startup[phase], last = now - last, now
-            if self._setup_status is not None and not self._setup_status.lap(phase):
-                self._end_setup_status()
 
         # A cluster we start gets at least one logical CPU per actor, so a
         # laptop with fewer cores than actors still places them all (oversubscribed).
@@ -174,6 +166,13 @@ class Wiring:
                                   weight_sync=weight_sync,
                                   respawn_rollout=respawn_rollout if r.max_respawns else None)
         lap("policy_s")
+
+    def _lap(self, phase: str) -> None:
+        """Setup's ``phase`` ended now (its seconds into ``startup``); the status line names the next."""
+        now = time.perf_counter()
+        self.startup[phase], self._lap_at = now - self._lap_at, now
+        if self._setup_status is not None and not self._setup_status.lap(phase):
+            self._end_setup_status()
 
     def _end_setup_status(self) -> None:
         """Close the setup status line (set up, or failed)."""
