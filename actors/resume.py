@@ -65,6 +65,7 @@ class Checkpointing:
         tmp = checkpoint.new_tmp_dir(self.dir, step)
         try:
             await policy.trainer.save_state(str(tmp / "trainer"))
+            policy.mark_checkpoint()
             queue = await self.queue.save(str(tmp / "queue.msgpack"))
             # the counters right after the queue's: samples it does not hold count as dropped in flight
             policy_state = policy.state_dict(queue)

@@ -27,10 +27,12 @@ than ``reward_timeout_s``), ``aborted``, and ``group_incomplete`` for the
 failed member's group-mates.
 
 The actor counts for itself (``RolloutCounts``, in every report and in
-``statistics``): the samples of every group it finished generating, and of
-those the ones the queue took and the ones it dropped, by reason. The policy
-checks ``generated == queued + dropped`` per actor, and the actors' ``queued``
-against the queue's own count of samples put.
+``statistics``): the samples of every group it was asked for as the request
+arrives, those of the groups it finished, and of those the ones the queue took
+and the ones it dropped, by reason. The policy checks ``received == generated +
+working`` and ``generated == queued + dropped`` per actor, each report against
+the group it asked for, and the actors' ``queued`` against the queue's own count
+of samples put (``policies/accounting.py``).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class RolloutActor(Actor):
         self._busy_since = 0.0  # perf_counter when num_scoring last rose from 0
         self.num_reward_timeouts = 0
         self.num_aborted = 0  # generations interrupted by a sync (kept here and resumed, or dropped)
+        self.num_received = 0  # samples of every group asked for, counted as the request arrives
+        self.num_working = 0  # ... of those, the ones of groups not finished yet
         self.num_generated = 0  # samples of every group finished generating: then queued, or dropped here
         self.num_queued = 0
         self.dropped: Counter[str] = Counter()
@@ -147,21 +151,24 @@ class RolloutActor(Actor):
 
     async def generate_group(self, group: GroupRequest) -> GroupReport:
         """Generate, resume and score ``group.n`` samples; queue them if all
-        finished, else drop them (counted). Returns counts, never samples."""
-        now = time.time()
-        samples = [
-            Sample(uid=f"{group.group_id}-{i}", group_id=group.group_id,
-                   prompt_ids=list(group.prompt_ids), meta=dict(group.meta), created_s=now)
-            for i in range(group.n)
-        ]
-        await asyncio.gather(*(self._generate_one(s) for s in samples))
+        finished, else drop them (counted). Returns counts, never samples.
+
+        Counted at two points (``RolloutCounts``): ``received`` as the request
+        arrives, before any work; ``generated`` (and ``queued`` or ``dropped``) once
+        the group is done. A sample lost in between leaves ``received`` ahead of
+        ``generated + working`` for good, and the report short of ``group.n``."""
+        self.num_received += group.n
+        self.num_working += group.n
+        samples = await self._generate(group)
         report = GroupReport(group_id=group.group_id, num_samples=len(samples), num_queued=0,
                              num_resumed=sum(1 for s in samples if s.num_resumes > 0))
-        whole = all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples)
+        whole = len(samples) == group.n and all(
+            s.finish_reason in ("stop", "length") and s.reward is not None for s in samples)
         if whole:
-            await self.queue.put([pack_tokens(s) for s in samples])  # finished: token lists become arrays
+            await self._put(samples)
         # counted at once, after the put returns (the queue has them): no await between the
-        # three counts, so generated == queued + dropped whenever anyone reads them
+        # counts, so generated == queued + dropped whenever anyone reads them
+        self.num_working -= group.n
         self.num_generated += len(samples)
         if whole:
             report.num_queued = len(samples)
@@ -178,9 +185,26 @@ class RolloutActor(Actor):
         report.reward_error = failed[0] if failed else None
         return report
 
+    async def _generate(self, group: GroupRequest) -> list[Sample]:
+        """``group.n`` samples of ``group``, each generated (resumed across weight
+        syncs) and scored, or ended by an abort or a failed reward."""
+        now = time.time()
+        samples = [
+            Sample(uid=f"{group.group_id}-{i}", group_id=group.group_id,
+                   prompt_ids=list(group.prompt_ids), meta=dict(group.meta), created_s=now)
+            for i in range(group.n)
+        ]
+        await asyncio.gather(*(self._generate_one(s) for s in samples))
+        return samples
+
+    async def _put(self, samples: list[Sample]) -> None:
+        """A whole, scored group into the TransferQueue (token lists become arrays)."""
+        await self.queue.put([pack_tokens(s) for s in samples])
+
     def _counts(self) -> RolloutCounts:
         """This actor's totals (see the module docstring)."""
-        return RolloutCounts(generated=self.num_generated, queued=self.num_queued, dropped=dict(self.dropped))
+        return RolloutCounts(received=self.num_received, working=self.num_working, generated=self.num_generated,
+                             queued=self.num_queued, dropped=dict(self.dropped))
 
     async def evaluate(self, prompts: list[GroupRequest]) -> list[tuple[float | None, int]]:
         """One greedy response to each prompt, scored: (reward, or None when the
@@ -380,6 +404,7 @@ class RolloutActor(Actor):
                 "reward_call_s": self.reward_call_s,
                 "reward_busy_s": self.reward_busy_s
                 + (time.perf_counter() - self._busy_since if self.num_scoring else 0.0),
+                "num_received": self.num_received, "num_working": self.num_working,
                 "num_generated": self.num_generated, "num_queued": self.num_queued, "dropped": dict(self.dropped),
                 "paused": self._running is not None and not self._running.is_set()}  # by a push: pause() to resume()
 

@@ -26,11 +26,16 @@ class GroupRequest(msgspec.Struct, kw_only=True):
 
 
 class RolloutCounts(msgspec.Struct, kw_only=True):
-    """A rollout actor's own totals over the groups it finished generating: each
-    sample of them went into the TransferQueue (``queued``: the queue took it) or
-    was dropped before it (``dropped``: samples by reason), so ``generated ==
-    queued + sum(dropped)`` at any time; a group still generating is in none."""
+    """A rollout actor's own totals, kept at two points of a group's way through it:
+    ``received`` counts a group's samples when its request arrives, ``generated``
+    once they are finished (generated, scored, and queued or dropped), ``working``
+    the ones in between, so ``received == generated + working``; of the finished
+    ones each went into the TransferQueue (``queued``: the queue took it) or was
+    dropped before it (``dropped``: samples by reason), so ``generated == queued +
+    sum(dropped)``. A sample lost inside the actor breaks the first identity."""
 
+    received: int = 0
+    working: int = 0
     generated: int = 0
     queued: int = 0
     dropped: dict[str, int] = msgspec.field(default_factory=dict)

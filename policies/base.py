@@ -52,6 +52,8 @@ __all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "PolicyBase", "AccountingError", "
 
 log = logging.getLogger(__name__)
 
+FLOW_CHECK_S = 1.0  # while a trainer step waits for its batch, the accounting's flow terms are checked this often
+
 
 class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
     """Shared machinery; subclasses decide *when* rollout, training and sync happen."""
@@ -113,10 +115,21 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         """One trainer step: the trainer takes its batch from the queue itself.
         A trainer that dies meanwhile cannot hand its batch back: its lease is
         expired here, so the samples are ready again (for a resumed run)."""
+        step = asyncio.ensure_future(self.trainer.train_step(self.batch_request()))
         try:
-            return await self.trainer.train_step(self.batch_request())
-        except Exception as err:
-            if not await is_dead(self.trainer):
+            # a sample lost on its way leaves the step waiting for its group for good: say so instead
+            while not (await asyncio.wait([step], timeout=FLOW_CHECK_S))[0]:
+                await self.check_flow()
+            return step.result()
+        except AccountingError:
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+            raise
+        except BaseException as err:
+            if not step.done():  # cancelled here (the run's watchdog): the step goes too
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+            if not isinstance(err, Exception) or not await is_dead(self.trainer):
                 raise
             returned = await self.queue.expire_leases(force=True)
             raise ActorLostError(f"the trainer died during step {self.step + 1} ({one_line(err)}); the "

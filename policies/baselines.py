@@ -63,7 +63,7 @@ class _BatchPolicy(PolicyBase):
     async def _run_group(self, actor: Any, group: GroupRequest) -> int:
         """Generate ``group`` on ``actor`` and count its report; returns the
         samples it left in the queue for the batch."""
-        self.in_flight += group.n
+        self.group_sent(group, actor.name)
         try:
             report = await actor.generate_group(group)
             dropped_in_queue = 0
@@ -71,7 +71,6 @@ class _BatchPolicy(PolicyBase):
             if not await self.lose_rollout(actor, err):
                 raise
             report, dropped_in_queue = await self.lost_group(group)
-        self.in_flight -= group.n
         return self.on_group(report, actor.name) - dropped_in_queue
 
     async def _wait_for_a_replacement(self, join_now: bool) -> None:

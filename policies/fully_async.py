@@ -62,7 +62,7 @@ import msgspec
 from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import BatchRequest, StepReport
 from policies.admission import Admission, window_budget
-from policies.base import PolicyBase
+from policies.base import AccountingError, PolicyBase
 
 __all__ = ["FullyAsyncPolicy"]
 
@@ -157,7 +157,7 @@ class FullyAsyncPolicy(PolicyBase):
 
     async def _run_group(self, actor: Any, group: GroupRequest) -> None:
         try:
-            self.in_flight += group.n
+            self.group_sent(group, actor.name)
             release, lost = 0, False
             try:
                 report = await actor.generate_group(group)
@@ -168,7 +168,6 @@ class FullyAsyncPolicy(PolicyBase):
                 lost = True
             self._on_reported(report, whole=report.num_queued == group.n and not lost)
             kept = self.on_group(report, actor.name)
-            self.in_flight -= group.n
             if kept < group.n or release:
                 await self.admission.release(group.n - kept + release)
             if not self.rollouts and not self.replacing:
@@ -313,6 +312,14 @@ class FullyAsyncPolicy(PolicyBase):
             await self._count_an_unrecorded_step()
             self._failure.result()  # re-raises the background error here
         return step.result()
+
+    async def check_accounting(self) -> int:
+        """The step's accounting, after any background failure: a report that did not add
+        up failed its group's task first, and is what went wrong first."""
+        failure = self._failure
+        if failure is not None and failure.done() and isinstance(failure.exception(), AccountingError):
+            failure.result()
+        return await super().check_accounting()
 
     async def _count_an_unrecorded_step(self) -> None:
         """A trainer in another process may have taken its batch just as the step

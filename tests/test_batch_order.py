@@ -77,7 +77,7 @@ class FakeRollout:
         self.queued += group.n
         await self.world.finish(i)
         return GroupReport(group_id=group.group_id, num_samples=group.n, num_queued=group.n, num_scored=group.n,
-                           counts=RolloutCounts(generated=self.generated, queued=self.queued),
+                           counts=RolloutCounts(received=self.generated, generated=self.generated, queued=self.queued),
                            min_version=min(s.min_version for s in samples))
 
 

@@ -33,7 +33,7 @@ import pytest
 
 import loop
 from actors.launch import launch
-from contracts.rollout import GroupReport, RolloutCounts
+from contracts.rollout import GroupReport, GroupRequest, RolloutCounts
 from policies.base import AccountingError, ActorLostError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -402,9 +402,8 @@ def _policy_with_one_group_reported(counts: RolloutCounts) -> Any:
     cfg = SimpleNamespace(run=SimpleNamespace(seed=0, log_samples_every=0),
                           rollout=SimpleNamespace(n=4, max_respawns=0), policy=PolicyConfig(), task=TaskConfig())
     policy = SyncPolicy(cfg, rollouts=[], trainer=None, queue=_FakeQueue(), task=None, weight_sync=None)
-    policy.in_flight = 4
+    policy.group_sent(GroupRequest(group_id="g0", prompt_ids=[1], n=4), "fake-rollout")
     policy.on_group(GroupReport(group_id="g0", num_samples=4, num_queued=4, counts=counts), "fake-rollout")
-    policy.in_flight = 0
     return policy
 
 
@@ -412,10 +411,10 @@ def test_a_fake_rollout_report_that_under_reports_queued_fails_the_check_naming_
     """Negative control: the queue's own identity holds (4 put, 4 pending) and the
     report's group counts agree with it; only the actor's totals are one queued
     sample short. The check names the actor and its three numbers, on one line."""
-    honest = _policy_with_one_group_reported(RolloutCounts(generated=4, queued=4))
+    honest = _policy_with_one_group_reported(RolloutCounts(received=4, generated=4, queued=4))
     assert loop.run(honest.check_accounting()) == 4  # the control passes as it is
 
-    fake = _policy_with_one_group_reported(RolloutCounts(generated=4, queued=3))  # a fake: one sample missing
+    fake = _policy_with_one_group_reported(RolloutCounts(received=4, generated=4, queued=3))  # a fake: one sample missing
     with pytest.raises(AccountingError, match=r"^rollout actor fake-rollout: generated=4 != queued=3 \+ "
                                               r"dropped before the queue=0$"):
         loop.run(fake.check_accounting())
@@ -425,7 +424,7 @@ def test_a_fake_rollout_actor_that_counts_samples_queued_the_queue_never_registe
     """Negative control of the cross-check: the actor's own identity holds (8 = 8 + 0)
     and so does the queue's, but it counts 8 queued where the queue registered 4
     (samples lost between an actor and the queue): only the actors' count shows it."""
-    fake = _policy_with_one_group_reported(RolloutCounts(generated=8, queued=8))  # a fake: 4 never reached the queue
-    with pytest.raises(AccountingError, match=r"^rollout actors' queued=8 > queue put=4: they counted samples the "
-                                              r"queue never registered$"):
+    fake = _policy_with_one_group_reported(RolloutCounts(received=8, generated=8, queued=8))  # a fake: 4 never reached the queue
+    with pytest.raises(AccountingError, match=r"^the queue registered put=4, 4 fewer than the 8 samples the rollout "
+                                              r"actors counted queued: lost between the actors and the queue$"):
         loop.run(fake.check_accounting())
