@@ -271,9 +271,6 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.trainer.batch_prompts % n:
         raise ConfigError(f"trainer.batch_prompts: {cfg.trainer.batch_prompts} is not a multiple of "
                           f"trainer.num_workers={n} (each worker trains whole groups)")
-    if n > 1 and cfg.sync.mode == "auto":
-        raise ConfigError("sync.mode: 'auto' with trainer.num_workers > 1 is not supported (each worker "
-                          "would pick full or delta from its own costs); use 'full' or 'delta'")
     if not math.isfinite(cfg.trainer.lr):
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
 

@@ -113,6 +113,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self.policy: Any = None
         self.queue: Any = None
         self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
+        self.weight_mode = ""  # full or delta over it after the first push (sync.mode; auto: sync.auto.mode_for)
         self.initial_eval: dict[str, Any] | None = None  # held-out eval before the first step (policy.eval_every)
         try:
             self.startup["config_s"] = time.perf_counter() - self._t_startup  # transformers import, run dir

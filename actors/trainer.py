@@ -11,7 +11,7 @@ Endpoints (all async; the work runs on the actor's worker thread):
                               returns the manifest and a small handle, never the payload
     broadcast_pending()/release_weights()   the link's sending side (``sync.link``)
     weights_refused()         a receiver refused a delta: next update is full
-    observe(...)/revert_update()  cost feedback for sync.mode=auto; undo of a failed push
+    revert_update()           undo of a failed push
     save(dir) / load(dir)     checkpoint (safetensors + optimizer state)
     save_state(dir) / load_state(dir)   the same plus this worker's torch RNG (a run checkpoint)
 """
@@ -94,7 +94,6 @@ class TrainerActor(Actor):
         if self.world_size > 1 and self.backend.shard_specs() is None:
             raise RuntimeError(f"trainer.backend={self.trainer_cfg.backend!r} does not shard over "
                                f"{self.world_size} trainer workers (trainer.num_workers)")
-        self.sender = WeightSender.from_config(self.sync_cfg, dtype=getattr(torch, self.engine_dtype))
         self.flops = FlopsModel.from_model_dir(self.model_path)
         peak = self.trainer_cfg.peak_tflops
         self.peak_flops = peak * 1e12 if peak else peak_flops(str(self.backend.device), self.trainer_cfg.dtype)
@@ -160,6 +159,9 @@ class TrainerActor(Actor):
         """Publish updates over transport ``kind``; for ``broadcast``, returns the
         rendezvous address on this node that every member joins."""
         self._link = TrainerLink(kind, self.backend.device)
+        if self.sender is None:  # a group formed again keeps sending against the copy of the last version
+            # sync.mode auto becomes full or delta by the transport (sync.auto.mode_for)
+            self.sender = WeightSender.from_config(self.sync_cfg, self.engine_dtype, transport=kind)
         return TrainerLink.rendezvous() if kind == "broadcast" else None
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
@@ -192,10 +194,6 @@ class TrainerActor(Actor):
 
     async def weights_refused(self) -> None:
         self.sender.force_full()
-
-    async def observe(self, kind: str, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
-        """Measured cost of the last sync (``sync.mode=auto`` picks full or delta from it)."""
-        self.sender.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
 
     async def revert_update(self) -> WeightUpdate | None:
         """The update that takes engines back to the previous version after a failed push."""
@@ -297,9 +295,6 @@ class TrainerGroup:
 
     async def weights_refused(self) -> None:
         await self._all("weights_refused")
-
-    async def observe(self, kind: str, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
-        await self._all("observe", kind, encode_ms=encode_ms, transfer_ms=transfer_ms, apply_ms=apply_ms)
 
     async def save(self, path: str) -> None:
         await self._all("save", path)

@@ -75,6 +75,8 @@ class Training:
     startup_actors: dict[str, dict[str, float]]  # each actor's start by part, inside startup's actors_s
     _t_startup: float  # perf_counter at the start of the run's construction
     _t_constructed: float  # ... and at its end
+    weight_transport: str  # the weight link's transport and what it pushes after the first full push
+    weight_mode: str
 
     def train(self, steps: int | None = None) -> notebook.TrainResult:
         """Run ``steps`` more trainer steps (default: the rest of ``run.total_steps``;
@@ -243,13 +245,17 @@ class Training:
         construction to the train call that took it: the caller's own work, e.g. an evaluation),
         ``first_step_s`` (its first batch generated and trained) and ``total_s`` (from the
         start of construction to now; the phases are disjoint spans of it, so they sum to at
-        most it), and goes into the step's record as ``startup/<phase>``; logged once."""
+        most it), and goes into the step's record as ``startup/<phase>``, with the weight link's
+        ``startup/sync_transport`` and ``startup/sync_mode`` (what ``sync.mode`` became); logged once."""
         now = time.perf_counter()
         self.startup.update(before_train_s=t_call - self._t_constructed, first_step_s=now - t_step,
                             total_s=now - self._t_startup)
         record.update({f"startup/{k}": round(v, 4) for k, v in self.startup.items()})
         record.update({f"startup/{actor}/{k}": v for actor, parts in self.startup_actors.items()
                        for k, v in parts.items()})
+        record.update({"startup/sync_transport": self.weight_transport, "startup/sync_mode": self.weight_mode})
+        log.info("weight sync: %s pushes over %s (sync.mode: %s)", self.weight_mode, self.weight_transport,
+                 self.cfg.sync.mode)
         log.info("startup: %.2f s to the first trained step (%s)", self.startup["total_s"],
                  ", ".join(f"{k} {v:.2f}" for k, v in self.startup.items() if k != "total_s"))
         for actor, parts in self.startup_actors.items():

@@ -75,7 +75,7 @@ def _found_by_name(fn: Any) -> bool:
 class Wiring:
     """The part of :class:`~actors.run.Run` that composes it: ``_setup``, awaited once
     by its constructor, reads the run's ``cfg``, ``model_path`` and ``_task_data`` and
-    sets its ``runtime``, ``queue``, ``weight_transport`` and ``policy``."""
+    sets its ``runtime``, ``queue``, ``weight_transport``, ``weight_mode`` and ``policy``."""
 
     cfg: Config
     model_path: str
@@ -83,6 +83,7 @@ class Wiring:
     runtime: Any
     queue: Any
     weight_transport: str
+    weight_mode: str  # full or delta: sync.mode over weight_transport (auto resolved, sync.auto.mode_for)
     policy: Any
     placer: Any  # the run's Ray placement groups (actors/placement.py); None under local and process
     mps: MpsDaemon | None  # runtime.mps: the run's MPS control daemon (actors/mps.py)
@@ -147,7 +148,7 @@ class Wiring:
 
         trainer, rollouts = await self._start_actors(spawn_rollout)
         lap("actors_s")
-        self.weight_transport = await self._open_weight_link(trainer, rollouts)
+        self.weight_transport, self.weight_mode = await self._open_weight_link(trainer, rollouts)
         lap("weight_link_s")
         replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
 
@@ -238,10 +239,10 @@ class Wiring:
                                         ray_options=self._where("storage", 0))
         return TransferQueue(q, ServedDeployment(await host.address(), secret, q.rpc_limits))
 
-    async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> str:
+    async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> tuple[str, str]:
         """Pick the weight transport from where the actors run (``sync.transport``
         can force one) and open it at both ends (``sync.link.open_weight_link``);
-        returns its name."""
+        returns its name and the kind pushed over it (``sync.mode``, ``auto`` resolved)."""
         from sync.link import open_weight_link
 
         return await open_weight_link(trainer, rollouts, self.cfg.sync, sources=self.cfg.trainer.num_workers)

@@ -215,8 +215,7 @@ def run_overrides(policy: str, seed: int, runtime: str, args: argparse.Namespace
         engine_device = "cuda:1" if args.placement == "disaggregated" else args.device
         trainer_device = "cuda:0" if args.placement == "disaggregated" else args.device
         overrides += [f"rollout.engine.device={engine_device}", f"trainer.device={trainer_device}",
-                      "rollout.engine.dtype=bfloat16", f"sync.mode={'auto' if workers == 1 else 'delta'}",
-                      f"sync.colocated={args.free_kv}"]
+                      "rollout.engine.dtype=bfloat16", f"sync.colocated={args.free_kv}"]  # sync.mode: the default
     if workers != 1:
         overrides.append(f"trainer.num_workers={workers}")
     if args.placement == "disaggregated":  # separate processes, weights by broadcast
@@ -246,7 +245,7 @@ def rotated(items: list[str], seed: int) -> list[str]:
 
 def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers: int = 1) -> dict[str, Any]:
     run = launch(ROOT / "fully_async.yaml", *run_overrides(policy, seed, runtime, args, workers))
-    transport = run.weight_transport
+    transport, weight_mode = run.weight_transport, run.weight_mode
     with run:
         # untimed warm-up, the same for every policy: an evaluation (step 0: the weights every policy
         # starts from), --warmup-steps steps with at least one weight sync, and that sync finished
@@ -294,6 +293,7 @@ def _one(policy: str, seed: int, runtime: str, args: argparse.Namespace, workers
     return {
         "seed": seed,
         "weight_transport": transport,
+        "weight_mode": weight_mode,  # full or delta after the first push (sync.mode; auto resolved)
         "wall_s": wall_s,
         "wall_with_eval_s": wall_with_eval_s,
         "eval_s": eval_s,

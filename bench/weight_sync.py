@@ -16,8 +16,9 @@ the same version is pushed as a delta and as a full update through every
 transport, and we print one JSON object: changed fraction, bytes sent, bytes
 per changed element, and per transport and kind the whole push (encode, stage,
 transfer and apply in one timed span) as the median over repeats with its min
-and max, each component's minimum beside it, plus what ``auto`` mode would
-choose from the medians.
+and max, each component's minimum beside it, which kind was faster, and
+``default``: the kind the default ``sync.mode`` (``auto``) pushes over that
+transport (``sync.auto.mode_for``), with its median push and engine pause.
 
     Each repeat, on each transport in turn, times the delta and then the full
     push of the same version from the same base (then takes the delta back,
@@ -67,11 +68,14 @@ import torch
 from actors.backends.mixed_precision import MainParamsOptimizer
 from sync import WeightSender, apply_update, codec, pool
 from sync.apply import stage_update, stageable
-from sync.auto import AutoConfig, AutoPolicy
+from sync.auto import mode_for
 from contracts.weights import WeightUpdate
 from sync.transport import make_transport
 
 LRS = (1e-6, 1e-5)
+# the run's transport each bench transport stands for (sync.auto.mode_for): gloo is the
+# broadcast over gloo; pickle, another process sent a serialized copy, is Ray's object store
+CONFIG_TRANSPORT = {"inproc": "inproc", "cuda_ipc": "cuda_ipc", "ray": "ray", "gloo": "broadcast", "pickle": "ray"}
 
 
 def model_config(small: bool) -> Any:
@@ -353,6 +357,14 @@ def push_figures(repeats: list[tuple[float, ...]]) -> dict[str, Any]:
     }
 
 
+def default_figures(out: dict[str, Any], transport: str, device: str) -> dict[str, Any]:
+    """What ``sync.mode``'s default (``auto``) pushes over bench ``transport``
+    from weights on ``device``, and that kind's whole push and engine pause."""
+    mode = mode_for(CONFIG_TRANSPORT[transport], device)
+    return {"mode": mode, "as_transport": CONFIG_TRANSPORT[transport], "is_faster": mode == out["faster"],
+            "push_ms_median": out[mode]["push_ms_median"], "paused_ms_median": out[mode]["paused_ms_median"]}
+
+
 def machine(device: str) -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "device": device,
@@ -479,17 +491,10 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
             row["encode_ms_max"] = {k: round(max(v), 2) for k, v in encodes.items()}
             row["transports"] = {}
             for name, by_kind in timings.items():
-                out: dict[str, Any] = {}
-                policy = AutoPolicy(AutoConfig(alpha=1.0))
-                for kind in ("full", "delta"):
-                    out[kind] = push_figures(by_kind[kind])
-                for _ in range(2):  # auto measures each kind twice before it compares: it gets the medians
-                    for kind in ("full", "delta"):
-                        policy.observe(kind, out[kind]["push_ms_median"])
+                out: dict[str, Any] = {kind: push_figures(by_kind[kind]) for kind in ("full", "delta")}
                 out["delta_over_full"] = round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
-                # a tie goes to delta, as AutoPolicy.choose breaks it
                 out["faster"] = "full" if out["full"]["push_ms_median"] < out["delta"]["push_ms_median"] else "delta"
-                out["auto_choice"] = policy.choose()
+                out["default"] = default_figures(out, name, device)
                 row["transports"][name] = out
             runs.append(row)
             print(json.dumps({"progress": f"lr={lr}", **{k: row[k] for k in ("changed_fraction", "delta_bytes")}}),
@@ -520,7 +525,9 @@ def run(small: bool, device: str, transports: list[str], bucket_bytes: int, repe
                    "the repeats (median_low: a measured push), with push_ms_min / push_ms_max; "
                    "component_min_ms: each component's fastest repeat (not one push), and "
                    "sum_of_component_minima_ms their sum, a composite lower bound; paused_ms_*: the "
-                   "receive + apply of the same repeat, the engine's one-step swap; delta_over_full and auto_choice from the push medians"),
+                   "receive + apply of the same repeat, the engine's one-step swap; delta_over_full and faster from the "
+                   "push medians; default: the kind sync.mode's default (auto, sync.auto.mode_for) pushes over "
+                   "the transport (as_transport: the run's transport it stands for) with its push and pause"),
         "settle_s": settle_s,
         "settle": ("pause before every timed encode and push, full and delta alike: Ray frees the previous "
                    "push's objects in the background, which otherwise lands on the next timed step"),

@@ -1,75 +1,52 @@
-"""``auto`` mode: pick full or delta per sync from measured cost.
+"""What ``sync.mode: auto``, the default, pushes after the first full push.
 
-A full push costs about the same every time; a delta's cost grows with the
-fraction of changed elements and with how fast the link is compared to
-encoding. On a GPU where a same-device full copy takes milliseconds the
-delta's compare-and-compress can be the slower one, so neither is always
-right. We keep an exponential moving average of the measured end-to-end
-milliseconds (encode + transfer + apply) per kind, take the cheaper, and
-re-measure the other kind every ``probe_every`` syncs so the estimate
-follows a changing learning rate. The first measurement of each kind is a
-warm-up: it carries one-time costs (the receiving process's first mapping of
-CUDA IPC buffers, first allocations), so the second replaces it, and each kind
-is measured twice before the cheaper one is chosen.
+Whether a full or a delta push is cheaper depends on where the push goes, not
+on the run, so ``auto`` is a fixed rule of the transport and of the device the
+trainer's weights are on, from whole pushes measured by ``bench.weight_sync``
+(the same version pushed both ways from the same base, the kinds alternating):
+
+    transport   weights on   mode    why
+    inproc      a GPU        full    the planned full push (sync.device) is a few device
+    cuda_ipc    a GPU        full    copies and one checksum kernel; the delta's compare,
+                                     pack and checksum kernels take longer, and its apply
+                                     stops the engine longer
+    inproc      the CPU      delta   no planned path on the CPU: a full push casts, sums and
+                                     copies every element; the native delta codec writes
+                                     only the changed ones
+    broadcast   either       delta   the payload crosses a link that is slow beside the
+    ray         either       delta   encode (gloo, a network to other hosts) or is
+                                     serialized through Ray's object store: the bytes
+                                     sent dominate, and a delta sends a fraction of them
+
+Kept results: ``bench/results/weight_sync_h100_*.json`` and
+``bench/results/weight_sync_h200_*.json`` (inproc and cuda_ipc on a GPU; the
+``pickle`` transport of ``weight_sync_h200.json``, another process sent a
+serialized copy, stands for ``ray`` on a GPU), ``bench/results/weight_sync_cpu.json``
+(inproc, ray and gloo on the CPU) and ``bench/results/weight_sync_cpu_69b97c5.json``
+(inproc and gloo on the CPU, measured again at the code that made ``auto`` this rule).
+A broadcast over NCCL to other hosts is not measured.
+
+A rule, not a choice measured in the run: measuring the kind not chosen costs
+whole pushes of it (on a slow link a full push every few syncs costs more than
+the deltas between them), and every trainer worker has to pick the same kind
+without asking the others. A run logs what ``auto`` became when its weight
+link opens (``sync.link.open_weight_link``), and each push's kind as ``sync/kind``.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
 Kind = Literal["full", "delta"]
 
-
-class AutoConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """``alpha``: EMA weight of the newest measurement, in (0, 1].
-    ``probe_every``: syncs between re-measurements of the kind not chosen (>= 2)."""
-
-    alpha: float = 0.5
-    probe_every: int = 10
-    assumed_bytes_per_s: float = 2e9
-    """Link speed assumed for a sync nobody reported on (``WeightSender.observe``
-    not called): its cost is taken as encode time + bytes / this."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"AutoConfig.alpha must be in (0, 1], got {self.alpha}")
-        if self.probe_every < 2:
-            raise ValueError(f"AutoConfig.probe_every must be >= 2, got {self.probe_every}")
-        if self.assumed_bytes_per_s <= 0:
-            raise ValueError(f"AutoConfig.assumed_bytes_per_s must be > 0, got {self.assumed_bytes_per_s}")
+TRANSPORTS = ("inproc", "cuda_ipc", "broadcast", "ray")
 
 
-class AutoPolicy:
-    """Chooses the kind of the next update; learns from :meth:`observe`."""
-
-    def __init__(self, config: AutoConfig | None = None) -> None:
-        self.config = config or AutoConfig()
-        self.cost_ms: dict[Kind, float | None] = {"full": None, "delta": None}
-        self.num_observed: dict[Kind, int] = {"full": 0, "delta": 0}
-        self._since_probe = 0
-
-    def observe(self, kind: Kind, total_ms: float) -> None:
-        """Record the measured end-to-end cost of one sync of ``kind``."""
-        old = self.cost_ms[kind]
-        a = self.config.alpha
-        warm_up = self.num_observed[kind] <= 1  # the first one's one-time costs are not kept
-        self.cost_ms[kind] = total_ms if old is None or warm_up else a * total_ms + (1 - a) * old
-        self.num_observed[kind] += 1
-
-    def choose(self) -> Kind:
-        """The kind expected to be cheaper; each kind is measured twice first."""
-        full, delta = self.cost_ms["full"], self.cost_ms["delta"]
-        if delta is None:
-            return "delta"
-        for kind in ("full", "delta"):
-            if self.num_observed[kind] < 2:
-                return kind  # type: ignore[return-value]
-        assert full is not None
-        best: Kind = "full" if full < delta else "delta"
-        self._since_probe += 1
-        if self._since_probe >= self.config.probe_every:
-            self._since_probe = 0
-            return "delta" if best == "full" else "full"
-        return best
+def mode_for(transport: str, device: str) -> Kind:
+    """The kind ``sync.mode: auto`` pushes over ``transport`` (``inproc``,
+    ``cuda_ipc``, ``broadcast`` or ``ray``) from weights on ``device``
+    (``cpu``, ``cuda``, ``cuda:1``); the table above says why."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    same_host_copy = transport in ("inproc", "cuda_ipc") and device.startswith("cuda")
+    return "full" if same_host_copy else "delta"

@@ -11,14 +11,21 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from sync import auto
+
 __all__ = ["SyncConfig"]
 
 
 class SyncConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How weights move from the trainer to the rollout engines."""
 
-    mode: Literal["full", "delta", "auto"] = "delta"
-    """Weight push encoding after the first full push."""
+    mode: Literal["full", "delta", "auto"] = "auto"
+    """Weight push encoding after the first full push: ``full``, ``delta`` (only
+    the elements that changed, bit-exact) or ``auto``, by what is faster where the
+    push goes (``sync.auto.mode_for``): ``full`` in one process or over CUDA IPC
+    with the trainer on a GPU (device copies), else ``delta`` (the CPU, a broadcast,
+    Ray's object store). A run records what it became in its first step's record
+    (``startup/sync_mode``)."""
     full_every_k: Annotated[int, Meta(ge=0)] = 0
     """Force a full push every K versions (0 = never)."""
     bucket_bytes: Annotated[int, Meta(ge=1)] = 64 << 20
@@ -46,6 +53,11 @@ class SyncConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the broadcast; ``auto``: NCCL when the
     trainer and every engine are on GPUs, else gloo."""
+
+    def mode_for(self, transport: str, device: str) -> auto.Kind:
+        """The push encoding over ``transport`` from a trainer on ``device``
+        (``auto`` resolved by :func:`sync.auto.mode_for`)."""
+        return auto.mode_for(transport, device) if self.mode == "auto" else self.mode
 
     def in_flight_for(self, engine_type: str) -> str:
         """The in-flight mode of a run whose engines are ``engine_type``

@@ -29,7 +29,7 @@ import torch
 from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 from sync import checksum as cks
 from sync import codec, device
-from sync.auto import AutoConfig, AutoPolicy, Kind
+from sync.auto import TRANSPORTS, Kind, mode_for
 from sync.config import SyncConfig
 from sync.buckets import BucketWriter
 
@@ -58,8 +58,10 @@ class WeightSender:
 
     ``mode``: ``full`` always sends everything; ``delta`` sends changes
     (full for the first update, after :meth:`force_full`, and every
-    ``full_every_k`` versions when set; 0 or None: never); ``auto`` picks per sync from costs
-    reported through :meth:`observe`. ``bucket_bytes``: payload bucket size
+    ``full_every_k`` versions when set; 0 or None: never); ``auto`` becomes
+    one of them at the first :meth:`encode`, by ``transport`` (the link the
+    updates go over) and the device of the weights (:func:`sync.auto.mode_for`).
+    ``bucket_bytes``: payload bucket size
     and the largest piece of a tensor handled at once. ``dtype``: the dtype
     the engines hold for floating tensors (the comparison and payload are in
     it; other tensors keep theirs). ``dedup_tied``: send a tensor that shares
@@ -76,21 +78,23 @@ class WeightSender:
         bucket_bytes: int = _DEFAULTS.bucket_bytes,
         full_every_k: int | None = _DEFAULTS.full_every_k,
         dtype: torch.dtype = torch.bfloat16,
-        auto: AutoConfig | None = None,
+        transport: str = "inproc",
         dedup_tied: bool = True,
         device_plan: Literal["auto", "always", "never"] = "auto",
     ) -> None:
         if mode not in ("full", "delta", "auto"):
             raise ValueError(f"WeightSender.mode must be 'full', 'delta' or 'auto', got {mode!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"WeightSender.transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if bucket_bytes < 64:
             raise ValueError(f"WeightSender.bucket_bytes must be >= 64, got {bucket_bytes}")
         if full_every_k is not None and full_every_k < 0:
             raise ValueError(f"WeightSender.full_every_k must be >= 0 (0 or None: never), got {full_every_k}")
         self.mode = mode
+        self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.full_every_k = full_every_k or None
         self.dtype = dtype
-        self.policy = AutoPolicy(auto)
         self.version: int | None = None  # last version encoded; None before the first
         self.last_encode_ms = 0.0
         self._prev: dict[tuple[str, ShardSpec | None], torch.Tensor] = {}
@@ -100,7 +104,6 @@ class WeightSender:
         self._last_kind: Kind | None = None
         self.dedup_tied = dedup_tied
         self._undo: tuple[int | None, list[tuple] | str] | None = None  # "planned": the packer holds it
-        self._unreported: tuple[Kind, float, int] | None = None
         self._scratch = codec.Scratch()  # the CPU delta path's buffers, kept across syncs
         self.device_plan = device_plan
         self._plan: device.SenderPlan | None = None
@@ -108,14 +111,16 @@ class WeightSender:
         self._plan_holds_prev = False  # the plan's storage holds the last version, not self._prev
 
     @classmethod
-    def from_config(cls, cfg: SyncConfig, dtype: torch.dtype | str) -> WeightSender:
+    def from_config(cls, cfg: SyncConfig, dtype: torch.dtype | str, transport: str = "inproc") -> WeightSender:
         """The sender a ``sync`` section describes; ``dtype``: the engines'
-        (``rollout.engine.dtype``), a ``torch.dtype`` or its name."""
+        (``rollout.engine.dtype``), a ``torch.dtype`` or its name; ``transport``:
+        the link its updates go over (``sync.link.choose_transport``)."""
         if isinstance(dtype, str):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"WeightSender dtype {dtype!r} is not a torch dtype name")
             dtype = getattr(torch, dtype)
-        return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=dtype)
+        return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=dtype,
+                   transport=transport)
 
     def force_full(self) -> None:
         """Make the next update full (a receiver refused a delta)."""
@@ -127,31 +132,21 @@ class WeightSender:
             return "full"
         if self.full_every_k is not None and self._updates_since_full + 1 >= self.full_every_k:
             return "full"
-        return "delta" if self.mode == "delta" else self.policy.choose()
-
-    def observe(self, kind: Kind, *, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
-        """Report the measured cost of a sync of ``kind`` (feeds ``auto``)."""
-        self._unreported = None
-        self.policy.observe(kind, encode_ms + transfer_ms + apply_ms)
-
-    def _estimate_unreported(self) -> None:
-        # Nobody reported how the last sync went: estimate it from what we know.
-        if self._unreported is not None:
-            kind, encode_ms, nbytes = self._unreported
-            self.policy.observe(kind, encode_ms + nbytes / self.policy.config.assumed_bytes_per_s * 1e3)
-            self._unreported = None
+        assert self.mode == "delta", f"mode {self.mode!r} is resolved at the first encode"
+        return "delta"
 
     def encode(self, named_tensors: NamedTensors, version: int) -> WeightUpdate:
         """Encode the weights as ``version``: a delta against :attr:`version`
         or a full update. Accepts ``{hf_name: tensor}`` or an iterable of
         ``(hf_name, local_shard_tensor, ShardSpec | None)``."""
         t0 = time.perf_counter()
-        self._estimate_unreported()
+        given = list(_iter_named(named_tensors))
+        if self.mode == "auto":
+            self.mode = mode_for(self.transport, str(given[0][1].device) if given else "cpu")
         kind = self.next_kind()
         # a forced full may re-send the version a receiver refused as a delta
         if self.version is not None and (version < self.version or (version == self.version and kind != "full")):
             raise ValueError(f"version {version} must be greater than the last sent {self.version}")
-        given = list(_iter_named(named_tensors))
         if self.device_plan != "never" and self._plan_fits(given):
             if kind == "full":
                 return self._encode_planned(version, t0)
@@ -245,7 +240,6 @@ class WeightSender:
         self._updates_since_full = 0 if kind == "full" else self._updates_since_full + 1
         self._last_kind = kind
         self.last_encode_ms = update.manifest.encode_ms = (time.perf_counter() - t0) * 1e3
-        self._unreported = (kind, self.last_encode_ms, update.manifest.payload_bytes)
         return update
 
     def _collect(self, given: list[tuple[str, torch.Tensor, ShardSpec | None]]

@@ -241,11 +241,14 @@ class WeightGroupLost(RuntimeError):
     """A broadcast group that cannot be formed again without a member that died."""
 
 
-async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig, sources: int = 1) -> Kind:
+async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig,
+                           sources: int = 1) -> tuple[Kind, Literal["full", "delta"]]:
     """Pick the weight transport from where the trainer and ``engines`` (rollout
     actor handles) run (``cfg.transport`` can force one), open it at both ends
     and, for a broadcast, form its group (``cfg.backend``; ``auto``: NCCL when
-    every member is on a GPU, else gloo); returns the transport's name.
+    every member is on a GPU, else gloo); returns the transport's name and the
+    kind pushed over it after the first full push (``cfg.mode``, ``auto``
+    resolved as the trainer resolves it: ``sync.auto.mode_for``).
     ``sources``: the trainer workers, each broadcasting its shards."""
     where = await asyncio.gather(trainer.placement(), *(h.placement() for h in engines))
     kind = choose_transport(where[0], list(where[1:]), cfg.transport)
@@ -253,7 +256,7 @@ async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig, so
     if backend == "auto":
         backend = "nccl" if all(p.device.startswith("cuda") for p in where) else "gloo"
     await _form_weight_link(trainer, engines, kind, backend, sources)
-    return kind
+    return kind, cfg.mode_for(kind, where[0].device)
 
 
 async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, str | None, int] | None) -> None:

@@ -31,8 +31,7 @@ An engine here is anything with the ``RolloutEngine`` surface
 
 A source is a :class:`WeightUpdate` (fixed; no retry possible), a
 :class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or an
-object with ``weight_update()`` and optionally ``weights_refused()``,
-``observe(kind, encode_ms=, transfer_ms=, apply_ms=)`` (feeds ``auto``) and
+object with ``weight_update()`` and optionally ``weights_refused()`` and
 ``revert_update()`` (undo on a failed push), sync or async (the trainer actor).
 """
 
@@ -122,12 +121,6 @@ class _Source:
         self.encode_ms += (time.perf_counter() - t0) * 1e3
         return update
 
-    async def observe(self, kind: str, encode_ms: float, transfer_ms: float, apply_ms: float) -> None:
-        # sources that keep a cost model (WeightSender, or an actor forwarding to one) learn from it
-        if hasattr(self.source, "observe"):
-            await _maybe_await(self.source.observe(kind, encode_ms=encode_ms, transfer_ms=transfer_ms,
-                                                   apply_ms=apply_ms))
-
     async def revert(self) -> WeightUpdate | None:
         fn: Callable[[], Any] | None = getattr(self.source, "revert_update", None)
         return await _maybe_await(fn()) if fn is not None else None
@@ -199,7 +192,6 @@ async def sync_weights(
     metrics.source_ms = update.manifest.source_ms
     metrics.device_plan = bool(update.manifest.layout)
     metrics.num_aborted = sum(a if isinstance(a, int) else len(a) for a in aborted)
-    await src.observe(metrics.kind, metrics.encode_ms, metrics.transfer_ms, metrics.apply_ms)
     metrics.total_ms = (time.perf_counter() - t0) * 1e3
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
 

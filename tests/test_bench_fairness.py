@@ -240,7 +240,12 @@ def test_weight_sync_reports_the_median_whole_push_at_least_the_sum_of_component
             assert push["paused_ms_min_max"][0] <= push["paused_ms_median"] <= push["paused_ms_min_max"][1]
             assert "total_ms" not in push  # the composite sum is named as what it is
         assert out["delta_over_full"] == round(out["delta"]["push_ms_median"] / out["full"]["push_ms_median"], 3)
-        assert out["auto_choice"] == out["faster"]
+        # what the default sync.mode pushes in one process on the CPU, and its figures
+        default = out["default"]
+        assert (default["mode"], default["as_transport"]) == ("delta", "inproc")
+        assert default["push_ms_median"] == out["delta"]["push_ms_median"]
+        assert default["paused_ms_median"] == out["delta"]["paused_ms_median"]
+        assert default["is_faster"] == (out["faster"] == "delta")
 
 
 def test_the_window_probe_counts_samples_by_where_they_are():

@@ -36,8 +36,9 @@ def test_fully_async_over_gloo_keeps_engine_weights_bit_exact(tmp_path, runtime)
 def test_cuda_ipc_push_from_the_trainers_gpu_keeps_engine_weights_bit_exact(tmp_path, colocated):
     """Trainer and engine in child processes on one GPU: each push hands the
     engine CUDA IPC handles to the trainer's buckets (no host copy), picked by
-    placement with no transport flag."""
-    run = launch(ROOT / "fully_async.yaml", "runtime.type=process",
+    placement with no transport flag. Deltas, the harder kind to keep exact
+    (the default pushes full over CUDA IPC)."""
+    run = launch(ROOT / "fully_async.yaml", "runtime.type=process", "sync.mode=delta",
                  f"sync.colocated={str(colocated).lower()}", "trainer.device=cuda", "rollout.engine.device=cuda",
                  "rollout.engine.dtype=bfloat16", "trainer.lr=1e-5", "trainer.batch_prompts=2", "rollout.n=4",
                  "rollout.max_response_tokens=8", "run.progress=false", f"run.output_dir={tmp_path}")

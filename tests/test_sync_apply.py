@@ -15,7 +15,6 @@ from sync import (
     apply_update,
     merge_updates,
 )
-from sync.auto import AutoConfig
 from contracts.weights import bucket_tensor
 from tests.helpers import force_codec_path
 
@@ -187,25 +186,12 @@ def test_the_sender_is_built_from_its_sync_section_and_shares_its_defaults() -> 
 
     default, cfg = WeightSender(), SyncConfig()
     assert (default.mode, default.bucket_bytes, default.full_every_k) == (cfg.mode, cfg.bucket_bytes, None)  # 0: never
-    sender = WeightSender.from_config(SyncConfig(mode="full", bucket_bytes=4096, full_every_k=2), "float32")
+    sender = WeightSender.from_config(SyncConfig(mode="full", bucket_bytes=4096, full_every_k=2), "float32",
+                                      transport="ray")
     assert (sender.mode, sender.bucket_bytes, sender.full_every_k, sender.dtype) == ("full", 4096, 2, torch.float32)
+    assert sender.transport == "ray"
     with pytest.raises(ValueError, match="'int8x'"):
         WeightSender.from_config(cfg, "int8x")
-
-
-def test_auto_mode_follows_measured_cost() -> None:
-    w = _model()
-    sender = WeightSender(mode="auto", auto=AutoConfig(alpha=1.0, probe_every=4))
-    chosen = []
-    for v in range(1, 9):
-        _step(w, seed=v)
-        kind = sender.encode(w, v).manifest.kind
-        chosen.append(kind)
-        # pretend full pushes are cheap here (same-GPU copy) and deltas dear
-        sender.observe(kind, encode_ms=1.0, transfer_ms=1.0 if kind == "full" else 9.0, apply_ms=1.0)
-    # first push full; each kind measured twice (the first is a warm-up); then the cheaper
-    # full, re-probing delta every 4th
-    assert chosen == ["full", "delta", "full", "delta", "full", "full", "full", "delta"]
 
 
 def _shard_pieces(w: dict[str, torch.Tensor], rank: int, world: int, dim_of) -> list:
@@ -233,19 +219,6 @@ def test_sharded_senders_give_the_same_receiver_weights(dim_of) -> None:
         v = apply_update(engine, update, v, verify="full")
         assert _same(engine, ref_engine)
     assert _same(engine, {k: t.bfloat16() for k, t in w.items()})
-
-
-def test_auto_mode_without_reports_estimates_from_bytes() -> None:
-    """Nobody calls observe(): a tiny delta against a large full update at a
-    slow assumed link still makes auto pick delta after trying both."""
-    w = {"w": torch.zeros(200_000)}
-    sender = WeightSender(mode="auto", auto=AutoConfig(alpha=1.0, assumed_bytes_per_s=1e6))
-    kinds = []
-    for v in range(1, 6):
-        w["w"][v] += 1.0
-        kinds.append(sender.encode(w, v).manifest.kind)
-    assert kinds == ["full", "delta", "full", "delta", "delta"]
-    assert sender.policy.cost_ms["full"] > 10 * sender.policy.cost_ms["delta"]
 
 
 @pytest.mark.parametrize("path", ["c", "torch"])

@@ -166,17 +166,12 @@ class TrainerLike:
 
     def __init__(self, w: dict[str, torch.Tensor], mode: str) -> None:
         self.w, self.version, self.sender = w, 0, WeightSender(mode=mode)
-        self.observed: list[str] = []
 
     async def weight_update(self) -> WeightUpdate:
         return self.sender.encode(self.w, self.version)
 
     async def weights_refused(self) -> None:
         self.sender.force_full()
-
-    async def observe(self, kind: str, **ms: float) -> None:
-        self.observed.append(kind)
-        self.sender.observe(kind, **ms)
 
     async def revert_update(self) -> WeightUpdate | None:
         return self.sender.revert_update()
@@ -219,8 +214,8 @@ async def test_actor_like_source_with_async_endpoints() -> None:
         trainer.version = v
         _step(w, v)
         result = await sync_weights(engines, trainer, colocated=True)
-        assert result.version == v and all(e.version == v and _holds(e, w) for e in engines)
-    assert trainer.observed == ["full", "delta"]
+        assert result.version == v and result.metrics.kind == ("full" if v == 1 else "delta")
+        assert all(e.version == v and _holds(e, w) for e in engines)
     engines[0].corrupt = True
     trainer.version = 3
     _step(w, 3)

@@ -26,7 +26,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.num_workers=2", "runtime.type=local"], "need one process each"),
     (["trainer.num_workers=2", "runtime.type=process", "trainer.batch_prompts=3"], "not a multiple"),
-    (["trainer.num_workers=2", "runtime.type=process", "sync.mode=auto"], "sync.mode"),
 ])
 def test_config_refuses_what_several_workers_cannot_do(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -51,7 +50,7 @@ def _signature(fn: typing.Any) -> tuple:
     (TrainerActor, TrainerWorkerHandle), (TrainerGroup, TrainerHandle), (RolloutActor, RolloutHandle)])
 def test_actors_and_the_trainer_group_have_every_endpoint_of_their_handle(cls: type, protocol: type) -> None:
     endpoints = _endpoints(protocol)
-    assert len(endpoints) >= 16, endpoints
+    assert len(endpoints) >= 15, endpoints
     for name in endpoints:
         fn = getattr(cls, name, None)
         assert inspect.iscoroutinefunction(fn), f"{cls.__name__}.{name} is not an async endpoint"
