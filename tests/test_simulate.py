@@ -11,7 +11,7 @@ import math
 import pytest
 
 from bench import simulate as cli
-from bench.simulate_model import Inputs, LengthDist, Schedule, simulate
+from bench.simulate_model import Inputs, Interference, LengthDist, Schedule, simulate
 from bench.simulate_scaling import best_split, disaggregated
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,12 +92,26 @@ def test_abort_costs_more_than_recompute_and_recompute_more_than_keep():
     assert rates["recompute"].trained_tokens_per_s >= rates["abort"].trained_tokens_per_s * (1 - 1e-12)
 
 
-def test_contention_slows_a_colocated_run():
+def test_interference_slows_each_part_only_while_the_other_is_busy():
     inp = _inputs(train_fixed_s=0.1)
     free = simulate(inp, Schedule("fully_async"), num_steps=10, warmup_steps=2)
-    shared = simulate(dataclasses.replace(inp, colocated=True, contention=1.5), Schedule("fully_async"),
-                      num_steps=10, warmup_steps=2)
+    shared = simulate(dataclasses.replace(inp, interference=Interference(engine_shared=1.5, trainer_shared=1.5)),
+                      Schedule("fully_async"), num_steps=10, warmup_steps=2)
     assert shared.trained_tokens_per_s < free.trained_tokens_per_s
+    # sync generates while the trainer is idle and trains while the rollout is: no slowdown
+    sync = simulate(dataclasses.replace(inp, interference=Interference(engine_shared=1.5, trainer_shared=1.5)),
+                    Schedule("sync"), num_steps=10, warmup_steps=2)
+    assert sync.steps_per_s == pytest.approx(1 / (0.1 + 0.1), rel=1e-6)
+
+
+def test_a_decode_floor_and_the_alone_factors_slow_sync():
+    # 100 decode steps of 1 ms at a floor of 2 ms: 0.2 s; the trainer alone at 1.5x its 0.2 s
+    floor = simulate(_inputs(interference=Interference(decode_floor_s=2e-3)), Schedule("sync"), num_steps=6,
+                     warmup_steps=1)
+    assert floor.steps_per_s == pytest.approx(1 / (0.2 + 0.2), rel=1e-6)
+    alone = simulate(_inputs(interference=Interference(engine_alone=2.0, trainer_alone=1.5)), Schedule("sync"),
+                     num_steps=6, warmup_steps=1)
+    assert alone.steps_per_s == pytest.approx(1 / (0.2 + 0.3), rel=1e-6)
 
 
 def test_split_search_finds_the_analytic_optimum():
