@@ -307,7 +307,7 @@ def _in_loop(run: dict[str, Any], s: dict[str, Any], sa: Standalone) -> dict[str
     decode = sum(e[f"decode_{p}_s"] for p in ("launch", "wait", "post"))
     tokens = int(run["batch_size"]) * (sa.prompt_len + float(s["response_len_mean"]))
     push_s = s["sync_parts_ms_mean"]["total"] / 1e3
-    turns = "turn_s" in e  # the engine thread's turns, counted from 1c5d2f3 on
+    turns = "turn_s" in e  # the engine thread's turns, where its code counted them
     return {
         "decode_step_s": decode / e["num_decode_steps"],
         "decode_rows": e["num_generated_tokens"] / e["num_decode_steps"],
@@ -320,12 +320,6 @@ def _in_loop(run: dict[str, Any], s: dict[str, Any], sa: Standalone) -> dict[str
         "uncounted_per_seq_s": (e["turn_s"] - decode - e["prefill_s"]) / e["num_prefill_seqs"] if turns else None,
         "driver_s": (s["wall_s"] - e["turn_s"]) / steps - s["train_step_ms_mean"] / 1e3 - push_s if turns else None,
     }
-
-
-def _fit_floor(points: list[dict[str, Any]]) -> float:
-    """The decode step's floor: the sync seeds' step in the loop (they decode few rows, where
-    the standalone line is below it)."""
-    return _mean([p["decode_step_s"] for p in points])
 
 
 def fit_loop(specs: list[RunSpec]) -> tuple[Loop, dict[str, dict[str, Any]]]:
