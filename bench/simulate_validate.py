@@ -562,7 +562,7 @@ def validate(machine: str, loop: Loop | None = None) -> dict[str, Any]:
     summary = _summary(rows)
     return {
         "bench": "simulate --validate", "machine": machine,
-        "method": " ".join(__doc__.split("\n\n")[1].split()),
+        "method": " ".join(__doc__.split("\n\n")[2].split()),
         "goal": f"every kept GPU run within {GOAL:.0%} of its measured trained tokens/s, and a lower mean error "
                 "than the naive predictor on the same runs",
         "goal_met": summary["within_25pct"] and summary["lower_mean_error_than_naive"],
