@@ -30,9 +30,11 @@ waiting there and re-prefilled on prompt + partial), ``keep`` (only the pause),
 Time is fluid between events: a running sequence advances ``dt / decode_s(batch)``
 tokens, so an event happens only when a sequence finishes or is delivered, one is
 admitted, the trainer starts or ends, a push pauses or resumes the engines, or an
-evaluation ends. Colocated (rollout and trainer on the same devices, ``colocated``):
-while both are busy each runs ``contention`` times slower; ``bench.simulate --validate``
-feeds each schedule's own measured component times instead (the contention is in them).
+evaluation ends. Rollout and trainer sharing one GPU and host slow each other
+(``Interference``): a decode step takes ``max(decode_floor_s, decode_s(batch))`` times the
+engine's factor, one while the trainer is busy and one while it is idle; a train step its
+time times the trainer's, by whether the rollout is busy when it starts. All 1 (the default):
+separate devices, each part at its standalone speed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import random
 from collections import deque
 from typing import Literal
 
-__all__ = ["Inputs", "Schedule", "Result", "LengthDist", "simulate"]
+__all__ = ["Inputs", "Interference", "Schedule", "Result", "LengthDist", "simulate"]
 
 INF = float("inf")
 
@@ -120,6 +122,27 @@ class LengthDist:
 
 
 @dataclasses.dataclass(frozen=True)
+class Interference:
+    """How the loop slows each part against its standalone speed (all 1: no slowdown).
+
+    ``bench.simulate_validate`` fits these on paired standalone and in-loop clocks of a few
+    kept runs (``bench/results/simulate_interference.json``)."""
+
+    decode_floor_s: float = 0.0
+    """A decode step in the loop takes at least this long, whatever its batch: the rollout
+    process's host work per step (its Python and launches), which a standalone engine
+    bench at 64 rows and more does not reach."""
+    engine_alone: float = 1.0
+    """Decode step in the loop over ``max(floor, standalone step)`` while the trainer is idle."""
+    engine_shared: float = 1.0
+    """The same while the trainer is busy (one GPU: the two processes' kernels take turns)."""
+    trainer_alone: float = 1.0
+    """Train step in the loop over its standalone step, started with the rollout idle."""
+    trainer_shared: float = 1.0
+    """The same, started while the rollout is generating."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Inputs:
     """Measured (or scaled) costs and the workload; every time in seconds."""
 
@@ -151,8 +174,7 @@ class Inputs:
     """Trainer scaling: T GPUs give T · dp_efficiency times one GPU's token rate."""
     max_running: int = 1 << 30
     """Sequences one engine runs at once (KV budget)."""
-    colocated: bool = False
-    contention: float = 1.0
+    interference: Interference = Interference()
     resume_overhead_s: float = 0.0
     """Per aborted sample, before it can be resubmitted (abort mode)."""
     prefill_per_seq_s: float = 0.0
@@ -254,8 +276,9 @@ class _Engine:
         return len(self.running) + len(self.waiting)
 
     def step_s(self) -> float:
-        s = self.sim.inp.decode_s(len(self.running))
-        return s * self.sim.inp.contention if self.sim.contended() else s
+        f = self.sim.inp.interference
+        s = max(f.decode_floor_s, self.sim.inp.decode_s(len(self.running)))
+        return s * (f.engine_shared if self.sim.trainer_busy else f.engine_alone)
 
     def advance(self, t: float) -> None:
         start = max(self.last_t, self.busy_until)
@@ -391,9 +414,6 @@ class _Sim:
         """The clock as the bench times it (evaluations taken out when not in the wall)."""
         return self.t if self.inp.eval_in_wall else self.t - self.eval_s
 
-    def contended(self) -> bool:
-        return self.inp.colocated and self.trainer_busy
-
     def decode_steps(self) -> float:
         return sum(e.clock for e in self.engines)
 
@@ -487,9 +507,8 @@ class _Sim:
         if typ == "one_step_off" and self.gen_started < self.num_steps:
             self.start_generation()  # batch k+1 generates while batch k trains
         self.sync_engines()
-        dur = self.inp.train_s(tokens)
-        if self.inp.colocated and self.rollout_busy():
-            dur *= self.inp.contention
+        f = self.inp.interference
+        dur = self.inp.train_s(tokens) * (f.trainer_shared if self.rollout_busy() else f.trainer_alone)
         dur += self.inp.step_overhead_s
         self.trainer_busy = True
         self.training = len(batch)

@@ -113,7 +113,7 @@ def _run(inp: Inputs, sched: Schedule, optimizer_s: float, r: int, t: int, steps
     g = inp.group_size
     b_sim = max(g, round(inp.samples_per_step / scale / g) * g)
     scale = inp.samples_per_step / b_sim
-    sim_inp = dataclasses.replace(inp, num_rollout=max(1, round(r / scale)), num_trainer=t, colocated=False,
+    sim_inp = dataclasses.replace(inp, num_rollout=max(1, round(r / scale)), num_trainer=t,
                                   samples_per_step=b_sim, train_per_token_s=inp.train_per_token_s * scale,
                                   train_fixed_s=MEASURED_TRAIN["fixed_s"] + optimizer_s / t)
     res = simulate(sim_inp, sched, num_steps=steps, warmup_steps=2)
@@ -256,7 +256,7 @@ def disaggregated(inp: Inputs, sched: Schedule, total_gpus: int, num_steps: int 
                   seed: int = 0) -> Callable[[int], float]:
     """``evaluate`` for :func:`best_split`: R rollout and N - R trainer GPUs, no shared device."""
     def evaluate(r: int) -> float:
-        split = dataclasses.replace(inp, num_rollout=r, num_trainer=total_gpus - r, colocated=False)
+        split = dataclasses.replace(inp, num_rollout=r, num_trainer=total_gpus - r)
         return simulate(split, sched, num_steps=num_steps, seed=seed, warmup_steps=2).trained_tokens_per_s
     return evaluate
 

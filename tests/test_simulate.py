@@ -1,6 +1,5 @@
-"""bench.simulate: the schedule model against analytic cases, and the validation against kept
-runs (its JSON's fields, no measured outcome among its inputs, predictions that move the right
-way when a component gets slower)."""
+"""bench.simulate: the schedule model against analytic cases, and the what-ifs on kept runs
+(the forecast from standalone figures: tests/test_simulate_validate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import math
 import pytest
 
 from bench import simulate as cli
-from bench.simulate_model import Inputs, LengthDist, Schedule, simulate
+from bench.simulate_model import Inputs, Interference, LengthDist, Schedule, simulate
 from bench.simulate_scaling import best_split, disaggregated
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,12 +91,26 @@ def test_abort_costs_more_than_recompute_and_recompute_more_than_keep():
     assert rates["recompute"].trained_tokens_per_s >= rates["abort"].trained_tokens_per_s * (1 - 1e-12)
 
 
-def test_contention_slows_a_colocated_run():
+def test_interference_slows_each_part_only_while_the_other_is_busy():
     inp = _inputs(train_fixed_s=0.1)
     free = simulate(inp, Schedule("fully_async"), num_steps=10, warmup_steps=2)
-    shared = simulate(dataclasses.replace(inp, colocated=True, contention=1.5), Schedule("fully_async"),
-                      num_steps=10, warmup_steps=2)
+    shared = simulate(dataclasses.replace(inp, interference=Interference(engine_shared=1.5, trainer_shared=1.5)),
+                      Schedule("fully_async"), num_steps=10, warmup_steps=2)
     assert shared.trained_tokens_per_s < free.trained_tokens_per_s
+    # sync generates while the trainer is idle and trains while the rollout is: no slowdown
+    sync = simulate(dataclasses.replace(inp, interference=Interference(engine_shared=1.5, trainer_shared=1.5)),
+                    Schedule("sync"), num_steps=10, warmup_steps=2)
+    assert sync.steps_per_s == pytest.approx(1 / (0.1 + 0.1), rel=1e-6)
+
+
+def test_a_decode_floor_and_the_alone_factors_slow_sync():
+    # 100 decode steps of 1 ms at a floor of 2 ms: 0.2 s; the trainer alone at 1.5x its 0.2 s
+    floor = simulate(_inputs(interference=Interference(decode_floor_s=2e-3)), Schedule("sync"), num_steps=6,
+                     warmup_steps=1)
+    assert floor.steps_per_s == pytest.approx(1 / (0.2 + 0.2), rel=1e-6)
+    alone = simulate(_inputs(interference=Interference(engine_alone=2.0, trainer_alone=1.5)), Schedule("sync"),
+                     num_steps=6, warmup_steps=1)
+    assert alone.steps_per_s == pytest.approx(1 / (0.2 + 0.3), rel=1e-6)
 
 
 def test_split_search_finds_the_analytic_optimum():
@@ -208,123 +221,6 @@ def test_one_step_off_pays_the_whole_push_after_the_generation():
 def test_decode_steps_per_step_count_the_straggler():
     r = simulate(_inputs(), Schedule("sync"), num_steps=4, warmup_steps=1)
     assert r.decode_steps_per_step == pytest.approx(100, rel=1e-6)
-
-
-# -- validation against kept runs ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def validation() -> dict:
-    return cli.validate()
-
-
-def test_validate_prints_one_json_object(capsys):
-    assert cli.main(["--validate"]) == 0
-    d = json.loads(capsys.readouterr().out)  # one object, nothing else on stdout
-    assert d["bench"] == "simulate --validate" and d["runs"]
-
-
-def test_validate_json_has_every_field(validation):
-    d = validation
-    assert {"method", "inputs", "setups", "left_out", "runs", "max_abs_relative_error", "within_20_percent",
-            "predictions", "all_within_20_percent"} <= set(d)
-    assert all(reason for reason in d["left_out"].values())
-    calibration_runs = {s["calibrated_on"] for s in d["setups"].values()}
-    errors = []
-    for setup in d["setups"].values():
-        assert set(setup["overheads"]) == {"sample_overhead_ms", "driver_overhead_ms"}
-        assert setup["calibration_run"]["sync"]["role"].startswith("calibrated on")
-    for row in d["runs"]:
-        assert row["run"] not in calibration_runs
-        assert {"setup", "steps", "batch_size", "seeds", "warmup_steps", "in_flight", "recorded_where"} <= set(row)
-        for p in row["policies"].values():
-            assert set(p) == {"predicted_tokens_per_s", "measured_tokens_per_s", "relative_error",
-                              "check_model_vs_counted"}
-            assert p["relative_error"] == pytest.approx(
-                (p["predicted_tokens_per_s"] - p["measured_tokens_per_s"]) / p["measured_tokens_per_s"], abs=2e-3)
-            errors.append(abs(p["relative_error"]))
-    assert d["predictions"] == len(errors)
-    assert d["max_abs_relative_error"] == pytest.approx(max(errors))
-    assert d["all_within_20_percent"] == (max(errors) <= 0.2)
-
-
-def test_every_kept_async_vs_sync_run_is_validated_calibrated_or_left_out(validation):
-    d = validation
-    covered = {row["run"].split(" [")[0] for row in d["runs"]} | set(d["left_out"])
-    covered |= {s["calibrated_on"].split(" [")[0] for s in d["setups"].values()}
-    kept = {p.name for p in cli.RESULTS.glob("async_vs_sync_*.json")}
-    assert kept <= covered
-
-
-_OUTCOMES = ("tokens_per_s", "samples_per_s", "steps_per_s", "rollout_idle_ratio", "engine_busy_ratio",
-             "engine_tokens_per_s", "engine_decode_rows_mean", "eval_s", "pipeline_efficiency", "wall_s",
-             "wall_with_eval_s")
-
-
-@pytest.mark.parametrize("name", ["async_vs_sync_h200_smollm2_steps.json", "async_vs_sync_h200_text_v4_tail.json"])
-def test_a_runs_measured_throughput_is_no_input_of_its_prediction(name):
-    spec = next(v for s in cli.SETUPS.values() for v in s["validate"] if v.file == name and not v.runtime)
-    setup = next(s for s in cli.SETUPS.values() if spec in s["validate"])
-    ov = cli.calibrate(setup["calibrate"])
-    run = cli._load(name)
-    doubled = json.loads(json.dumps(run))
-    for p in doubled["policies"].values():
-        for s in cli._seeds(p):
-            for key in _OUTCOMES:
-                if isinstance(s.get(key), (int, float)):
-                    s[key] *= 2 if key != "rollout_idle_ratio" else 0.5
-    for policy in run["policies"]:
-        a = cli.predict_policy(run, spec, policy, ov)["predicted_tokens_per_s"]
-        b = cli.predict_policy(doubled, spec, policy, ov)["predicted_tokens_per_s"]
-        assert a == b
-
-
-def _scaled(run: dict, policy: str, edit) -> dict:
-    out = json.loads(json.dumps(run))
-    for s in cli._seeds(out["policies"][policy]):
-        edit(s)
-    return out
-
-
-@pytest.mark.parametrize("policy", ["sync", "fully_async"])
-def test_a_slower_engine_trainer_or_push_predicts_fewer_tokens(policy):
-    name = "async_vs_sync_h200_smollm2_steps.json"
-    setup = cli.SETUPS["h200_smollm2_text_arithmetic"]
-    spec, ov = setup["validate"][0], cli.calibrate(setup["calibrate"])
-    run = cli._load(name)
-    base = cli.predict_policy(run, spec, policy, ov)["predicted_tokens_per_s"]
-
-    def slower_engine(s):
-        for k in ("decode_launch_s", "decode_wait_s", "decode_post_s"):
-            s["engine"][k] *= 1.5
-
-    def slower_trainer(s):
-        s["train_step_ms_mean"] *= 1.5
-
-    def slower_push(s):
-        s["sync_parts_ms_mean"]["total"] *= 10
-
-    engine = cli.predict_policy(_scaled(run, policy, slower_engine), spec, policy, ov)["predicted_tokens_per_s"]
-    trainer = cli.predict_policy(_scaled(run, policy, slower_trainer), spec, policy, ov)["predicted_tokens_per_s"]
-    push = cli.predict_policy(_scaled(run, policy, slower_push), spec, policy, ov)["predicted_tokens_per_s"]
-    assert engine < base and trainer < base and push < base
-
-
-def test_a_push_kept_as_a_mean_over_steps_counts_once_per_push():
-    s = {"sync_ms_mean": 10.0}
-    assert cli._push_s(s, 2) == pytest.approx(0.020)
-    assert cli._push_s({**s, "sync_parts_ms_mean": {"total": 31.8}}, 2) == pytest.approx(0.0318)
-
-
-def test_the_run_that_kept_in_flight_samples_is_simulated_keeping_them():
-    # async_vs_sync_h200_smollm2_steps.json: sync.in_flight auto (keep); its engines aborted nothing
-    # while samples ran at every push
-    spec = cli.SETUPS["h200_smollm2_text_arithmetic"]["validate"][0]
-    run = cli._load(spec.file)
-    assert all(s["engine"]["num_aborted"] == 0 and s["engine"]["num_running"] > 0
-               for s in cli._seeds(run["policies"]["fully_async"]))
-    assert cli.schedule_of(run, "fully_async", spec).in_flight == "keep"
-    other = cli.SETUPS["h200_402m_text_arithmetic"]["calibrate"]
-    assert cli.schedule_of(cli._load(other.file), "fully_async", other).in_flight == "abort"
 
 
 def test_a_seed_gives_the_same_run_every_time():
