@@ -19,8 +19,10 @@ and kind by kind, must stay within what ``tests/control_budget.py`` allows the
 same messages: what control messages must carry, sized by the run's config and
 model. The negative controls show the check fails when payload does cross:
 samples and a weight update routed through the driver on purpose after the
-training (``process`` and ``ray`` runtimes) and a trainer that returns its
-update in-band instead of publishing it (``local``), each found where it
+training (``process`` and ``ray`` runtimes), a trainer that returns its update
+in-band instead of publishing it (``local``), and rollout actors that hide 8
+token ids in each group report, as a list and as a string
+(``tests/report_leaks.py``; ``process`` and ``ray``), each found where it
 crossed. A run whose reward raises (error messages naming a file:line, drop
 reasons) stays within the budget. Unit checks show each shape counts by its
 bytes and kind, and the budget of a group report leaves no room for 8 ids.
@@ -51,6 +53,7 @@ from contracts.training import BatchRequest, StepReport
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync.encode import WeightSender
 from sync.link import BroadcastPush
+from tests import report_leaks
 from tests.control_budget import ERROR_MESSAGE_BYTES, ControlBudget, Limits, endpoint, per_step
 from tests.driver_probe import (BUFFER, MANIFEST, NAME, NUMBER, PROMPT, SAMPLE, SHORT_LIST, SMALL_BYTES,
                                 SMALL_CHUNKS_MAX_CONTROL, TEXT, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe, Seen,
@@ -426,6 +429,34 @@ def test_a_trainer_that_hands_the_driver_its_update_in_band_fails_the_check(
     weights = out.training.bytes_of(WEIGHT)
     assert weights.keys() == {"local:trainer.weight_update (received)", "local:rollout-0.swap_weights (sent)"}
     assert weights["local:trainer.weight_update (received)"] == weights["local:rollout-0.swap_weights (sent)"] > 0
+
+
+LEAKS = {"as a list": (report_leaks.IdsAsList, SHORT_LIST), "as a string": (report_leaks.IdsAsText, TEXT)}
+
+
+@pytest.mark.parametrize("runtime", ["process", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("leak", LEAKS)
+def test_token_ids_hidden_in_group_reports_fail_the_check(leak: str, runtime: str, probe: DriverProbe,
+                                                         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                         request: pytest.FixtureRequest) -> None:
+    """A regression in the actor, not a call from the test: each group report
+    carries 8 of its responses' token ids, as a list field of their own or as a
+    string in its error field, from the actor's own process. The check fails,
+    on that endpoint and kind only (the run trains as before)."""
+    import actors.wiring
+
+    actor, kind = LEAKS[leak]
+    if runtime == "ray":
+        request.getfixturevalue("ray_cluster")
+    monkeypatch.setattr(actors.wiring, "RolloutActor", actor)  # the class the composition root spawns
+    out = _run(probe, tmp_path, f"runtime.type={runtime}", "transfer_queue.deployment=local")
+    with pytest.raises(AssertionError, match="over its budget"):
+        _assert_run_carried_control_only(out)
+    over = out.training.over_budget()
+    assert {(endpoint(where), k) for where, k in over} == {("generate_group (received)", kind)}, over
+    ((where, _), (carried, _)), = over.items()
+    if kind == SHORT_LIST:  # the only short lists there: every report's ids, all found
+        assert carried == out.training.messages[where] * 8 * report_leaks.LEAKED_IDS
 
 
 _failures = itertools.count()
