@@ -26,7 +26,13 @@ whichever code path sent it:
                          is encoded there (arguments cross by reference), so what
                          it sees is what the policy holds
 
-:func:`payload` measures one message; :class:`DriverProbe` keeps the counts.
+Every message is measured by kind (:func:`measure`): the payload kinds, none of
+which may cross the driver (a sample's token arrays, weights, raw buffers), and
+the control kinds every control message is made of (numbers, short number
+lists, strings as values and as names, small byte chunks, a weight manifest's
+contents, a group request's prompt). :class:`DriverProbe` keeps both, by where
+each message crossed, with what ``tests/control_budget.py`` allows each one:
+the direct-path tests check the payload is zero and the control within budget.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import pickle
 import threading
 import types
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -52,13 +59,27 @@ from contracts.weights import Manifest, WeightUpdate
 from transfer_queue import rpc
 from transfer_queue.codec import ALL_FIELDS
 
-__all__ = ["BUFFER", "SAMPLE", "UNMEASURED", "WEIGHT", "DriverProbe", "Seen", "install", "payload", "payload_bytes"]
+__all__ = ["BUFFER", "CONTROL_KINDS", "MANIFEST", "NAME", "NUMBER", "PAYLOAD_KINDS", "PROMPT", "SAMPLE",
+           "SHORT_LIST", "SMALL_BYTES", "TEXT", "UNMEASURED", "WEIGHT", "DriverProbe", "Seen", "install", "measure",
+           "payload", "payload_bytes"]
 
+# Payload: none of it may cross the driver.
 SAMPLE = "sample"  # a Sample, a queue row, token ids, log-probs
 WEIGHT = "weight"  # a tensor, a weight update's buckets
 BUFFER = "buffer"  # raw bytes, an array or a PickleBuffer that is neither of the above by where it sits
 UNMEASURED = "unmeasured"  # a message too deep or too big to walk: it counts, so nothing passes unseen
-_MANIFEST = "manifest"  # inside a weight manifest: its numbers are sizes and offsets, its buffers weights
+PAYLOAD_KINDS = (SAMPLE, WEIGHT, BUFFER, UNMEASURED)
+# Control: what control messages are made of, each kind budgeted by tests/control_budget.py. The
+# content only, as the values pickle would write (a field's name is its type's, not the message's;
+# None and empty containers count zero): a number is 8 bytes, the int64 / float64 it would be.
+NUMBER = "number"  # a number on its own: a field, a dict value, an item of a mixed list
+SHORT_LIST = "short list"  # the numbers of a list or tuple of numbers only, at most TOKEN_LIST_MAX_CONTROL
+TEXT = "text"  # a string value (a group id, an error message): its UTF-8 bytes
+NAME = "name"  # a string dict key (a metric's, a drop reason's, a keyword argument's name): its UTF-8 bytes
+SMALL_BYTES = "small bytes"  # small bytes-like chunks (a secret, a digest) within SMALL_CHUNKS_MAX_CONTROL
+MANIFEST = "manifest"  # all a weight manifest says (tensor names, shapes, sizes, checksums), in bytes as above
+PROMPT = "prompt"  # a group request's prompt ids and meta: the request itself (DESIGN.md), not a sample
+CONTROL_KINDS = (NUMBER, SHORT_LIST, TEXT, NAME, SMALL_BYTES, MANIFEST, PROMPT)
 
 # A list or tuple of more than this many numbers is a token sequence (ids, log-probs,
 # versions): control lists through the driver are a few numbers (a shape, a checksum
@@ -66,7 +87,7 @@ _MANIFEST = "manifest"  # inside a weight manifest: its numbers are sizes and of
 # lists of a real sample still count: inside a Sample or a queue row every number list
 # does. A weight manifest's lists (bucket sizes, one per bucket) are not tokens.
 TOKEN_LIST_MAX_CONTROL = 16
-_BYTES_PER_NUMBER = 8  # a token list's bytes, as the int64 / float64 array it would be
+_BYTES_PER_NUMBER = 8  # a number's bytes, as the int64 / float64 it would be
 # A bytes-like object of at most this many bytes is a small chunk: alone it is a
 # secret, a nonce or a digest (32 bytes), not payload. Small chunks add up per message,
 # and count once their total is over SMALL_CHUNKS_MAX_CONTROL, so payload split into
@@ -79,14 +100,21 @@ _SAMPLE_TYPES = (Sample, GenerateOutput)
 _OUTPUT_TOKENS = ("token_ids", "logprobs", "raw_logprobs")  # GenerateOutput's token fields
 _REFERENCES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
                types.CodeType)  # pickled by name: they carry no data
+_NUMBERS = (bool, int, float, complex, np.number, np.bool_)
+
+
+def measure(obj: Any) -> Counter[str]:
+    """The bytes inside ``obj`` (one message) by kind: payload (PAYLOAD_KINDS) and
+    control (CONTROL_KINDS)."""
+    m = _Measure()
+    m.walk(obj, None, 0)
+    return m.result()
 
 
 def payload(obj: Any) -> Counter[str]:
     """Payload bytes inside ``obj`` (one message), by kind (SAMPLE, WEIGHT, BUFFER,
     UNMEASURED); empty for a control message."""
-    m = _Measure()
-    m.walk(obj, None, 0)
-    return m.result()
+    return Counter({k: n for k, n in measure(obj).items() if k in PAYLOAD_KINDS})
 
 
 def payload_bytes(obj: Any) -> int:
@@ -95,7 +123,7 @@ def payload_bytes(obj: Any) -> int:
 
 
 def _is_numbers(seq: list | tuple) -> bool:
-    return all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) for x in seq)
+    return all(isinstance(x, _NUMBERS) and not isinstance(x, bool) for x in seq)
 
 
 def _is_row(d: dict) -> bool:
@@ -110,17 +138,21 @@ def _is_ray_reference(obj: Any) -> bool:
 
 
 class _Measure:
-    """One walk over one message, following what pickle would write."""
+    """One walk over one message, following what pickle would write. ``ctx`` is
+    what the walk is inside: a sample or a weight (payload: what it holds is that
+    payload's), a manifest or a prompt (what it holds counts as that kind)."""
 
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
-        self.small: Counter[str] = Counter()
+        self.small: Counter[str] = Counter()  # small chunks, by the payload kind they are when they add up
         self.seen: set[int] = set()  # pickle writes a shared object once: it counts once
         self.num_nodes = 0
 
     def result(self) -> Counter[str]:
         if sum(self.small.values()) > SMALL_CHUNKS_MAX_CONTROL:
             self.bytes.update(self.small)
+        else:
+            self.bytes[SMALL_BYTES] += sum(self.small.values())
         return +self.bytes
 
     def _chunk(self, nbytes: int, kind: str) -> None:
@@ -129,8 +161,20 @@ class _Measure:
         elif nbytes:
             self.small[kind] += nbytes
 
-    def walk(self, obj: Any, ctx: str | None, depth: int) -> None:
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, np.generic)):
+    def _control(self, kind: str, nbytes: int, ctx: str | None) -> None:
+        """Control content of ``nbytes``: ``kind``, or the manifest's or prompt's it
+        is part of; inside a sample or a weight it is already counted as that payload."""
+        if ctx not in (SAMPLE, WEIGHT):
+            self.bytes[ctx if ctx in (MANIFEST, PROMPT) else kind] += nbytes
+
+    def walk(self, obj: Any, ctx: str | None, depth: int, key: bool = False) -> None:
+        if obj is None:
+            return
+        if isinstance(obj, str):  # a dict key is a name; every occurrence counts (pickle memoizes some)
+            self._control(NAME if key else TEXT, len(obj.encode("utf-8", "surrogatepass")), ctx)
+            return
+        if isinstance(obj, _NUMBERS):
+            self._control(NUMBER, _BYTES_PER_NUMBER, ctx)
             return
         if depth > _MAX_DEPTH or self.num_nodes > _MAX_NODES:
             self.bytes[UNMEASURED] += 1
@@ -139,7 +183,7 @@ class _Measure:
             return
         self.seen.add(id(obj))
         self.num_nodes += 1
-        kind = ctx if ctx in (SAMPLE, WEIGHT) else WEIGHT if ctx == _MANIFEST else None
+        kind = ctx if ctx in (SAMPLE, WEIGHT) else WEIGHT if ctx == MANIFEST else None
         down = depth + 1
         if isinstance(obj, _SAMPLE_TYPES):
             tokens = [f for f in obj.__struct_fields__ if f in TOKEN_DTYPES or f in _OUTPUT_TOKENS]
@@ -152,11 +196,10 @@ class _Measure:
             # by the design (DESIGN.md: the driver carries group requests); what comes back of a
             # sample (response, log-probs, versions) is payload.
             for f in obj.__struct_fields__:
-                if f != "prompt_ids":
-                    self.walk(getattr(obj, f), ctx, down)
+                self.walk(getattr(obj, f), PROMPT if f in ("prompt_ids", "meta") and ctx is None else ctx, down)
         elif isinstance(obj, (Manifest, WeightUpdate)):
             for f in obj.__struct_fields__:
-                self.walk(getattr(obj, f), _MANIFEST if f != "buckets" else WEIGHT, down)
+                self.walk(getattr(obj, f), WEIGHT if f == "buckets" else MANIFEST, down)
         elif isinstance(obj, torch.Tensor):
             self.bytes[kind or WEIGHT] += max(1, obj.numel() * obj.element_size())
         elif isinstance(obj, np.ndarray):
@@ -174,14 +217,10 @@ class _Measure:
                 ctx = SAMPLE
                 self.bytes[SAMPLE] += 1  # a row is a sample, even one of scalar fields only
             for k, v in obj.items():
-                self.walk(k, ctx, down)
+                self.walk(k, ctx, down, key=True)
                 self.walk(v, ctx, down)
         elif isinstance(obj, (list, tuple)):
-            if obj and ctx != _MANIFEST and (ctx == SAMPLE or len(obj) > TOKEN_LIST_MAX_CONTROL) and _is_numbers(obj):
-                self.bytes[SAMPLE] += _BYTES_PER_NUMBER * len(obj)
-            else:
-                for x in obj:
-                    self.walk(x, ctx, down)
+            self._walk_sequence(obj, ctx, down)
         elif isinstance(obj, (set, frozenset, collections.deque)):
             for x in obj:
                 self.walk(x, ctx, down)
@@ -195,6 +234,17 @@ class _Measure:
             return
         else:
             self._walk_object(obj, ctx, down)
+
+    def _walk_sequence(self, obj: list | tuple, ctx: str | None, depth: int) -> None:
+        """A list or tuple of numbers only is a token sequence when long or inside a
+        sample, else a short list; any other's items are walked one by one."""
+        if not obj or not _is_numbers(obj):
+            for x in obj:
+                self.walk(x, ctx, depth)
+        elif ctx not in (MANIFEST, PROMPT) and (ctx == SAMPLE or len(obj) > TOKEN_LIST_MAX_CONTROL):
+            self.bytes[SAMPLE] += _BYTES_PER_NUMBER * len(obj)
+        else:
+            self._control(SHORT_LIST, _BYTES_PER_NUMBER * len(obj), ctx)
 
     def _walk_object(self, obj: Any, ctx: str | None, depth: int) -> None:
         """Any other object as pickle would write it (its reduce: arguments, state,
@@ -224,46 +274,66 @@ class _Measure:
 @dataclasses.dataclass(frozen=True)
 class Seen:
     """What a probe counted up to a moment: messages by where they crossed,
-    wire bytes by boundary, payload bytes by (where, kind)."""
+    wire bytes by boundary, and by (where, kind): payload bytes, control bytes,
+    and the control bytes the budget allowed those messages."""
 
     messages: Counter[str]
     wire_bytes: Counter[str]
     payload: Counter[tuple[str, str]]
+    control: Counter[tuple[str, str]]
+    allowed: Counter[tuple[str, str]]
 
     def __sub__(self, before: Seen) -> Seen:
         return Seen(self.messages - before.messages, self.wire_bytes - before.wire_bytes,
-                    self.payload - before.payload)
+                    self.payload - before.payload, self.control - before.control, self.allowed - before.allowed)
 
     def bytes_of(self, kind: str) -> dict[str, int]:
-        """Payload bytes of ``kind``, by where they crossed."""
-        return {where: n for (where, k), n in self.payload.items() if k == kind}
+        """Bytes of ``kind`` (payload or control), by where they crossed."""
+        counts = self.payload if kind in PAYLOAD_KINDS else self.control
+        return {where: n for (where, k), n in counts.items() if k == kind}
+
+    def over_budget(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(where, kind) -> (control bytes seen, bytes allowed) wherever they are
+        more than the budget allowed the same messages. Judged where they crossed,
+        not summed over the driver: room one endpoint has left (a step report's
+        metric names) hides nothing at another (a string in a group report)."""
+        return {wk: (n, self.allowed[wk]) for wk, n in sorted(self.control.items()) if n > self.allowed[wk]}
 
 
 class DriverProbe:
-    """Counts the driver's messages and the payload bytes inside them (thread-safe:
-    the ``process`` runtime reads replies on a thread per actor, Ray on its own)."""
+    """Counts the driver's messages and the bytes inside them by kind, and what
+    ``budget(where, message)`` allows each (thread-safe: the ``process`` runtime
+    reads replies on a thread per actor, Ray on its own). Without a budget
+    (``None``: until the run's is known) nothing is allowed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._messages: Counter[str] = Counter()
         self._wire_bytes: Counter[str] = Counter()
         self._payload: Counter[tuple[str, str]] = Counter()
+        self._control: Counter[tuple[str, str]] = Counter()
+        self._allowed: Counter[tuple[str, str]] = Counter()
+        self.budget: Callable[[str, Any], Counter[str]] | None = None
         self._local = threading.local()
         self._where: dict[tuple[int, Any], str] = {}  # (connection or handle, call id) -> where its call went
         self._readers: dict[int, Any] = {}  # id of an rpc reader -> its connection
 
     def see(self, where: str, obj: Any, boundary: str | None = None, wire_bytes: int = 0) -> None:
-        found = payload(obj)
+        found = measure(obj)
+        allowed = self.budget(where, obj) if self.budget is not None else Counter()
         with self._lock:
             self._messages[where] += 1
             if boundary is not None:
                 self._wire_bytes[boundary] += wire_bytes
             for kind, n in found.items():
-                self._payload[where, kind] += n
+                (self._payload if kind in PAYLOAD_KINDS else self._control)[where, kind] += n
+            for kind, n in allowed.items():
+                self._allowed[where, kind] += n
 
     def snapshot(self) -> Seen:
         with self._lock:
-            return Seen(Counter(self._messages), Counter(self._wire_bytes), Counter(self._payload))
+            return Seen(Counter(self._messages), Counter(self._wire_bytes), Counter(self._payload),
+                        Counter(self._control), Counter(self._allowed))
 
     # ------------------------------------------------------------ runtime 'process'
     def _pickle_dumps(self, obj: Any, *args: Any, **kwargs: Any) -> bytes:

@@ -6,25 +6,34 @@ boundaries: the ``process`` runtime's pipe codec and its spawn, the
 TransferQueue's socket frames, Ray's serialize / deserialize of every
 ``.remote()`` argument and every result the driver takes, and the ``local``
 runtime's in-process calls. It sees each message as objects and as bytes on the
-wire and counts the sample payload (Samples, queue rows, token lists), the
-weight payload (tensors, update buckets) and raw buffers (arrays, bytes,
-memoryviews, PickleBuffers, many small chunks together) inside it.
+wire and measures the bytes inside it by kind: payload (Samples, queue rows,
+token lists, tensors, update buckets, raw buffers, many small chunks together)
+and control (numbers, short number lists, strings as values and as names,
+small chunks, a weight manifest, a group request's prompt).
 
 Each real run is a short fully-async run (first sync full, then deltas): the
 payload bytes through the driver, at setup and while training, must be zero
 while control messages flow (their count is checked, so the probe cannot pass
-by seeing nothing). The negative controls show that check fails when payload
-does cross: samples and a weight update routed through the driver on purpose
-after the training (``process`` and ``ray`` runtimes) and a trainer that
-returns its update in-band instead of publishing it (``local``), each found
-where it crossed. Unit checks show each payload shape counts by its bytes and
-control messages count zero.
+by seeing nothing), and while training the control bytes, endpoint by endpoint
+and kind by kind, must stay within what ``tests/control_budget.py`` allows the
+same messages: what control messages must carry, sized by the run's config and
+model. The negative controls show the check fails when payload does cross:
+samples and a weight update routed through the driver on purpose after the
+training (``process`` and ``ray`` runtimes), a trainer that returns its update
+in-band instead of publishing it (``local``), and rollout actors that hide 8
+token ids in each group report, as a list and as a string
+(``tests/report_leaks.py``; ``process`` and ``ray``), each found where it
+crossed. A run whose reward raises (error messages naming a file:line, drop
+reasons) stays within the budget. Unit checks show each shape counts by its
+bytes and kind, and the budget of a group report leaves no room for 8 ids.
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import itertools
+import json
 import pathlib
 import pickle
 from collections import Counter
@@ -38,14 +47,17 @@ import torch
 
 import loop
 from actors.launch import launch
-from contracts.rollout import GroupReport, GroupRequest
+from contracts.rollout import GroupReport, GroupRequest, RolloutCounts
 from contracts.sample import Sample
 from contracts.training import BatchRequest, StepReport
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync.encode import WeightSender
 from sync.link import BroadcastPush
-from tests.driver_probe import (BUFFER, SAMPLE, SMALL_CHUNKS_MAX_CONTROL, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe,
-                                Seen, install, payload, payload_bytes)
+from tests import report_leaks
+from tests.control_budget import ERROR_MESSAGE_BYTES, ControlBudget, Limits, endpoint, per_step
+from tests.driver_probe import (BUFFER, MANIFEST, NAME, NUMBER, PROMPT, SAMPLE, SHORT_LIST, SMALL_BYTES,
+                                SMALL_CHUNKS_MAX_CONTROL, TEXT, TOKEN_LIST_MAX_CONTROL, WEIGHT, DriverProbe, Seen,
+                                install, measure, payload, payload_bytes)
 from transfer_queue import rpc
 from transfer_queue.codec import encode_new_rows
 from transfer_queue.served import ServedDeployment
@@ -55,6 +67,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # driver on purpose (run.log_samples of them every N steps); every other sample byte must not
 SHORT = ["trainer.batch_prompts=2", "rollout.n=4", "run.progress=false", "rollout.max_response_tokens=8",
          "sync.mode=delta", "run.log_samples_every=0"]
+STEPS = 3  # each run's trainer steps
 
 
 # ------------------------------------------------------------ the probe itself
@@ -154,6 +167,79 @@ def test_a_shared_buffer_counts_once_as_pickle_writes_it_once() -> None:
     assert payload_bytes([buf, buf, {"again": buf}]) == 100
 
 
+_REPORT = GroupReport(group_id="g12", num_samples=4, num_queued=4, counts=RolloutCounts(generated=8, queued=8))
+KINDS: dict[str, tuple[Any, dict[str, int]]] = {  # a control message, its bytes by kind
+    "a number": (7, {NUMBER: 8}),
+    "a bool": (True, {NUMBER: 8}),
+    "a numpy scalar": (np.float32(0.5), {NUMBER: 8}),
+    "a short list": ([5, 12, 7, 3, 18, 2, 9, 11], {SHORT_LIST: 64}),
+    "a short tuple of floats": ((0.5, 0.25), {SHORT_LIST: 16}),
+    "a string": ("g12", {TEXT: 3}),
+    "a string, in UTF-8": ("é", {TEXT: 2}),
+    "a dict": ({"loss": 0.5}, {NAME: 4, NUMBER: 8}),
+    "a list of numbers and a string": ([5, 12, "x"], {NUMBER: 16, TEXT: 1}),
+    "a set of numbers": ({5, 12}, {NUMBER: 16}),
+    "nested containers": ({"a": [("bc", 1)]}, {NAME: 1, TEXT: 2, NUMBER: 8}),
+    "a small chunk": (bytes(32), {SMALL_BYTES: 32}),
+    "an error": (RuntimeError("out of memory"), {TEXT: 13}),
+    "a group report (a Struct)": (_REPORT, {TEXT: 3, NUMBER: 8 * 8}),
+    "a group request: its prompt and meta": (GroupRequest(group_id="g1", prompt_ids=list(range(200)), n=8,
+                                                          meta={"answer": "42"}), {TEXT: 2, NUMBER: 8, PROMPT: 1608}),
+    # its entry: name, dtype, shape, 6 sizes, encoding, checksum; its own 5 numbers, kind, bucket sizes
+    "a manifest": (WeightUpdate(manifest=_manifest(1), buckets=[]),
+                   {MANIFEST: (1 + 7 + 2 * 8 + 6 * 8 + 3 + 2 * 8) + (5 * 8 + 4 + 1 * 8)}),
+    "None and empty containers": ((None, [], {}, ""), {}),
+}
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_the_probe_counts_every_control_shape_by_its_bytes_and_kind(name: str) -> None:
+    message, expected = KINDS[name]
+    assert measure(message) == Counter(expected)
+
+
+@pytest.fixture(scope="module")
+def limits() -> Limits:
+    """The budget's sizes for the runs below (SHORT on fully_async.yaml)."""
+    from actors.config import load_config
+
+    cfg = load_config(ROOT / "fully_async.yaml", SHORT)
+    return Limits.of(cfg, ROOT / cfg.model.path)
+
+
+def _room(budget: ControlBudget, where: str, message: Any) -> Counter[str]:
+    """What the budget allows ``message`` beyond what it carries, by kind."""
+    allowed, carried = budget(where, message), measure(message)
+    return Counter({k: allowed[k] - carried[k] for k in set(allowed) | set(carried)})
+
+
+def test_a_group_reports_budget_leaves_no_room_for_eight_ids(limits: Limits) -> None:
+    """A report of a whole group queued (the common one) fills its budget but for
+    the room a group id of the run's longest leaves: less than 8 ids as a string
+    ("1 2 3 4 5 6 7 8", 15 bytes) and no list at all."""
+    room = _room(ControlBudget(limits), "process:rollout-0.generate_group (received)", _REPORT)
+    assert room == Counter({TEXT: limits.group_id_bytes - len("g12")}), room
+    assert room[TEXT] < len("1 2 3 4 5 6 7 8")
+
+
+def test_a_group_report_that_counts_a_reward_error_may_carry_its_message(limits: Limits) -> None:
+    """Drop reasons and an error message are allowed exactly where the report counts
+    them: the reasons of a dropped group, the reward error naming a file:line."""
+    budget = ControlBudget(limits)
+    error = f"ValueError: no number in 'seven' ({ROOT / 'examples' / 'rewards' / 'arithmetic.py'}:42)"
+    failed = msgspec.structs.replace(_REPORT, num_queued=0, num_reward_errors=1, reward_error=error,
+                                     dropped={"reward_error": 1, "group_incomplete": 3})
+    room = _room(budget, "ray:RolloutActor.generate_group (received)", failed)
+    assert min(room.values()) >= 0 and room[TEXT] == ERROR_MESSAGE_BYTES + limits.group_id_bytes - len(error) - 3
+    assert budget("process:rollout-0.generate_group (received)", _REPORT)[NAME] == 0  # nothing dropped: no reasons
+
+
+def test_an_endpoint_without_a_budget_is_allowed_nothing(limits: Limits) -> None:
+    assert endpoint("ray:TrainerActor.train_step (sent)") == endpoint("local:trainer.train_step (sent)")
+    assert endpoint("queue:call.statistics (received)") == "queue.statistics (received)"
+    assert ControlBudget(limits)("process:rollout-0.samples (received)", ["g1"]) == Counter()
+
+
 # ------------------------------------------------------------- real runs
 @pytest.fixture
 def probe(monkeypatch: pytest.MonkeyPatch) -> DriverProbe:
@@ -184,8 +270,9 @@ def _run(probe: DriverProbe, tmp_path: pathlib.Path, *overrides: str,
     when given, ``route(run)`` on the driver's loop after its training."""
     run = launch(ROOT / "fully_async.yaml", *SHORT, f"run.output_dir={tmp_path}", *overrides)
     with run:
+        probe.budget = ControlBudget(Limits.of_run(run))
         setup = probe.snapshot()
-        run.train(steps=3)
+        run.train(steps=STEPS)
         trained = probe.snapshot()
         routed = result = None
         if route is not None:
@@ -193,17 +280,24 @@ def _run(probe: DriverProbe, tmp_path: pathlib.Path, *overrides: str,
             routed = probe.snapshot() - trained
     kinds = [m["sync/kind"] for m in run.history]
     assert kinds[0] == "full" and kinds[1:] == ["delta", "delta"], kinds
-    assert run.history[-1]["trained"] == 3 * 2 * 4
+    assert run.history[-1]["trained"] == STEPS * 2 * 4
     return _Outcome(run, setup, trained - setup, routed, result)
 
 
-def _assert_control_only(seen: Seen) -> None:
-    """The check of every real run: messages flowed, none carried payload."""
+def _assert_control_only(seen: Seen, steps: int = STEPS) -> None:
+    """The check of every real run: messages flowed, none carried payload, and
+    the control they carried stayed within its budget where it crossed."""
     assert seen.messages, "the probe saw no driver message: it is not wired"
     assert not seen.payload, f"payload through the driver: {dict(seen.payload)}"
+    over = seen.over_budget()
+    assert not over, "control through the driver over its budget, bytes per step: " + "; ".join(
+        f"{where} {kind} {n / steps:.1f} > {allowed / steps:.1f}" for (where, kind), (n, allowed) in over.items()
+    ) + " (all endpoints: " + ", ".join(f"{k} {n:.1f} of {a:.1f}" for k, (n, a) in per_step(seen, steps).items()) + ")"
 
 
 def _assert_run_carried_control_only(out: _Outcome) -> None:
+    """Training within the budget; setup (the actors' constructors: configs, the
+    queue client) without payload, its control unbudgeted: it happens once."""
     _assert_control_only(out.training)
     assert not out.setup.payload, f"payload through the driver at setup: {dict(out.setup.payload)}"
 
@@ -335,6 +429,63 @@ def test_a_trainer_that_hands_the_driver_its_update_in_band_fails_the_check(
     weights = out.training.bytes_of(WEIGHT)
     assert weights.keys() == {"local:trainer.weight_update (received)", "local:rollout-0.swap_weights (sent)"}
     assert weights["local:trainer.weight_update (received)"] == weights["local:rollout-0.swap_weights (sent)"] > 0
+
+
+LEAKS = {"as a list": (report_leaks.IdsAsList, SHORT_LIST), "as a string": (report_leaks.IdsAsText, TEXT)}
+
+
+@pytest.mark.parametrize("runtime", ["process", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("leak", LEAKS)
+def test_token_ids_hidden_in_group_reports_fail_the_check(leak: str, runtime: str, probe: DriverProbe,
+                                                         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                         request: pytest.FixtureRequest) -> None:
+    """A regression in the actor, not a call from the test: each group report
+    carries 8 of its responses' token ids, as a list field of their own or as a
+    string in its error field, from the actor's own process. The check fails,
+    on that endpoint and kind only (the run trains as before)."""
+    import actors.wiring
+
+    actor, kind = LEAKS[leak]
+    if runtime == "ray":
+        request.getfixturevalue("ray_cluster")
+    monkeypatch.setattr(actors.wiring, "RolloutActor", actor)  # the class the composition root spawns
+    out = _run(probe, tmp_path, f"runtime.type={runtime}", "transfer_queue.deployment=local")
+    with pytest.raises(AssertionError, match="over its budget"):
+        _assert_run_carried_control_only(out)
+    over = out.training.over_budget()
+    assert {(endpoint(where), k) for where, k in over} == {("generate_group (received)", kind)}, over
+    ((where, _), (carried, _)), = over.items()
+    if kind == SHORT_LIST:  # the only short lists there: every report's ids, all found
+        assert carried == out.training.messages[where] * 8 * report_leaks.LEAKED_IDS
+
+
+_failures = itertools.count()
+
+
+def reward_that_fails_now_and_then(text: str, answer: str) -> float:
+    """A user reward (``task.kwargs.reward=tests.test_direct_paths:reward_that_fails_now_and_then``)
+    that raises on every fifth call, with a message quoting the response."""
+    if next(_failures) % 5 == 4:
+        raise ValueError(f"cannot score {text!r} against the answer {answer!r}")
+    return float(text.strip() == answer.strip())
+
+
+def test_a_run_whose_reward_raises_stays_within_the_budget(probe: DriverProbe, tmp_path: pathlib.Path,
+                                                           limits: Limits) -> None:
+    """Control as it is when things go wrong: groups dropped (reasons counted in
+    the reports and the step reports), error messages naming the reward's file and
+    line, all within the budget."""
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps({"prompt": " ".join(d), "answer": " ".join(reversed(d))}) + "\n"
+                            for d in ("89", "123", "4567", "302")))
+    out = _run(probe, tmp_path, "runtime.type=local", "task.type=text_dataset", f"task.kwargs.path={data}",
+               "task.kwargs.chat_template=false",
+               "task.kwargs.reward=tests.test_direct_paths:reward_that_fails_now_and_then")
+    _assert_run_carried_control_only(out)
+    assert out.run.history[-1]["dropped"].get("reward_error", 0) > 0, out.run.history[-1]
+    reports = "local:rollout-0.generate_group (received)"
+    assert out.training.bytes_of(TEXT)[reports] > out.training.messages[reports] * limits.group_id_bytes, \
+        "no error message crossed: the reports' text is no more than their group ids"
 
 
 def test_a_failed_train_step_hands_its_batch_back_to_the_queue(tmp_path: pathlib.Path,
