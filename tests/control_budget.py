@@ -32,7 +32,7 @@ payload only. What the endpoints of a training step may carry:
     generate_group (sent)      GroupRequest  text: a group id; number: n; prompt: max_model_len token ids
                                              and PROMPT_META_BYTES of meta
     generate_group (received)  GroupReport   text: a group id, and an error message (ERROR_MESSAGE_BYTES)
-                                             if it counts a reward error; number: its 8 counts, and one
+                                             if it counts a reward error; number: its counts, and one
                                              per drop reason (name: the reason) in each of its drop
                                              counts that is not empty
     train_step (sent)          BatchRequest  text: the consumer's name, a group id per group of a batch;
@@ -46,7 +46,6 @@ payload only. What the endpoints of a training step may carry:
                                              (when one crossed: in-process); text: the in-flight mode;
                                              number: asleep
     swap_weights (received)    SwapReport    number: 4
-    observe (sent)             timings       text: the sync's kind; name and number: 3 timings
     weight_link (received)     the link      text: its kind and backend; number: its world size
     get_version, broadcast_pending (received)  number: 1
     queue.statistics (sent)    the call      text: its method's name
@@ -92,7 +91,6 @@ METRICS, METRIC_NAME_BYTES = 64, 48
 QUEUE_NAMES, QUEUE_NAME_BYTES = 8, 32  # partitions and consumers of the queue, by name ("train", "trainer")
 TRANSPORT_NAME_BYTES = 16  # a weight link's kind or backend ("broadcast", "gloo")
 IN_FLIGHT_BYTES = len("recompute")  # the longest of sync.in_flight's modes
-SYNC_KIND_BYTES = len("delta")  # "full" or "delta"
 LAYOUT_BYTES = 32  # a manifest's layout digest (sync.device.layout_digest)
 _BYTES_PER_ELEMENT = 4  # a full push's element at its widest (float32)
 # Group ids are "g<n>", n counting the groups a run requested: its steps' groups, with
@@ -267,9 +265,6 @@ _ALLOWANCES: dict[str, Callable[[Limits, Any], Any]] = {
     "weight_update (received)": _weight_update,
     "swap_weights (sent)": _swap,
     "swap_weights (received)": lambda lim, seen: SwapReport(version=0, aborted=0),
-    "observe (sent)": lambda lim, seen: _call(_text(SYNC_KIND_BYTES), encode_ms=0.0, transfer_ms=0.0,
-                                              apply_ms=0.0),
-    "observe (received)": lambda lim, seen: None,
     "release_weights (sent)": lambda lim, seen: _NOTHING,
     "release_weights (received)": lambda lim, seen: None,
     "weight_link (sent)": lambda lim, seen: _NOTHING,

@@ -182,7 +182,7 @@ KINDS: dict[str, tuple[Any, dict[str, int]]] = {  # a control message, its bytes
     "nested containers": ({"a": [("bc", 1)]}, {NAME: 1, TEXT: 2, NUMBER: 8}),
     "a small chunk": (bytes(32), {SMALL_BYTES: 32}),
     "an error": (RuntimeError("out of memory"), {TEXT: 13}),
-    "a group report (a Struct)": (_REPORT, {TEXT: 3, NUMBER: 8 * 8}),
+    "a group report (a Struct)": (_REPORT, {TEXT: 3, NUMBER: (6 + 4) * 8}),  # its 6 numbers, its counts' 4
     "a group request: its prompt and meta": (GroupRequest(group_id="g1", prompt_ids=list(range(200)), n=8,
                                                           meta={"answer": "42"}), {TEXT: 2, NUMBER: 8, PROMPT: 1608}),
     # its entry: name, dtype, shape, 6 sizes, encoding, checksum; its own 5 numbers, kind, bucket sizes
