@@ -4,7 +4,7 @@ A measured figure goes stale with the next machine, driver or commit; its home i
 ``docs/benchmarks.md`` and ``bench/results/``, where it sits beside its command and machine.
 The library is every package but ``bench/`` and ``tests/``: ``actors``, ``contracts``,
 ``loop``, ``policies``, ``sync``, ``transfer_queue`` and ``tools``. In its docstrings (module,
-class, function, and the string under a config field) and its ``#`` comments, a line fails on:
+class, function, and the string under a config field), a line fails on:
 
 1. **A commit hash**: a token of 7-40 lowercase hex digits with at least one digit and one
    letter, standing alone (not inside a longer word, not after ``0x`` or a dot). A hex
@@ -27,10 +27,8 @@ drop it) and say "see docs/benchmarks.md" where the reader needs to know it was 
 from __future__ import annotations
 
 import ast
-import io
 import pathlib
 import re
-import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = ("actors", "contracts", "loop", "policies", "sync", "transfer_queue", "tools")
@@ -53,11 +51,6 @@ def docstrings(source: str) -> list[tuple[int, str]]:
     return [(node.lineno, node.value.value) for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
             and isinstance(node.value.value, str)]
-
-
-def comments(source: str) -> list[tuple[int, str]]:
-    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-            if tok.type == tokenize.COMMENT]
 
 
 def _sentences(text: str) -> list[tuple[int, str]]:
