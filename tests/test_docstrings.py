@@ -1,4 +1,4 @@
-"""Library docstrings and comments say how the code works, not what it measured once.
+"""Library docstrings say how the code works, not what it measured once.
 
 A measured figure goes stale with the next machine, driver or commit; its home is
 ``docs/benchmarks.md`` and ``bench/results/``, where it sits beside its command and machine.
@@ -90,7 +90,7 @@ def test_the_rules_catch_measured_figures_and_hashes_and_pass_plain_prose():
     assert findings("tens of microseconds a message; about 80 times faster") == []
 
 
-def test_no_library_docstring_or_comment_carries_a_measurement_or_a_commit_hash():
+def test_no_library_docstring_carries_a_measurement_or_a_commit_hash():
     bad = []
     for path in library_files():
         source = path.read_text()
