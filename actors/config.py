@@ -156,16 +156,14 @@ class RuntimeConfig(_Section):
     """``process`` only, actors on GPUs: the run starts an NVIDIA MPS control daemon of
     its own before its actors (stopped when it closes), so the actors' CUDA contexts
     are clients of one MPS server and a colocated trainer's kernels run beside the
-    engine's instead of taking turns with them (``actors/mps.py``). One H100,
-    SmolLM2-135M: the trainer step beside a generating engine 1.08x its time alone
-    under MPS, 2.1-2.2x without. A daemon the environment already names
+    engine's instead of taking turns with them (``actors/mps.py``; what it changes
+    is measured in docs/benchmarks.md). A daemon the environment already names
     (``CUDA_MPS_PIPE_DIRECTORY``) is used as it is."""
     mps_trainer_sm_percent: Annotated[int, Meta(ge=1, le=100)] | None = None
     """With ``mps``: the share of the GPU's SMs the trainer's kernels may take
     (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` in its processes), so that the engine's
-    always find SMs free. One H100, SmolLM2-135M, unlimited: the trainer step beside
-    the engine 1.19x its time alone, but the engine's prefills 4-5x slower. None:
-    no limit."""
+    always find SMs free (unlimited, the trainer beside the engine slows the
+    engine's prefills several times over: docs/benchmarks.md). None: no limit."""
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
     """Ray only: what each role asks of the cluster and how it spreads over its
     nodes (``actors/placement_config.py``; ``docs/ray-clusters.md``)."""

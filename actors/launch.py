@@ -8,7 +8,7 @@ From a notebook::
     run.train(steps=10)      # step by step; call again to continue
     run = launch("fully_async.yaml", "task.type=text_dataset", data=ds, reward=my_reward)  # your rows and reward
     await run.train_async(10)       # the same from code on an event loop
-    run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, 95.3 samples/s, runs/...)
+    run                      # Run(fully_async, step 20/500, reward 0.41, staleness 0.80, N samples/s, runs/...)
     run.metrics(); run.plot()       # the records as a table (pandas); reward, staleness, throughput
     run.close()
     run = launch(resume=run.dir)   # later: from its newest checkpoint

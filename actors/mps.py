@@ -2,9 +2,9 @@
 
 Without MPS, the CUDA contexts of two processes on one GPU take turns: a colocated
 trainer's kernels and a generating engine's never run at once, and the trainer step
-beside the engine took 2.1-2.2x its time alone (one H100, SmolLM2-135M). Under MPS the
-actors' processes are clients of one server and their kernels share the GPU's SMs:
-1.08x (``docs/benchmarks.md``).
+beside the engine takes about twice its time alone. Under MPS the actors' processes are
+clients of one server and their kernels share the GPU's SMs, and the step comes close to
+its time alone (``docs/benchmarks.md``).
 
     MpsDaemon.start()   a control daemon of the run's own (``nvidia-cuda-mps-control -d``,
                         pipe and log directories in a fresh temporary directory), and the
@@ -15,8 +15,8 @@ actors' processes are clients of one server and their kernels share the GPU's SM
 
 ``runtime.mps_trainer_sm_percent`` caps the share of SMs the trainer's kernels may take
 (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` in its processes' environment from their start):
-unlimited, the engine's prefills ran 4-5x slower beside it and fully-async lost more than
-the trainer gained (1.93x sync against 2.19x without MPS, one H100).
+unlimited, the engine's prefills ran several times slower beside it and fully-async lost
+more than the trainer gained (``docs/benchmarks.md``).
 
 A daemon the environment already names (``CUDA_MPS_PIPE_DIRECTORY`` set: the cluster's
 own, or the user's) is used as it is, never started or stopped here. A client that

@@ -97,7 +97,7 @@ def waiting_for(rollout_stats: Sequence[dict[str, Any]]) -> str:
 
 
 def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, closed: bool, run_dir: Any) -> str:
-    """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, 95.3 samples/s, runs/<dir>)``:
+    """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, N samples/s, runs/<dir>)``:
     the latest step's figures and where the run writes."""
     parts = [name]
     if not history:

@@ -122,7 +122,7 @@ def _probe_ray_address(address: str, timeout_s: float, label: str = "runtime.add
 def _check_gcs(address: str, label: str) -> None:
     """Ask the GCS at ``address`` (which answered the probe) for its cluster id, as
     ``ray.init`` does first: a refused token or a gRPC server that is not a GCS is
-    one line now (``ray.init`` would retry it for ~20 s and then name neither)."""
+    one line now (``ray.init`` would retry it for a while and then name neither)."""
     try:  # Ray's private API (another version may lack it: then ray.init reports it); ~0.75 s to import
         from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError, RpcError

@@ -4,7 +4,7 @@
                           forecast (bench.simulate_validate), predicted from standalone figures
                           and the kept interference model, beside the naive predictor's
     --calibrate           refit the interference model on its calibration runs and keep it
-                          (bench/results/simulate_interference.json)
+                          (bench/results/simulate/simulate_interference.json)
     --forecast, --levers  what-ifs on kept runs from their own in-loop clocks (bench.simulate_whatif)
     --model 0.5b,7b --gpus 8,32,128
                           one JSON object: predictions per schedule at those sizes, the best

@@ -126,7 +126,7 @@ class Interference:
     """How the loop slows each part against its standalone speed (all 1: no slowdown).
 
     ``bench.simulate_validate`` fits these on paired standalone and in-loop clocks of a few
-    kept runs (``bench/results/simulate_interference.json``)."""
+    kept runs (``bench/results/simulate/simulate_interference.json``)."""
 
     decode_floor_s: float = 0.0
     """A decode step in the loop takes at least this long, whatever its batch: the rollout

@@ -6,7 +6,7 @@
      run's mean response length)      │
                                       ├─► bench.simulate_model ─► trained tokens/s per policy
     the interference model ───────────┘        (and beside it the naive predictor's)
-    (bench/results/simulate_interference.json:
+    (bench/results/simulate/simulate_interference.json:
      fit once on a few named calibration runs)
 
 A kept ``bench.async_vs_sync`` run's policies are predicted from its setup's standalone
@@ -33,7 +33,7 @@ from typing import Any
 from bench.simulate_model import Inputs, Interference, LengthDist, Schedule, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
-INTERFERENCE_FILE = RESULTS / "simulate_interference.json"
+INTERFERENCE_FILE = RESULTS / "simulate" / "simulate_interference.json"
 SEED = 0
 NUM_SEEDS = 3  # simulation seeds averaged per prediction (the lengths are random)
 GOAL = 0.25  # issue 47: every kept GPU run within 25%
@@ -66,10 +66,21 @@ class RunSpec:
     why: str = ""
 
 
+def kept(name: str) -> Path:
+    """A kept result by its name in its benchmark's folder: ``<bench>/<name>`` while it is
+    current, ``archive/<bench>/<name>`` once superseded (``bench/results/README.md``). A run
+    is named the same wherever it is filed, so archiving one changes no forecast."""
+    hits = sorted(RESULTS.glob(f"*/{name}")) + sorted(RESULTS.glob(f"archive/*/{name}"))
+    if len(hits) != 1:
+        raise FileNotFoundError(f"{name}: {len(hits)} kept files of that name under {RESULTS} "
+                                f"({', '.join(str(h.relative_to(RESULTS)) for h in hits) or 'none'})")
+    return hits[0]
+
+
 def _load(name: str) -> dict[str, Any]:
     """A kept run as ``bench.async_vs_sync`` printed it."""
     name, _, key = name.partition("#")
-    d = json.loads((RESULTS / name).read_text())
+    d = json.loads(kept(name).read_text())
     if key:
         d = d["runs"][key]
     r = dict(d.get("result", d))
@@ -172,7 +183,7 @@ def _push(spec: RunSpec, run: dict[str, Any]) -> tuple[float, float, float, str]
     """(push, paused, encode) seconds and the file: bench.weight_sync's full push, CUDA IPC."""
     files = PUSH_FILES[_gpu(spec)]
     name = next((f for code, f in files.items() if code and code in spec.file), files[""])
-    d = json.loads((RESULTS / name).read_text())["runs"][0]["transports"]["cuda_ipc"]["full"]
+    d = json.loads(kept(name).read_text())["runs"][0]["transports"]["cuda_ipc"]["full"]
     return (d["push_ms_median"] / 1e3, d["paused_ms_median"] / 1e3, d["component_min_ms"]["encode"] / 1e3, name)
 
 
@@ -206,7 +217,7 @@ def _trainer(spec: RunSpec, st: dict[str, Any], src: str) -> tuple[float, str]:
     """Seconds a trained token (prompt or response) on the standalone trainer: the median step
     over the tokens of its step."""
     if spec.trainer_from:
-        d = json.loads((RESULTS / spec.trainer_from).read_text())
+        d = json.loads(kept(spec.trainer_from).read_text())
         (backend, b), = d["backends"].items()
         step_ms = sorted(b["step_ms"])[len(b["step_ms"]) // 2]
         return step_ms / 1e3 / (d["batch"]["samples"] * d["batch"]["tokens_mean"]), f"{spec.trainer_from} ({backend})"
@@ -269,7 +280,7 @@ class EraLoop:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """The kept interference model (``bench/results/simulate_interference.json``): the decode
+    """The kept interference model (``bench/results/simulate/simulate_interference.json``): the decode
     step's floor, the factors per code era, the loop's other costs per runtime."""
 
     decode_floor_s: float

@@ -1,7 +1,7 @@
 """Soak: the default job for many steps under the Ray runtime, a random rollout
 actor killed (SIGKILL) about every ``--kill-every`` steps; prints ONE JSON object.
 
-    python -m bench.soak [--steps 2000] [--kill-every 100] [--out bench/results/soak_cpu.json]
+    python -m bench.soak [--steps 2000] [--kill-every 100] [--out bench/results/soak/soak_cpu.json]
 
 What it checks, as figures (tests/test_soak.py asserts on them):
 

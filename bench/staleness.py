@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--output-dir", default="/tmp/asyncrl-bench-runs")
-    p.add_argument("--out", default=None, help="also write the JSON here (the kept one: bench/results/staleness_cpu.json)")
+    p.add_argument("--out", default=None, help="also write the JSON here (the kept one: bench/results/staleness/staleness_cpu.json)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = p.parse_args(argv)
     ks = [int(k) for k in args.staleness.split(",")]

@@ -44,7 +44,7 @@ producer puts one GRPO group per call on both queues (``--groups-per-put``
 changes that for both alike). Everything runs on the process's one loop
 (``loop.run``: uvloop when installed, as every asyncrl process), both queues alike.
 Prints one JSON object (``--out``: also writes it there; the kept one is
-``bench/results/transfer_queue_cpu.json``).
+``bench/results/transfer_queue/transfer_queue_cpu.json``).
 """
 
 from __future__ import annotations
@@ -390,7 +390,7 @@ if __name__ == "__main__":
     parser.add_argument("--num-storage-units", type=int, default=NUM_STORAGE_UNITS,
                         help=f"storage units of both TransferQueue deployments (default {NUM_STORAGE_UNITS}, the queue's)")
     parser.add_argument("--out", default=None,
-                        help="also write the JSON here (the kept one: bench/results/transfer_queue_cpu.json)")
+                        help="also write the JSON here (the kept one: bench/results/transfer_queue/transfer_queue_cpu.json)")
     args = parser.parse_args()
     GROUPS_PER_PUT = args.groups_per_put
     NUM_STORAGE_UNITS = args.num_storage_units

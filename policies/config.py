@@ -81,7 +81,7 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     applied (it waits only for the encode). ``null`` (auto): true when the
     trainer's device is none of the engines' (the push then costs the trainer
     nothing), false when they share one, where the push would compete with the
-    train step for that device (measured on one H200: bench/results/async_vs_sync_h200_process*.json)."""
+    train step for that device (docs/benchmarks.md, "Appendix: history")."""
     eval_every: NonNegInt = 0
     """Every this many trainer steps, score ``eval_prompts`` fixed held-out
     prompts (the task's ``eval_prompts``), one greedy response each, on the

@@ -3,8 +3,8 @@
 transformers renders chat templates in.
 
 Why: ``transformers.AutoTokenizer`` pulls transformers' tokenization and
-configuration code and torch (6-9 s per process with a cold page cache, 2 s
-warm), while a text task needs only to render prompts (chat template, then
+configuration code and torch (seconds per process, more with a cold page
+cache), while a text task needs only to render prompts (chat template, then
 encode), decode responses and know its stop ids. A rollout actor on the
 built-in engine then never imports transformers; nor does the driver for its task.
 

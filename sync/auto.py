@@ -18,12 +18,13 @@ trainer's weights are on, from whole pushes measured by ``bench.weight_sync``
                                      serialized through Ray's object store: the bytes
                                      sent dominate, and a delta sends a fraction of them
 
-Kept results: ``bench/results/weight_sync_h100_*.json`` and
-``bench/results/weight_sync_h200_*.json`` (inproc and cuda_ipc on a GPU; the
-``pickle`` transport of ``weight_sync_h200.json``, another process sent a
-serialized copy, stands for ``ray`` on a GPU), ``bench/results/weight_sync_cpu.json``
-(inproc, ray and gloo on the CPU) and ``bench/results/weight_sync_cpu_69b97c5.json``
-(inproc and gloo on the CPU, measured again at the code that made ``auto`` this rule).
+Kept results, in ``bench/results/weight_sync/`` (older runs in ``archive/weight_sync/``;
+docs/benchmarks.md, "Weight push"): ``weight_sync_h100_*.json`` and
+``weight_sync_h200_*.json`` (inproc and cuda_ipc on a GPU; the ``pickle`` transport of
+``weight_sync_h200.json``, another process sent a serialized copy, stands for ``ray`` on
+a GPU), ``weight_sync_cpu.json`` (inproc, ray and gloo on the CPU) and
+``weight_sync_cpu_69b97c5.json`` (inproc and gloo on the CPU, measured again at the code
+that made ``auto`` this rule).
 A broadcast over NCCL to other hosts is not measured.
 
 A rule, not a choice measured in the run: measuring the kind not chosen costs

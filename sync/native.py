@@ -2,9 +2,8 @@
 
 A numpy path made a chain of temporaries per chunk (compare, nonzero, gather,
 diff, sums), each a pass over memory; on a 2-core host that made a delta of a
-0.5B model cost more than a full push (``bench/results/weight_sync_cpu.json``
-at 084b7ba: delta encode 1774 ms, apply 625 ms at lr 1e-6; these kernels at
-d955f18: 364 ms and 180 ms). They do each job in one pass:
+0.5B model cost more than a full push, several times what these kernels take
+(docs/benchmarks.md, "Weight push"). They do each job in one pass:
 
     encode_piece  sender: compare last-sent vs current a word at a time, emit
                   varint gaps + bitmask + diff8 + escapes + sums, update last-sent

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -65,16 +64,27 @@ def test_the_forecast_beats_the_naive_predictor(validation):
 def test_every_kept_async_vs_sync_run_is_validated_calibrated_or_excluded(validation):
     d = validation
     covered = {r["run"].split("#")[0] for r in d["runs"] + d["calibration_runs"]["runs"]} | set(d["excluded"])
-    kept = {p.name for p in sv.RESULTS.glob("async_vs_sync_*")} | {"clean_clone_e91d83a/async_vs_sync_cpu.json"}
+    folders = (sv.RESULTS / "async_vs_sync", sv.RESULTS / "archive" / "async_vs_sync")  # current, superseded
+    kept = {str(p.relative_to(folder)) for folder in folders for p in folder.rglob("async_vs_sync_*")}
+    assert "clean_clone_e91d83a/async_vs_sync_cpu.json" in kept and len(kept) > 40
     assert kept <= covered
 
 
 def test_every_kept_gpu_run_with_a_standalone_section_is_forecast():
     forecast = {s.file.split("#")[0] for s in sv.VALIDATE + sv.CALIBRATION}
-    for path in sv.RESULTS.glob("async_vs_sync_h[12]00_*.json"):
+    for path in [*sv.RESULTS.glob("*/async_vs_sync_h[12]00_*.json"),
+                 *sv.RESULTS.glob("archive/*/async_vs_sync_h[12]00_*.json")]:
         d = json.loads(path.read_text())
         if "standalone" in d.get("result", d):
             assert path.name in forecast
+
+
+def test_a_kept_run_is_found_by_its_name_current_or_archived():
+    assert sv.kept("async_vs_sync_h100_smollm2_staleness6_warm10_41990f0.json").parent == sv.RESULTS / "async_vs_sync"
+    assert sv.kept("async_vs_sync_h100_smollm2_graphs.json").parent == sv.RESULTS / "archive" / "async_vs_sync"
+    assert sv.kept("clean_clone_e91d83a/async_vs_sync_cpu.json").parent.name == "clean_clone_e91d83a"
+    with pytest.raises(FileNotFoundError, match="none"):
+        sv.kept("async_vs_sync_nowhere.json")
 
 
 def test_the_kept_interference_model_is_what_calibrate_fits():
@@ -85,7 +95,7 @@ def test_the_kept_interference_model_is_what_calibrate_fits():
 
 
 def test_the_kept_validation_is_what_validate_prints(validation):
-    kept = json.loads((sv.RESULTS / "simulate_validate.json").read_text())
+    kept = json.loads(sv.kept("simulate_validate.json").read_text())
     for key in ("summary", "runs", "goal_met", "excluded"):
         assert kept[key] == json.loads(json.dumps(validation[key])), key
 
@@ -106,12 +116,10 @@ def _scale_numbers(x, factor: float):
 def test_a_validated_runs_in_loop_clocks_are_no_input_of_its_forecast(name, tmp_path, monkeypatch):
     # a copy of the kept results where every in-loop figure of the run (its policies: clocks,
     # throughput, idle ratios, response lengths, wall times) is scaled; only `measured` moves
-    for f in sv.RESULTS.iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
-    run = json.loads((sv.RESULTS / name).read_text())
+    shutil.copytree(sv.RESULTS, tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.png", "*.log"))
+    run = json.loads(sv.kept(name).read_text())
     run["policies"] = _scale_numbers(run["policies"], 1.7)
-    (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / sv.kept(name).relative_to(sv.RESULTS)).write_text(json.dumps(run))
     spec = next(s for s in sv.VALIDATE if s.file == name)
     loop = sv.load_loop()
     before = sv._row(spec, loop)
@@ -182,4 +190,4 @@ def test_calibrate_writes_the_kept_file(tmp_path, monkeypatch, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text()) == printed
     assert set(printed["fit_on"]) == {s.file for s in sv.CALIBRATION}
-    assert Path(sv.RESULTS / "simulate_interference.json").exists()
+    assert sv.kept("simulate_interference.json") == sv.RESULTS / "simulate" / "simulate_interference.json"

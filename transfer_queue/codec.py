@@ -92,7 +92,7 @@ def mask_fields(mask: int) -> tuple[str, ...]:
 
 def _token_copy(value: Any, name: str) -> list | np.ndarray:
     """A copy of token field ``name``: a list stays a list (ints and floats are immutable,
-    so a shallow copy is a full one, ~4 us per 1k tokens); anything else (a numpy array)
+    so a shallow copy is a full one, and cheap); anything else (a numpy array)
     becomes a contiguous little-endian array of the field's dtype."""
     if isinstance(value, list):
         return list(value)

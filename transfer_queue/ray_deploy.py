@@ -7,8 +7,8 @@
     ack         client ─ack─► controller ─delete(indices), fire and forget─► storage units
 
 Ray places, starts and kills the actors; the calls above go over direct sockets
-(``rpc.py``: a Ray actor call costs ~1 ms of CPU at each end on a small host, a
-socket message tens of microseconds). Sample data never passes through the
+(``rpc.py``: a Ray actor call costs tens of times the CPU of a socket message at
+each end). Sample data never passes through the
 controller: the client encodes the rows of each write as one msgpack buffer
 (``codec.py``: token lists as msgpack arrays, token arrays as their bytes), the
 storage unit keeps each new row whole as an unparsed slice of it (the client

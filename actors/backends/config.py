@@ -75,9 +75,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     the sequences' lengths; padded, rows x longest row (rows sorted by length,
     so long-tailed batches stop padding every row to the longest).
     0 = the whole batch in one pass; null = 16384 on CUDA (a small step is
-    bound by kernel launches, which every extra pass repeats: 64 samples of
-    ~40 tokens step in 100 ms at 16384 and 170 ms at 2048 on an H200, 358M
-    bf16), 2048 on a CPU (memory)."""
+    bound by kernel launches, which every extra pass repeats; docs/benchmarks.md,
+    "Trainer step"), 2048 on a CPU (memory)."""
     packed: bool = True
     """Torch backend: pack each micro-batch into one row of concatenated
     sequences (no padding; attention kept within each sequence, by the varlen
@@ -122,7 +121,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens rounded up to a multiple of 2048, the sequences and the longest one
     bucketed likewise. For steps bound by the host's kernel launches (small models,
     short rows: SmolLM2-135M's ~4,500 launches a step eager). A run meets a few
-    shapes; each new one costs a capture (~1 s, ``train/graph_capture_s``) and keeps
+    shapes; each new one costs a capture (``train/graph_capture_s`` times it) and keeps
     its activations' memory in one shared pool. Needs ``device: cuda``, ``dtype: bfloat16``,
     ``packed``, one worker; not with ``compile`` or ``activation_checkpointing``.
     Works with ``kernels: liger``. A model that cannot pack (``packed``) trains padded

@@ -2,8 +2,8 @@
 
 A small model's step is bound by the host that launches its kernels, not by the device
 that runs them: SmolLM2-135M, 64 x ~200-token samples, eager, launches ~4,500 kernels a
-step on an H200, busy 76 ms of a 165 ms step. Captured once, a forward and its backward
-are each one launch.
+step and leaves the device idle for about half of it. Captured once, a forward and its
+backward are each one launch.
 
 A graph runs fixed shapes, so each micro-batch is padded to a *bucket*:
 
@@ -21,12 +21,12 @@ A graph runs fixed shapes, so each micro-batch is padded to a *bucket*:
 
 A bucket already captured that holds a micro-batch serves it (its padding then in larger
 pieces), the smallest such, until the tokens padded beyond the micro-batch's own bucket add
-up to CAPTURE_COST_TOKENS; then its own is captured (ski rental). A capture costs 0.4-0.8 s
-on an H100 (two eager passes and the capture), a replay of the SmolLM2-135M shape ~5 us a
-token: a size that recurs earns its graphs, one met now and then is padded. Under
-``trainer.micro_batch_tokens`` a step's last micro-batch holds what is left over, one sample
-to the budget: before this, its sizes captured 1-3 buckets in each 10-step window of the
-SmolLM2-135M bench (0.4-1.6 s of it).
+up to CAPTURE_COST_TOKENS; then its own is captured (ski rental). A capture costs two eager
+passes and the capture itself, a replay a small share of one eager pass: a size that recurs
+earns its graphs, one met now and then is padded. Under ``trainer.micro_batch_tokens`` a
+step's last micro-batch holds what is left over, one sample to the budget: before this, its
+sizes captured 1-3 buckets in each 10-step window of the SmolLM2-135M bench
+(docs/benchmarks.md).
 
 Every graph shares one memory pool. That is safe because a forward's replay is followed by
 its own backward's before any other graph replays (one micro-batch at a time), so what one

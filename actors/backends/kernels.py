@@ -2,7 +2,7 @@
 Triton kernels (the ``liger`` extra) for RMSNorm, the SwiGLU MLP and RoPE instead of eager's
 separate elementwise kernels: fewer launches and one read of each activation where eager makes
 several, which is where a small model's step goes (SmolLM2-135M, 64 x ~200-token samples: 960
-``mul`` and 1,260 ``copy_`` kernels a step on an H200, each a few microseconds of a 137 ms step).
+``mul`` and 1,260 ``copy_`` kernels a step, each a few microseconds).
 
 Only the model given is changed. Liger patches an instance's norms and MLPs (their ``forward``)
 and, for later models, the family's classes and its module-level ``apply_rotary_pos_emb``:

@@ -2,8 +2,8 @@
 
 Liger's RMSNorm backward launches one program per SM, each walking its rows one at a time:
 on SmolLM2-135M (hidden 576, ~12,800 packed rows a micro-batch, bf16) that is ~97 dependent
-row loads a program, 83 us a call, 5 ms of a 61 ms step on an H100 / H200. Here both passes
-take a tile of rows at a time, ``[BLOCK_M, next_pow2(H)]``:
+row loads a program, a visible share of a graphed step (docs/benchmarks.md, "Trainer
+step"). Here both passes take a tile of rows at a time, ``[BLOCK_M, next_pow2(H)]``:
 
     forward    per row: rstd = rsqrt(mean(x^2) + eps) in fp32 (kept for the backward),
                y = w * (x * rstd).to(x's dtype), the product rounded once to x's dtype

@@ -147,8 +147,8 @@ def prefer_shape_agnostic_attention(device: str | torch.device) -> None:
     """On CUDA, take cuDNN out of ``scaled_dot_product_attention``'s choices (process-wide).
 
     cuDNN's attention builds an execution plan for every new (batch, length)
-    shape: measured ~35 ms of host time per new shape on an H200, against
-    ~2 ms for a whole prefill of a small model. RL shapes change every call
+    shape, which costs more host time than a whole prefill of a small model
+    takes. RL shapes change every call
     (group sizes, response lengths), so flash / memory-efficient attention,
     which need no plan, are faster end to end for both the engine's prefill
     and the trainer. ``ASYNCRL_CUDNN_SDPA=1`` keeps cuDNN enabled.

@@ -23,8 +23,8 @@ products (no TF32), so the fp32 contract tests hold to 1e-4.
 Only CUDA runs it (``attention_supported()``); the CPU path keeps SDPA.
 
 Sampling: the eager version is ~10 passes over the fp32 [B, V] logits (noise,
-log, add, argmax, logsumexp, ...), ~0.25 ms a step at B=64, V=152k on an
-H200, next to a ~1.3 ms forward. Here each row is cut into ``_CHUNKS``
+log, add, argmax, logsumexp, ...), about a fifth of a small model's forward
+at B=64, V=152k. Here each row is cut into ``_CHUNKS``
 pieces; one program per (row, piece) reads its logits once (bf16 or fp32)
 and keeps, per lane, online log-sum-exps (raw and temperature-scaled) and
 the best Gumbel score ``x / T - log(-log(u))`` with ``u`` from Triton's

@@ -1,9 +1,9 @@
 """Triton kernels for the matmuls of a small-batch decode step (CUDA).
 
 At batch <= 64 a decode step of a 0.5B model is latency-bound: the weights
-of a layer are read once (~30 MB), yet cuBLAS spends ~25 us a layer on its
-four GEMMs and ~10 more on the norms, SwiGLU and residual adds around them
-(H200 profile, ``bench/results/engine_notes.md``). These kernels cut a layer
+of a layer are read once (~30 MB), yet cuBLAS spends about three times the
+time of that read on its four GEMMs, and more on the norms, SwiGLU and residual adds
+around them (``bench/results/engine/engine_notes.md``). These kernels cut a layer
 to six launches and let the weight stream use the whole GPU:
 
     qkv   = x @ Wqkv^T + b                     ``linear``            one launch
