@@ -41,7 +41,8 @@ from actors.backends.config import TrainerConfig, backend_unavailable
 from actors.backends.kernels import kernels_unavailable
 from actors.config_errors import friendly
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
-from actors.engines.config import EngineConfig, engine_unavailable
+from actors.engines.config import EngineConfig
+from actors.engines.registry import engine_unavailable
 from actors.loggers import loggers_unavailable
 from actors.mps import mps_unavailable
 from actors.placement_config import PlacementConfig
@@ -201,7 +202,7 @@ _RAY_ADDRESS = re.compile(r"auto|(ray://)?([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(
 
 def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
-    if (reason := engine_unavailable(cfg.rollout.engine.type, cfg.rollout.engine.url)) is not None:
+    if (reason := engine_unavailable(cfg.rollout.engine)) is not None:
         raise ConfigError(f"rollout.engine.type: {reason}")
     if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
