@@ -37,7 +37,8 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from actors.backends.config import TrainerConfig, backend_unavailable
+from actors.backends.config import TrainerConfig
+from actors.backends.registry import backend_unavailable
 from actors.backends.kernels import kernels_unavailable
 from actors.config_errors import friendly
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
@@ -204,7 +205,7 @@ def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
     if (reason := engine_unavailable(cfg.rollout.engine)) is not None:
         raise ConfigError(f"rollout.engine.type: {reason}")
-    if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
+    if (reason := backend_unavailable(cfg.trainer)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
     if (reason := kernels_unavailable(cfg.trainer.kernels, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.kernels: {reason}")
