@@ -38,8 +38,8 @@ import yaml
 from msgspec import Meta
 
 from actors.backends.config import TrainerConfig
-from actors.backends.registry import backend_unavailable
 from actors.backends.kernels import kernels_unavailable
+from actors.backends.registry import backend_unavailable
 from actors.config_errors import friendly
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
 from actors.engines.config import EngineConfig

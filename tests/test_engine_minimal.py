@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FILE = ROOT / "examples" / "minimal_engine.py"
 IMPORT_PATH = "examples.minimal_engine:MinimalEngine"
 
-register_engine("minimal", IMPORT_PATH)
+register_engine("minimal", "examples.minimal_engine:MinimalEngine")
 
 
 @pytest.fixture
@@ -45,10 +45,12 @@ def test_a_run_trains_with_the_engine_its_config_names_by_import_path(runtime, t
     assert f"type: {IMPORT_PATH}" in (run.dir / "config.yaml").read_text()
 
 
-def test_the_docs_show_the_minimal_engine_file_as_it_is():
+def test_the_docs_show_the_minimal_engine_file_and_this_test_as_they_are():
     page = (ROOT / "docs" / "engines.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
     assert ENGINE_FILE.read_text() in blocks
+    (test_lines,) = [b for b in blocks if b.startswith('register_engine("minimal"')]
+    assert test_lines in Path(__file__).read_text()  # and the lines of this test it quotes
 
 
 def test_a_config_names_an_engine_by_its_import_path_or_registered_name(tiny_models):
