@@ -37,11 +37,13 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from actors.backends.config import TrainerConfig, backend_unavailable
+from actors.backends.config import TrainerConfig
 from actors.backends.kernels import kernels_unavailable
+from actors.backends.registry import backend_unavailable
 from actors.config_errors import friendly
 from actors.config_yaml import ConfigError, apply_overrides, read_yaml
-from actors.engines.config import EngineConfig, engine_unavailable
+from actors.engines.config import EngineConfig
+from actors.engines.registry import engine_unavailable
 from actors.loggers import loggers_unavailable
 from actors.mps import mps_unavailable
 from actors.placement_config import PlacementConfig
@@ -199,9 +201,9 @@ _RAY_ADDRESS = re.compile(r"auto|(ray://)?([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):(
 
 def _check_consistency(cfg: Config) -> None:
     # before anything is built or a run directory exists: a type this build cannot construct
-    if (reason := engine_unavailable(cfg.rollout.engine.type, cfg.rollout.engine.url)) is not None:
+    if (reason := engine_unavailable(cfg.rollout.engine)) is not None:
         raise ConfigError(f"rollout.engine.type: {reason}")
-    if (reason := backend_unavailable(cfg.trainer.backend, cfg.trainer.device)) is not None:
+    if (reason := backend_unavailable(cfg.trainer)) is not None:
         raise ConfigError(f"trainer.backend: {reason}")
     if (reason := kernels_unavailable(cfg.trainer.kernels, cfg.trainer.device)) is not None:
         raise ConfigError(f"trainer.kernels: {reason}")

@@ -9,6 +9,7 @@ long traceback.
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import torch
 import transformers
@@ -23,6 +24,10 @@ _WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+#: ``from_pretrained`` is not thread-safe (transformers 5): two loads at once in one process
+#: (the local runtime's trainer thread and a transformers-based engine) leave meta tensors.
+_FROM_PRETRAINED = threading.Lock()
 
 #: The built-in tiny Qwen2 model and tokenizer (built by ``tools.warmstart``).
 BUILTIN_MODEL_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-qwen2"
@@ -117,7 +122,8 @@ def load_causal_lm(
     kwargs: dict = {"local_files_only": True, "dtype": dtype}
     if torch.device(device).type == "cpu":
         kwargs["attn_implementation"] = "eager"
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    with _FROM_PRETRAINED:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     return model.to(device)
 
 

@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from actors.engines.config import engine_unavailable
+from actors.engines import EngineConfig, engine_unavailable
 from actors.launch import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     engines = args.engines.split(",")
     for engine in engines:  # before any run: a missing engine is one line, not a traceback after the others
-        if (reason := engine_unavailable(engine)) is not None:
+        if (reason := engine_unavailable(EngineConfig(type=engine))) is not None:
             p.error(f"--engines {engine}: {reason}")
     runs: dict[str, list] = {e: [] for e in engines}
     for seed in range(args.seeds):

@@ -39,10 +39,10 @@ def test_megatron_is_refused_on_a_cpu_device_naming_the_key():
 
 
 def test_a_missing_megatron_core_is_named_with_the_extra(monkeypatch):
-    from actors.backends import config
+    from actors.backends import registry
 
-    monkeypatch.setitem(config._PACKAGES, "megatron", "megatron_core_absent_here.core")
-    reason = config.backend_unavailable("megatron", "cuda")
+    monkeypatch.setattr(registry, "MEGATRON_PACKAGE", "megatron_core_absent_here.core")
+    reason = registry.backend_unavailable(TrainerConfig(backend="megatron", device="cuda"))
     assert reason.startswith("'megatron' is not available: this build has no megatron backend without "
                              "megatron_core_absent_here.core, which is not installed")
     assert 'pip install -e ".[megatron]"' in reason

@@ -3,7 +3,7 @@ import torch
 
 from actors.backends.batching import micro_batches
 from actors.backends import TrainerBackend, TrainerConfig, make_backend
-from actors.backends import config as backend_config
+from actors.backends import registry as backend_registry
 from actors.backends.torch_backend import TorchBackend
 from actors.models import BUILTIN_MODEL_DIR, load_causal_lm
 from contracts.sample import Sample
@@ -122,13 +122,23 @@ def test_make_backend_builds_the_torch_backend_from_its_config_section_with_its_
 
 def test_make_backend_refuses_a_backend_this_build_lacks_naming_the_key(monkeypatch):
     # whether or not megatron-core is installed here: its package is made absent
-    monkeypatch.setitem(backend_config._PACKAGES, "megatron", "megatron_core_absent_for_this_test")
+    monkeypatch.setattr(backend_registry, "MEGATRON_PACKAGE", "megatron_core_absent_for_this_test")
     with pytest.raises(ValueError, match=r"^trainer\.backend: 'megatron' is not available: this build has no megatron "
                                          r"backend without megatron_core_absent_for_this_test, which is not installed; "
                                          r"install the optional extra: pip install -e \"\.\[megatron\]\"$"):
         make_backend(TrainerConfig(backend="megatron"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)
-    with pytest.raises(ValueError, match=r"^trainer\.backend: 'jax' is unknown"):
-        make_backend(TrainerConfig(backend="jax"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^trainer\.backend: 'jax' is unknown \(expected one of: torch, megatron; "
+                                         r"or an import path 'package\.module:attr'\)$"):
+        make_backend(TrainerConfig(backend="jax"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)
+
+
+def test_a_backend_named_by_its_import_path_is_built_by_make_backend():
+    # what a backend of one's own looks like to the config: its factory's import path
+    cfg = TrainerConfig(backend="actors.backends.torch_backend:TorchBackend.from_config")
+    assert isinstance(make_backend(cfg, str(BUILTIN_MODEL_DIR), seed=0, loss=PPO), TorchBackend)
+    with pytest.raises(ValueError, match=r"^trainer\.backend: 'actors\.backends:Missing': module 'actors\.backends' "
+                                         r"has no attribute 'Missing'$"):
+        make_backend(TrainerConfig(backend="actors.backends:Missing"), str(BUILTIN_MODEL_DIR), seed=0, loss=PPO)
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "tis_seq"])
@@ -183,6 +193,5 @@ def test_activation_checkpointing_recomputes_each_layer_and_takes_the_same_step(
 
 
 def test_activation_checkpointing_is_refused_by_the_megatron_backend():
-    with pytest.raises(ValueError, match=r"^trainer\.activation_checkpointing: the megatron backend"):
-        make_backend(TrainerConfig(backend="megatron", device="cuda", activation_checkpointing=True), "unused",
-                     seed=0, loss=PPO)
+    with pytest.raises(ValueError, match=r"^activation_checkpointing must be false with backend 'megatron'"):
+        TrainerConfig(backend="megatron", device="cuda", activation_checkpointing=True)

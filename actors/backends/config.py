@@ -1,6 +1,7 @@
 """TrainerConfig: the ``trainer`` section, the one set of trainer defaults.
 
-:func:`actors.backends.make_backend` builds a backend from it; the built-in
+:func:`actors.backends.make_backend` builds the backend its ``backend`` names
+(:mod:`actors.backends.registry`) from it; the built-in
 :class:`~actors.backends.torch_backend.TorchBackend` takes its keyword
 defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``) are
 read by the composition root, which builds the loss object the backend runs
@@ -16,16 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["BACKEND_TYPES", "BUILT_IN_BACKENDS", "TrainerConfig", "backend_unavailable", "import_error"]
-
-#: Every backend type a config may name, and the ones this build can construct
-#: (``megatron`` where megatron-core is installed: :func:`backend_unavailable`).
-BACKEND_TYPES = ("torch", "megatron")
-BUILT_IN_BACKENDS = ("torch", "megatron")
-#: The package each optional backend needs (the extra of the same name installs it).
-_PACKAGES = {"megatron": "megatron.core"}
-#: Backends whose models run on CUDA only.
-_CUDA_ONLY = ("megatron",)
+__all__ = ["TrainerConfig", "import_error"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -36,7 +28,10 @@ NonNegFloat = Annotated[float, Meta(ge=0)]
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The trainer backend, its optimizer, its loss and its batch."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: str = "torch"
+    """Trainer backend: a registered name or the import path ``package.module:attr`` of a
+    backend's factory (:mod:`actors.backends.registry`). ``torch`` is built in;
+    ``megatron`` needs megatron-core (the ``megatron`` extra) and ``device: cuda``."""
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the model's params and compute. ``auto`` (resolved when the config is
@@ -144,6 +139,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.kernels != "eager" and self.compile:
             raise ValueError(f"kernels must be eager with compile true (dynamo cannot trace {self.kernels}'s "
                              f"kernels here); choose one")
+        if self.activation_checkpointing and self.backend == "megatron":
+            raise ValueError("activation_checkpointing must be false with backend 'megatron' (it does not offer "
+                             "it in this build; backend: torch does)")
         if self.cuda_graphs and self.backend != "torch":
             raise ValueError(f"cuda_graphs must be false with backend {self.backend!r} (it graphs the torch "
                              f"backend's packed passes)")
@@ -185,23 +183,6 @@ def _varlen_available() -> bool:
     from actors.backends.packing import varlen_available
 
     return varlen_available()
-
-
-def backend_unavailable(backend: str, device: str | None = None) -> str | None:
-    """Why this build cannot construct a trainer backend ``backend`` (on
-    ``trainer.device`` ``device``, when given), as the tail of an error about
-    ``trainer.backend``; ``None`` when it can."""
-    if backend not in BACKEND_TYPES:
-        return f"{backend!r} is unknown (expected one of: {', '.join(BACKEND_TYPES)})"
-    package = _PACKAGES.get(backend)
-    why = None if package is None else import_error(package)
-    if why is not None:
-        return (f"{backend!r} is not available: this build has no {backend} backend without {package}, "
-                f"which {why}; install the optional extra: pip install -e \".[{backend}]\"")
-    if backend in _CUDA_ONLY and device is not None and not str(device).startswith("cuda"):
-        return (f"{backend!r} is not available: this build has no {backend} backend for trainer.device="
-                f"{str(device)!r} (its models run on CUDA only); set trainer.device=cuda")
-    return None
 
 
 def import_error(module: str) -> str | None:

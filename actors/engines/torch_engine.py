@@ -95,6 +95,13 @@ class TorchEngine(RolloutEngine):
         self._version = 0
         self._asleep = False
 
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, model_path: str, *, seed: int) -> TorchEngine:
+        """The engine ``rollout.engine`` describes (``type: torch``: :mod:`actors.engines.registry`)."""
+        return cls(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                   max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
+                   compile_decode=cfg.compile_decode)
+
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
         if self._core is not None:

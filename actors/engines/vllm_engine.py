@@ -33,6 +33,7 @@ import torch
 
 from actors.engines.adapted import AdaptedEngine, AdaptedStream
 from actors.engines.base import GenerateOutput, GenerateRequest, SamplingParams, copy_output
+from actors.engines.config import EngineConfig
 from actors.engines.weights import LM_HEAD
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
@@ -62,6 +63,12 @@ class VllmEngine(AdaptedEngine[_Stream]):
         # shared CPU machine's memory whole
         self.memory_utilization = memory_utilization or (0.5 if device.startswith("cuda") else 0.1)
         self._llm: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, model_path: str, *, seed: int) -> VllmEngine:
+        """The engine ``rollout.engine`` describes (``type: vllm``: :mod:`actors.engines.registry`)."""
+        return cls(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                   max_model_len=cfg.max_model_len, seed=seed)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
