@@ -424,18 +424,20 @@ async def test_get_timeout_raises_timeout_error(tq: TransferQueue) -> None:
         await tq.get("trainer", 1, timeout_s=0.01)
 
 
-def test_sync_twins_run_on_the_process_loop(tmp_path) -> None:
-    tq = TransferQueue.create_sync(TransferQueueConfig(capacity=8))
-    tq.put_sync(make_samples(2))
-    batch = tq.get_sync("notebook", 2)
-    assert tq.ack_sync(batch.batch_id) == 2
-    tq.put_sync(make_samples(1, prefix="x"))
-    tq.save_sync(str(tmp_path / "q.tq"))
-    tq2 = TransferQueue.load_sync(str(tmp_path / "q.tq"), tq.cfg)
+def test_the_sync_view_runs_each_call_on_the_process_loop(tmp_path) -> None:
+    tq = TransferQueue.sync.create(TransferQueueConfig(capacity=8))
+    tq.sync.put(make_samples(2))
+    batch = tq.sync.get("notebook", 2)
+    assert tq.sync.ack(batch.batch_id) == 2
+    tq.sync.put(make_samples(1, prefix="x"))
+    tq.sync.save(str(tmp_path / "q.tq"))
+    tq2 = TransferQueue.sync.load(str(tmp_path / "q.tq"), tq.cfg)
     assert tq2.statistics().pending == 1
-    tq.close_sync()
+    tq.sync.close()
     with pytest.raises(QueueClosed):
-        tq.put_sync(make_samples(1, prefix="y"))
+        tq.sync.put(make_samples(1, prefix="y"))
+    with pytest.raises(AttributeError, match="no async method 'statistics'"):  # already synchronous
+        tq.sync.statistics()
     assert loop.get_loop() is loop.get_loop()
 
 
