@@ -1,4 +1,4 @@
-"""The actor's end of the ``process`` runtime (``actors/runtime.py``): in the
+"""The actor's end of the ``process`` runtime (``actors/runtime/process.py``): in the
 actor's own child process, :func:`serve_calls` builds the actor and answers the
 calls that arrive on its pipe, each as a task on the process's one loop, so they
 overlap as Ray's async actor calls do. A result goes back pickled; an exception

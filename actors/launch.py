@@ -64,7 +64,7 @@ from policies.tasks import task_factory
 __all__ = ["Run", "RunStopped", "launch", "main"]
 
 #: The process runtime's children need nothing defined here: spawn does not import this
-#: module (and torch with it) again in each of them (actors.runtime._main_kept_out).
+#: module (and torch with it) again in each of them (actors.runtime.process._main_kept_out).
 SPAWN_IMPORTS_MAIN = False
 
 _DEFAULT_CONFIG = "fully_async.yaml"

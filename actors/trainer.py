@@ -18,7 +18,6 @@ Endpoints (all async; the work runs on the actor's worker thread):
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import pathlib
 import time
@@ -32,17 +31,16 @@ import torch.distributed as dist
 from actors.backends import Loss, TrainerBackend, TrainerConfig, make_backend
 from actors.backends.flops import FlopsModel, peak_flops
 from actors.runtime import Actor, quiet_transformers
-from contracts.handles import TrainerWorkerHandle
 from contracts.placement import Placement, placement as placement_of
 from contracts.sample import Sample, batch_stats
 from contracts.training import BatchRequest, StepReport
-from contracts.weights import ShardSpec, WeightUpdate, merge_updates
+from contracts.weights import ShardSpec, WeightUpdate
 from sync import SyncConfig, WeightSender
 from sync.link import TrainerLink, digest_named
 from transfer_queue.client import TransferQueue
 from transfer_queue.errors import StorageUnitLost
 
-__all__ = ["TrainerActor", "TrainerGroup", "assemble_shards", "merge_reports"]
+__all__ = ["TrainerActor"]
 
 
 class TrainerActor(Actor):
@@ -242,123 +240,7 @@ class TrainerActor(Actor):
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-class TrainerGroup:
-    """``trainer.num_workers`` trainer actors behind the one trainer the policy
-    and the weight link talk to (a drop-in for a single actor's handle).
-
-    A step asks every worker for its share of the batch's groups at once: each
-    takes its own from the queue (one consumer, so every sample goes to exactly
-    one of them), the backend reduces gradients across the trainers' group, and
-    the reports merge into one. A weight update is every worker's update of
-    its own shards, merged (``contracts.weights.merge_updates``); over ``broadcast``
-    the workers broadcast in rank order and each engine merges what it got."""
-
-    def __init__(self, workers: list[TrainerWorkerHandle]) -> None:
-        self.workers = workers
-
-    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(w, method)(*args, **kwargs) for w in self.workers)))
-
-    async def train_step(self, request: BatchRequest) -> StepReport:
-        n = len(self.workers)
-        share = msgspec.structs.replace(request, batch_size=request.batch_size // n)
-        if request.group_ids is None:
-            return merge_reports(await self._all("train_step", share))
-        # named groups: each worker takes its contiguous share of them, in order
-        per = len(request.group_ids) // n
-        shares = [msgspec.structs.replace(share, group_ids=request.group_ids[i * per:(i + 1) * per]) for i in range(n)]
-        return merge_reports(list(await asyncio.gather(*(w.train_step(r) for w, r in zip(self.workers, shares)))))
-
-    async def weight_update(self) -> WeightUpdate | None:
-        return _merged(await self._all("weight_update"))
-
-    async def revert_update(self) -> WeightUpdate | None:
-        return _merged(await self._all("revert_update"))
-
-    async def get_version(self) -> int:
-        return await self.workers[0].get_version()
-
-    async def placement(self) -> Placement:
-        return await self.workers[0].placement()
-
-    async def open_weight_link(self, kind: str) -> str | None:
-        return (await self._all("open_weight_link", kind))[0]
-
-    async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
-        await self._all("join_weight_group", init_method, world_size, backend)
-
-    async def broadcast_pending(self) -> int:
-        return sum(await self._all("broadcast_pending"))
-
-    async def release_weights(self) -> None:
-        await self._all("release_weights")
-
-    async def weights_refused(self) -> None:
-        await self._all("weights_refused")
-
-    async def save(self, path: str) -> None:
-        await self._all("save", path)
-
-    async def load(self, path: str) -> None:
-        await self._all("load", path)
-
-    async def save_state(self, path: str) -> None:
-        await self._all("save_state", path)
-
-    async def load_state(self, path: str) -> None:
-        await self._all("load_state", path)
-
-    async def weights_digest(self, dtype: str) -> dict[str, str]:
-        """sha256 of every full weight (the workers' shards assembled), by HF name."""
-        parts = await self._all("local_weights", dtype)
-        return digest_named(assemble_shards(parts))
-
-
-def _merged(handles: list[WeightUpdate | None]) -> WeightUpdate | None:
-    return None if handles[0] is None else merge_updates(handles)
-
-
 def _spread(samples: list[Sample], k: int) -> list[Sample]:
     """``k`` of ``samples`` at even spacing (a batch is whole groups: k groups' firsts when it has k)."""
     n = len(samples)
     return [samples[i * n // k] for i in range(min(k, n))]
-
-
-def merge_reports(reports: list[StepReport]) -> StepReport:
-    """One step's report from every worker's: counts summed, the slowest
-    worker's times, batch statistics weighted by samples (maxima kept as
-    maxima); the backend's ``train/*`` figures are the whole batch's on every
-    worker (reduced across the group), so the first worker's are taken."""
-    versions = {r.version for r in reports}
-    if len(versions) != 1:
-        raise RuntimeError(f"trainer workers disagree on the version after a step: {sorted(versions)}")
-    n = sum(r.num_samples for r in reports)
-    dropped: dict[str, int] = {}
-    for r in reports:
-        for k, v in r.dropped.items():
-            dropped[k] = dropped.get(k, 0) + v
-    metrics = dict(reports[0].metrics)
-    for key in reports[0].metrics:
-        if key.startswith("train/"):
-            continue
-        values = [r.metrics[key] for r in reports]
-        metrics[key] = max(values) if key.endswith("_max") or key.startswith("max_") else (
-            sum(v * r.num_samples for v, r in zip(values, reports)) / max(n, 1))
-    return StepReport(version=reports[0].version, num_samples=n, num_tokens=sum(r.num_tokens for r in reports),
-                      wait_s=max(r.wait_s for r in reports), train_s=max(r.train_s for r in reports),
-                      dropped=dropped, metrics=metrics, examples=[e for r in reports for e in r.examples])
-
-
-def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, Any]:
-    """Full tensors from every worker's ``(named local tensors, shard specs)``."""
-    first, specs = parts[0]
-    if specs is None:
-        return first
-    out = {}
-    for name, t in first.items():
-        full = torch.empty(specs[name].full_shape, dtype=t.dtype)
-        for weights, spec in parts:
-            s = spec[name]
-            full.narrow(s.dim, s.offset, s.length).copy_(weights[name])
-        out[name] = full
-    return out

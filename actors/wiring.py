@@ -26,7 +26,8 @@ from actors.mps import MpsDaemon
 from actors.placement import reserve_roles
 from actors.rollout import RolloutActor
 from actors.runtime import make_runtime
-from actors.trainer import TrainerActor, TrainerGroup
+from actors.trainer import TrainerActor
+from actors.trainer_group import TrainerGroup
 import policies.losses
 import policies.tasks
 from contracts.rollout import SamplingParams

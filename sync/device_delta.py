@@ -61,140 +61,159 @@ def _kernels() -> Any:
         except ImportError:
             _K = False
             return _K
-
-        @triton.jit
-        def words_kernel(words_ptr, bytes_ptr, chunk_ptr, piece_ptr, out_ptr, CHUNK: tl.constexpr):
-            # sync.checksum.bytes_checksum of a chunk of a blob: its 8-byte words (little-endian, word
-            # index + 1 as weight), and in the chunk holding it the blob's last n % 8 bytes one by one
-            c = tl.program_id(0).to(tl.int64)
-            p = tl.load(chunk_ptr + c * 2).to(tl.int64)
-            i = tl.load(chunk_ptr + c * 2 + 1)
-            blob = tl.load(piece_ptr + p * 4)
-            n = tl.load(piece_ptr + p * 4 + 2).to(tl.int32)
-            w = i * CHUNK + tl.arange(0, CHUNK)
-            x = tl.load(words_ptr + (blob >> 3) + w, mask=w < (n >> 3), other=0)
-            s0 = tl.sum(x, axis=0)
-            s1 = tl.sum(x * (w + 1).to(tl.int64), axis=0)
-            tail = n >> 3
-            t = tl.arange(0, 8)
-            here = (tail >= i * CHUNK) & (tail < i * CHUNK + CHUNK) & (t < (n & 7))
-            b = tl.load(bytes_ptr + blob + tail * 8 + t, mask=here, other=0).to(tl.int64)
-            tl.store(out_ptr + c, s0 + tl.sum(b, axis=0))
-            tl.store(out_ptr + tl.num_programs(0) + c, s1 + tl.sum(b * (tail + t + 1).to(tl.int64), axis=0))
-
-        @triton.jit
-        def scan_kernel(cur_ptr, last_ptr, mask_ptr, stats_ptr, BLOCK: tl.constexpr):
-            pid = tl.program_id(0).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            x = tl.load(cur_ptr + pid * BLOCK + offs)
-            y = tl.load(last_ptr + pid * BLOCK + offs)
-            ch = (x != y).to(tl.int32)
-            byte = tl.sum(tl.reshape(ch, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
-            tl.store(mask_ptr + pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8), byte.to(tl.uint8))
-            xs = x.to(tl.int64)
-            ys = tl.where(ch != 0, y.to(tl.int64), 0)
-            out = stats_ptr + pid * 5
-            tl.store(out, tl.sum(ch, axis=0).to(tl.int64))
-            tl.store(out + 1, tl.sum(xs, axis=0))
-            tl.store(out + 2, tl.sum(xs * offs, axis=0))
-            tl.store(out + 3, tl.sum(ys, axis=0))
-            tl.store(out + 4, tl.sum(ys * offs, axis=0))
-
-        @triton.jit
-        def pack_kernel(cur_ptr, last_ptr, mask_ptr, prefix_ptr, blk_ptr, piece_ptr, payload_ptr, old_ptr,
-                        ITEM: tl.constexpr, BLOCK: tl.constexpr):
-            # blob positions and lengths are int32 (a blob is < 2 GiB: DeltaPacker checks)
-            pid = tl.program_id(0).to(tl.int64)
-            p = tl.load(blk_ptr + pid * 2)
-            j = tl.load(blk_ptr + pid * 2 + 1)
-            row = piece_ptr + p.to(tl.int64) * 4
-            out = payload_ptr + tl.load(row)
-            mbytes = tl.load(row + 1).to(tl.int32)
-            n = tl.load(row + 2)
-            first = tl.load(row + 3)
-            mo = tl.arange(0, BLOCK // 8)
-            q = j * (BLOCK // 8) + mo
-            mb = tl.load(mask_ptr + pid * (BLOCK // 8) + mo)
-            tl.store(out + q, mb, mask=(q < mbytes) & (n > 0))
-            offs = tl.arange(0, BLOCK)
-            bits = tl.load(mask_ptr + pid * (BLOCK // 8) + (offs >> 3)).to(tl.int32)
-            ch = (bits >> (offs & 7)) & 1
-            rank = tl.cumsum(ch, axis=0) - ch
-            changed = ch != 0
-            before = tl.load(prefix_ptr + pid)
-            x = tl.load(cur_ptr + pid * BLOCK + offs, mask=changed, other=0)
-            y = tl.load(last_ptr + pid * BLOCK + offs, mask=changed, other=0)
-            tl.store(old_ptr + before + rank, y, mask=changed)
-            tl.store(last_ptr + pid * BLOCK + offs, x, mask=changed)
-            qv = mbytes + ITEM * ((before - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
-            xi = x.to(tl.int32)
-            for t in tl.static_range(ITEM):
-                tl.store(out + qv + t, ((xi >> (8 * t)) & 0xFF).to(tl.uint8), mask=changed)
-
-        @triton.jit
-        def count_kernel(payload_ptr, blk_ptr, piece_ptr, cnt_ptr, num_blocks, BLOCK: tl.constexpr,
-                         PER: tl.constexpr):
-            # changed elements of PER blocks per program: the mask is an eighth of the values, and one
-            # block's worth of it is too little work for a program
-            for r in tl.static_range(PER):
-                b = tl.program_id(0).to(tl.int64) * PER + r
-                live = b < num_blocks
-                p = tl.load(blk_ptr + b * 4, mask=live, other=0)
-                j = tl.load(blk_ptr + b * 4 + 1, mask=live, other=0).to(tl.int32)
-                row = piece_ptr + p * 4
-                mbytes = tl.load(row + 1).to(tl.int32)
-                q = j * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-                mb = tl.load(payload_ptr + tl.load(row) + q, mask=(q < mbytes) & live, other=0).to(tl.int32)
-                bits = (mb[:, None] >> tl.arange(0, 8)[None, :]) & 1
-                tl.store(cnt_ptr + b, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
-
-        @triton.jit
-        def apply_kernel(payload_ptr, blk_ptr, piece_ptr, prefix_ptr, sums_ptr, undo_ptr, undo_cap, like_ptr,
-                         ITEM: tl.constexpr, BLOCK: tl.constexpr, UNDO: tl.constexpr):
-            # write the new values where the mask says, keeping the old ones in undo (in order), and sum
-            # the old values and (new - old) for the host's check; UNDO: put the kept values back
-            pid = tl.program_id(0).to(tl.int64)
-            p = tl.load(blk_ptr + pid * 4)
-            j = tl.load(blk_ptr + pid * 4 + 1).to(tl.int32)
-            dst = tl.load(blk_ptr + pid * 4 + 2).to(like_ptr.dtype)
-            valid_n = tl.load(blk_ptr + pid * 4 + 3).to(tl.int32)
-            row = piece_ptr + p * 4
-            blob = payload_ptr + tl.load(row)
-            mbytes = tl.load(row + 1).to(tl.int32)
-            first = tl.load(row + 2)
-            n = tl.load(row + 3).to(tl.int32)
-            offs = tl.arange(0, BLOCK)
-            valid = (offs < valid_n) & (n > 0)  # n == 0: a piece this delta leaves out
-            bits = tl.load(blob + j * (BLOCK // 8) + (offs >> 3), mask=valid, other=0).to(tl.int32)
-            ch = ((bits >> (offs & 7)) & 1) * valid.to(tl.int32)
-            rank = tl.cumsum(ch, axis=0) - ch
-            before = tl.load(prefix_ptr + pid)
-            slot = before + rank
-            changed = (ch != 0) & (slot < undo_cap)  # a corrupt mask cannot write what could not be undone
-            if UNDO:
-                tl.store(dst + offs, tl.load(undo_ptr + slot, mask=changed), mask=changed)
-            else:
-                qv = mbytes + ITEM * ((before - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
-                new = tl.zeros((BLOCK,), dtype=tl.int32)
-                for t in tl.static_range(ITEM):  # nor read outside the blob
-                    inside = changed & (qv + t < n)
-                    new |= tl.load(blob + qv + t, mask=inside, other=0).to(tl.int32) << (8 * t)
-                if ITEM == 2:
-                    new = (new << 16) >> 16  # sign-extend the 16-bit value
-                old = tl.load(dst + offs, mask=valid, other=0)
-                tl.store(undo_ptr + slot, old, mask=changed)
-                tl.store(dst + offs, new.to(like_ptr.dtype.element_ty), mask=changed)
-                old = old.to(tl.int64)
-                d = tl.where(changed, new.to(tl.int64) - old, 0)
-                out = sums_ptr + pid * 4
-                tl.store(out, tl.sum(old, axis=0))
-                tl.store(out + 1, tl.sum(old * offs, axis=0))
-                tl.store(out + 2, tl.sum(d, axis=0))
-                tl.store(out + 3, tl.sum(d * offs, axis=0))
-
-        _K = {"scan": scan_kernel, "pack": pack_kernel, "words": words_kernel, "count": count_kernel,
-              "apply": apply_kernel}
+        _K = {name: build(triton, tl) for name, build in (("scan", _scan_kernel), ("pack", _pack_kernel),
+              ("words", _words_kernel), ("count", _count_kernel), ("apply", _apply_kernel))}
     return _K
+
+
+def _words_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def words_kernel(words_ptr, bytes_ptr, chunk_ptr, piece_ptr, out_ptr, CHUNK: tl.constexpr):
+        # sync.checksum.bytes_checksum of a chunk of a blob: its 8-byte words (little-endian, word
+        # index + 1 as weight), and in the chunk holding it the blob's last n % 8 bytes one by one
+        c = tl.program_id(0).to(tl.int64)
+        p = tl.load(chunk_ptr + c * 2).to(tl.int64)
+        i = tl.load(chunk_ptr + c * 2 + 1)
+        blob = tl.load(piece_ptr + p * 4)
+        n = tl.load(piece_ptr + p * 4 + 2).to(tl.int32)
+        w = i * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(words_ptr + (blob >> 3) + w, mask=w < (n >> 3), other=0)
+        s0 = tl.sum(x, axis=0)
+        s1 = tl.sum(x * (w + 1).to(tl.int64), axis=0)
+        tail = n >> 3
+        t = tl.arange(0, 8)
+        here = (tail >= i * CHUNK) & (tail < i * CHUNK + CHUNK) & (t < (n & 7))
+        b = tl.load(bytes_ptr + blob + tail * 8 + t, mask=here, other=0).to(tl.int64)
+        tl.store(out_ptr + c, s0 + tl.sum(b, axis=0))
+        tl.store(out_ptr + tl.num_programs(0) + c, s1 + tl.sum(b * (tail + t + 1).to(tl.int64), axis=0))
+
+    return words_kernel
+
+
+def _scan_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def scan_kernel(cur_ptr, last_ptr, mask_ptr, stats_ptr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(cur_ptr + pid * BLOCK + offs)
+        y = tl.load(last_ptr + pid * BLOCK + offs)
+        ch = (x != y).to(tl.int32)
+        byte = tl.sum(tl.reshape(ch, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :], axis=1)
+        tl.store(mask_ptr + pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8), byte.to(tl.uint8))
+        xs = x.to(tl.int64)
+        ys = tl.where(ch != 0, y.to(tl.int64), 0)
+        out = stats_ptr + pid * 5
+        tl.store(out, tl.sum(ch, axis=0).to(tl.int64))
+        tl.store(out + 1, tl.sum(xs, axis=0))
+        tl.store(out + 2, tl.sum(xs * offs, axis=0))
+        tl.store(out + 3, tl.sum(ys, axis=0))
+        tl.store(out + 4, tl.sum(ys * offs, axis=0))
+
+    return scan_kernel
+
+
+def _pack_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def pack_kernel(cur_ptr, last_ptr, mask_ptr, prefix_ptr, blk_ptr, piece_ptr, payload_ptr, old_ptr,
+                    ITEM: tl.constexpr, BLOCK: tl.constexpr):
+        # blob positions and lengths are int32 (a blob is < 2 GiB: DeltaPacker checks)
+        pid = tl.program_id(0).to(tl.int64)
+        p = tl.load(blk_ptr + pid * 2)
+        j = tl.load(blk_ptr + pid * 2 + 1)
+        row = piece_ptr + p.to(tl.int64) * 4
+        out = payload_ptr + tl.load(row)
+        mbytes = tl.load(row + 1).to(tl.int32)
+        n = tl.load(row + 2)
+        first = tl.load(row + 3)
+        mo = tl.arange(0, BLOCK // 8)
+        q = j * (BLOCK // 8) + mo
+        mb = tl.load(mask_ptr + pid * (BLOCK // 8) + mo)
+        tl.store(out + q, mb, mask=(q < mbytes) & (n > 0))
+        offs = tl.arange(0, BLOCK)
+        bits = tl.load(mask_ptr + pid * (BLOCK // 8) + (offs >> 3)).to(tl.int32)
+        ch = (bits >> (offs & 7)) & 1
+        rank = tl.cumsum(ch, axis=0) - ch
+        changed = ch != 0
+        before = tl.load(prefix_ptr + pid)
+        x = tl.load(cur_ptr + pid * BLOCK + offs, mask=changed, other=0)
+        y = tl.load(last_ptr + pid * BLOCK + offs, mask=changed, other=0)
+        tl.store(old_ptr + before + rank, y, mask=changed)
+        tl.store(last_ptr + pid * BLOCK + offs, x, mask=changed)
+        qv = mbytes + ITEM * ((before - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
+        xi = x.to(tl.int32)
+        for t in tl.static_range(ITEM):
+            tl.store(out + qv + t, ((xi >> (8 * t)) & 0xFF).to(tl.uint8), mask=changed)
+
+    return pack_kernel
+
+
+def _count_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def count_kernel(payload_ptr, blk_ptr, piece_ptr, cnt_ptr, num_blocks, BLOCK: tl.constexpr,
+                     PER: tl.constexpr):
+        # changed elements of PER blocks per program: the mask is an eighth of the values, and one
+        # block's worth of it is too little work for a program
+        for r in tl.static_range(PER):
+            b = tl.program_id(0).to(tl.int64) * PER + r
+            live = b < num_blocks
+            p = tl.load(blk_ptr + b * 4, mask=live, other=0)
+            j = tl.load(blk_ptr + b * 4 + 1, mask=live, other=0).to(tl.int32)
+            row = piece_ptr + p * 4
+            mbytes = tl.load(row + 1).to(tl.int32)
+            q = j * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            mb = tl.load(payload_ptr + tl.load(row) + q, mask=(q < mbytes) & live, other=0).to(tl.int32)
+            bits = (mb[:, None] >> tl.arange(0, 8)[None, :]) & 1
+            tl.store(cnt_ptr + b, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
+
+    return count_kernel
+
+
+def _apply_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def apply_kernel(payload_ptr, blk_ptr, piece_ptr, prefix_ptr, sums_ptr, undo_ptr, undo_cap, like_ptr,
+                     ITEM: tl.constexpr, BLOCK: tl.constexpr, UNDO: tl.constexpr):
+        # write the new values where the mask says, keeping the old ones in undo (in order), and sum
+        # the old values and (new - old) for the host's check; UNDO: put the kept values back
+        pid = tl.program_id(0).to(tl.int64)
+        p = tl.load(blk_ptr + pid * 4)
+        j = tl.load(blk_ptr + pid * 4 + 1).to(tl.int32)
+        dst = tl.load(blk_ptr + pid * 4 + 2).to(like_ptr.dtype)
+        valid_n = tl.load(blk_ptr + pid * 4 + 3).to(tl.int32)
+        row = piece_ptr + p * 4
+        blob = payload_ptr + tl.load(row)
+        mbytes = tl.load(row + 1).to(tl.int32)
+        first = tl.load(row + 2)
+        n = tl.load(row + 3).to(tl.int32)
+        offs = tl.arange(0, BLOCK)
+        valid = (offs < valid_n) & (n > 0)  # n == 0: a piece this delta leaves out
+        bits = tl.load(blob + j * (BLOCK // 8) + (offs >> 3), mask=valid, other=0).to(tl.int32)
+        ch = ((bits >> (offs & 7)) & 1) * valid.to(tl.int32)
+        rank = tl.cumsum(ch, axis=0) - ch
+        before = tl.load(prefix_ptr + pid)
+        slot = before + rank
+        changed = (ch != 0) & (slot < undo_cap)  # a corrupt mask cannot write what could not be undone
+        if UNDO:
+            tl.store(dst + offs, tl.load(undo_ptr + slot, mask=changed), mask=changed)
+        else:
+            qv = mbytes + ITEM * ((before - tl.load(prefix_ptr + first)).to(tl.int32) + rank)
+            new = tl.zeros((BLOCK,), dtype=tl.int32)
+            for t in tl.static_range(ITEM):  # nor read outside the blob
+                inside = changed & (qv + t < n)
+                new |= tl.load(blob + qv + t, mask=inside, other=0).to(tl.int32) << (8 * t)
+            if ITEM == 2:
+                new = (new << 16) >> 16  # sign-extend the 16-bit value
+            old = tl.load(dst + offs, mask=valid, other=0)
+            tl.store(undo_ptr + slot, old, mask=changed)
+            tl.store(dst + offs, new.to(like_ptr.dtype.element_ty), mask=changed)
+            old = old.to(tl.int64)
+            d = tl.where(changed, new.to(tl.int64) - old, 0)
+            out = sums_ptr + pid * 4
+            tl.store(out, tl.sum(old, axis=0))
+            tl.store(out + 1, tl.sum(old * offs, axis=0))
+            tl.store(out + 2, tl.sum(d, axis=0))
+            tl.store(out + 3, tl.sum(d * offs, axis=0))
+
+    return apply_kernel
 
 
 _K: Any = None

@@ -8,7 +8,7 @@ driver writes (and bytes read become a message), so it sees each message as
 objects (before encoding, after decoding) together with its bytes on the wire,
 whichever code path sent it:
 
-    runtime ``process``  actors/runtime.py's ``pickle``: ``dumps`` of every call,
+    runtime ``process``  actors/runtime/process.py's ``pickle``: ``dumps`` of every call,
                          ``loads`` of every reply (the only codec of the actors'
                          pipes), attributed by ``_ProcessHandle._send`` and
                          ``_read``; ``ProcessRuntime.spawn`` for the constructor's
@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors import runtime as rt
+from actors.runtime import local as rt_local, process as rt_process
 from contracts.rollout import GenerateOutput, GroupRequest
 from contracts.sample import TOKEN_DTYPES, Sample
 from contracts.weights import Manifest, WeightUpdate
@@ -403,7 +403,7 @@ def _seen_spawn(p: DriverProbe, spawn: Any, runtime: str) -> Any:
 
 def _install_local(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runtime ``local``: a call is a coroutine on the driver's loop; nothing is encoded."""
-    local_call = rt._LocalHandle.call
+    local_call = rt_local._LocalHandle.call
 
     async def call_local(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         where = f"local:{self.name}.{method}"
@@ -412,16 +412,16 @@ def _install_local(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
         p.see(f"{where} (received)", result)
         return result
 
-    monkeypatch.setattr(rt._LocalHandle, "call", call_local)
-    monkeypatch.setattr(rt.LocalRuntime, "spawn", _seen_spawn(p, rt.LocalRuntime.spawn, "local"))
+    monkeypatch.setattr(rt_local._LocalHandle, "call", call_local)
+    monkeypatch.setattr(rt_local.LocalRuntime, "spawn", _seen_spawn(p, rt_local.LocalRuntime.spawn, "local"))
 
 
 def _install_process(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runtime ``process``: actors/runtime.py encodes every call and decodes every reply
+    """Runtime ``process``: actors/runtime/process.py encodes every call and decodes every reply
     with its module's pickle; ``_send`` (loop thread) and ``_read`` (one thread per
     actor) say whose. The constructor's arguments travel in the child's start
     (multiprocessing pickles them): ``spawn`` shows them."""
-    send, read = rt._ProcessHandle._send, rt._ProcessHandle._read
+    send, read = rt_process._ProcessHandle._send, rt_process._ProcessHandle._read
 
     def sending(self: Any, *args: Any) -> None:
         p._local.sending = self
@@ -434,11 +434,11 @@ def _install_process(p: DriverProbe, monkeypatch: pytest.MonkeyPatch) -> None:
         p._local.reading, p._local.outer = self, True
         read(self)
 
-    monkeypatch.setattr(rt.ProcessRuntime, "spawn", _seen_spawn(p, rt.ProcessRuntime.spawn, "process"))
-    monkeypatch.setattr(rt._ProcessHandle, "_send", sending)
-    monkeypatch.setattr(rt._ProcessHandle, "_read", reading)
+    monkeypatch.setattr(rt_process.ProcessRuntime, "spawn", _seen_spawn(p, rt_process.ProcessRuntime.spawn, "process"))
+    monkeypatch.setattr(rt_process._ProcessHandle, "_send", sending)
+    monkeypatch.setattr(rt_process._ProcessHandle, "_read", reading)
     codec = {k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}
-    monkeypatch.setattr(rt, "pickle", types.SimpleNamespace(**{**codec, "dumps": p._pickle_dumps,
+    monkeypatch.setattr(rt_process, "pickle", types.SimpleNamespace(**{**codec, "dumps": p._pickle_dumps,
                                                                "loads": p._pickle_loads}))
 
 

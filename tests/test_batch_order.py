@@ -223,7 +223,7 @@ def test_groups_lost_with_a_storage_unit_are_skipped_and_the_run_goes_on(when):
                 await lose(0)  # the unit of every other put
             else:
                 def unit_of(request: BatchRequest) -> int:  # the one holding the step's first group
-                    return controller._by_uid[f"{request.group_ids[0]}-0"].index % 2
+                    return controller._table.by_uid[f"{request.group_ids[0]}-0"].index % 2
 
                 trainer.before_get = lambda request: lose(unit_of(request))  # the get refuses it: picked again
             records += await policy.train(3)  # checks produced == trained + dropped + pending every step

@@ -159,12 +159,12 @@ def _first_batch_reward(queue_file: pathlib.Path) -> float:
     """Mean reward of the first batch (whole groups, oldest first) a saved queue holds."""
     from transfer_queue import TransferQueue
 
-    tq = TransferQueue.load_sync(str(queue_file))
+    tq = TransferQueue.sync.load(str(queue_file))
     try:
-        batch = tq.get_sync("check", SAMPLES_PER_STEP, sampler="grpo_group", group_size=4, timeout_s=0)
+        batch = tq.sync.get("check", SAMPLES_PER_STEP, sampler="grpo_group", group_size=4, timeout_s=0)
         return sum(s.reward for s in batch.samples) / len(batch.samples)
     finally:
-        tq.shutdown_sync()
+        tq.sync.shutdown()
 
 
 def _check_rollout_counts(policy_state: dict) -> None:

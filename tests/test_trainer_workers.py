@@ -15,7 +15,8 @@ import pytest
 from actors.config import ConfigError, load_config
 from actors.launch import launch
 from actors.rollout import RolloutActor
-from actors.trainer import TrainerActor, TrainerGroup, merge_reports
+from actors.trainer import TrainerActor
+from actors.trainer_group import TrainerGroup, merge_reports
 from contracts.handles import RolloutHandle, TrainerHandle, TrainerWorkerHandle
 from contracts.training import StepReport
 from tests.helpers import train_checking_engine_weights
@@ -60,6 +61,20 @@ def test_actors_and_the_trainer_group_have_every_endpoint_of_their_handle(cls: t
 def test_the_trainer_group_stands_in_for_one_trainer_actor() -> None:
     for name in _endpoints(TrainerHandle):
         assert _signature(getattr(TrainerGroup, name)) == _signature(getattr(TrainerActor, name)), name
+
+
+def test_an_endpoint_that_answers_must_say_how_the_group_merges_its_workers_answers() -> None:
+    from actors.trainer_group import Fan, _endpoints_of
+
+    class Handle(typing.Protocol):
+        async def count(self) -> int: ...
+
+        async def reset(self) -> None: ...
+
+    with pytest.raises(TypeError, match="FAN_OUT"):
+        _endpoints_of(Handle, {})(type("Group", (), {}))
+    group = _endpoints_of(Handle, {"count": Fan(merge=sum)})(type("Group", (), {}))
+    assert inspect.iscoroutinefunction(group.count) and inspect.iscoroutinefunction(group.reset)
 
 
 def test_step_reports_merge() -> None:

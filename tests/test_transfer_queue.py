@@ -356,7 +356,7 @@ async def test_a_lost_storage_unit_drops_its_samples_now_or_when_their_lease_com
     await tq.put(make_samples(1, 2, prefix="e"))  # new samples are placed on live units only
     batch = await tq.get("trainer", 6, timeout_s=0)
     assert sorted(batch.uids) == ["b0", "b1", "d0", "d1", "e0", "e1"]
-    assert all(index % 2 == 1 for index in controller._by_index)
+    assert all(index % 2 == 1 for index in controller._table.by_index)
     assert await controller.unit_lost(0) == 0  # idempotent
     with pytest.raises(ValueError, match="unit in"):
         await controller.unit_lost(2)
@@ -380,7 +380,7 @@ async def test_a_replaced_storage_unit_takes_new_samples_and_its_lost_ones_stay_
     assert await controller.unit_lost(0, generation=0) == 0  # a late report of the lost actor changes nothing
     assert controller.unit_state(0) == (1, 8, True)
     await tq.put(make_samples(1, 2, prefix="e"))  # round robin: unit 0 again, on the replacement
-    assert [controller._by_uid[f"e{i}"].index for i in range(2)] == [16, 18]  # slots 8, 9 of unit 0
+    assert [controller._table.by_uid[f"e{i}"].index for i in range(2)] == [16, 18]  # slots 8, 9 of unit 0
     tags = [SampleTags(uid="f0", group_id="f", mask=FULL_MASK)]
     with pytest.raises(StorageUnitLost, match="before its storage unit was lost") as stale:
         await controller.reserve("train", tags, True, indices=[block * 2], commit=True)
@@ -424,18 +424,20 @@ async def test_get_timeout_raises_timeout_error(tq: TransferQueue) -> None:
         await tq.get("trainer", 1, timeout_s=0.01)
 
 
-def test_sync_twins_run_on_the_process_loop(tmp_path) -> None:
-    tq = TransferQueue.create_sync(TransferQueueConfig(capacity=8))
-    tq.put_sync(make_samples(2))
-    batch = tq.get_sync("notebook", 2)
-    assert tq.ack_sync(batch.batch_id) == 2
-    tq.put_sync(make_samples(1, prefix="x"))
-    tq.save_sync(str(tmp_path / "q.tq"))
-    tq2 = TransferQueue.load_sync(str(tmp_path / "q.tq"), tq.cfg)
+def test_the_sync_view_runs_each_call_on_the_process_loop(tmp_path) -> None:
+    tq = TransferQueue.sync.create(TransferQueueConfig(capacity=8))
+    tq.sync.put(make_samples(2))
+    batch = tq.sync.get("notebook", 2)
+    assert tq.sync.ack(batch.batch_id) == 2
+    tq.sync.put(make_samples(1, prefix="x"))
+    tq.sync.save(str(tmp_path / "q.tq"))
+    tq2 = TransferQueue.sync.load(str(tmp_path / "q.tq"), tq.cfg)
     assert tq2.statistics().pending == 1
-    tq.close_sync()
+    tq.sync.close()
     with pytest.raises(QueueClosed):
-        tq.put_sync(make_samples(1, prefix="y"))
+        tq.sync.put(make_samples(1, prefix="y"))
+    with pytest.raises(AttributeError, match="no async method 'statistics'"):  # already synchronous
+        tq.sync.statistics()
     assert loop.get_loop() is loop.get_loop()
 
 

@@ -55,7 +55,7 @@ async def test_ray_samples_round_trip_through_storage_actors_and_the_client_pick
     def produce(queue: TransferQueue) -> int:  # the client pickles into another process
         from tests.helpers import make_samples
 
-        queue.put_sync(make_samples(3, prefix="remote"))
+        queue.sync.put(make_samples(3, prefix="remote"))
         return queue.statistics().put
 
     assert await produce.remote(tq) == 8 + 3

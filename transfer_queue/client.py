@@ -8,16 +8,21 @@
 
 One API over two deployments (``cfg.deployment``): ``"local"`` keeps controller
 and storage units in this process; ``"ray"`` makes them Ray actors and moves
-data client <-> storage unit directly. Every async method has a ``*_sync`` twin
-for notebooks and scripts, run on the process's one loop (``loop.run``).
+data client <-> storage unit directly.
+
+The client is async. Notebooks and scripts call it through ``sync``, which runs
+each call on the process's one loop (``loop.run``) until it is done:
+
+    tq = TransferQueue.sync.create(cfg); tq.sync.put(samples); batch = tq.sync.get("trainer", 8)
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import inspect
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 import loop
 from transfer_queue.batch import Batch
@@ -28,11 +33,43 @@ from transfer_queue.deploy_local import LocalDeployment, reserve_write_commit
 from contracts.sample import Sample
 from transfer_queue.wire import QueueStats, SampleTags, Snapshot
 
-__all__ = ["TransferQueue"]
+__all__ = ["SyncCalls", "TransferQueue"]
+
+_WriteKey = tuple[str, tuple[str, ...], bool, "float | None", bool]  # partition, fields, wait, timeout_s, new_only
+
+
+class SyncCalls:
+    """The async methods of ``target`` (a TransferQueue, or the class for ``create`` and
+    ``load``) as blocking calls: each runs on the process's one loop until done
+    (``loop.run``). What ``TransferQueue.sync`` gives; the call site shows it blocks."""
+
+    def __init__(self, target: TransferQueue | type[TransferQueue]) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = None if name.startswith("_") else getattr(self._target, name, None)
+        if not inspect.iscoroutinefunction(method):
+            raise AttributeError(f"TransferQueue has no async method {name!r} to call synchronously")
+
+        @functools.wraps(method)
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            return loop.run(method(*args, **kwargs))
+
+        return blocking
+
+
+class _SyncView:
+    """``TransferQueue.sync``: :class:`SyncCalls` of the queue (or, on the class, of the class)."""
+
+    def __get__(self, queue: TransferQueue | None, cls: type[TransferQueue]) -> SyncCalls:
+        return SyncCalls(cls if queue is None else queue)
 
 
 class TransferQueue:
-    """A client of one TransferQueue deployment. Build it with ``create`` (or ``load``)."""
+    """A client of one TransferQueue deployment. Build it with ``create`` (or ``load``);
+    ``sync`` makes its calls blocking, for notebooks and scripts."""
+
+    sync = _SyncView()
 
     def __init__(self, cfg: TransferQueueConfig, deployment: Any) -> None:
         self.cfg = cfg
@@ -44,7 +81,7 @@ class TransferQueue:
         return {"cfg": self.cfg, "_d": self._d}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["cfg"], state["_d"])
+        TransferQueue.__init__(self, state["cfg"], state["_d"])
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -64,10 +101,6 @@ class TransferQueue:
         from transfer_queue.ray_deploy import RayDeployment
 
         return cls(cfg, await RayDeployment.create(cfg, **(ray_options or {})))
-
-    @classmethod
-    def create_sync(cls, cfg: TransferQueueConfig | None = None) -> TransferQueue:
-        return loop.run(cls.create(cfg))
 
     # -------------------------------------------------------------- producers
     async def put(
@@ -127,8 +160,8 @@ class TransferQueue:
         else:
             await self._coalescer.put(key, rows, tags)
 
-    async def _reserve_write_commit(self, key: tuple, rows: list[Any], tags: list[SampleTags]) -> None:
-        partition, _, wait, timeout_s, new_only = key
+    async def _reserve_write_commit(self, key: Hashable, rows: list[Any], tags: list[SampleTags]) -> None:
+        partition, _, wait, timeout_s, new_only = cast(_WriteKey, key)
         if new_only and getattr(self._d, "encoded_put", False):  # rows: (msgpack rows, row ends), in one call
             await self._d.put_new(partition, rows, tags, wait, timeout_s)
             return
@@ -252,35 +285,3 @@ class TransferQueue:
         from transfer_queue.persist import load
 
         return await load(cls, path, cfg or TransferQueueConfig())
-
-    # ---------------------------------------------------------- synchronous twins
-    def put_sync(self, samples: Sequence[Sample], partition: str = "train", wait: bool = True, timeout_s: float | None = None) -> None:
-        loop.run(self.put(samples, partition, wait, timeout_s))
-
-    def put_fields_sync(self, samples: Sequence[Sample], fields: Sequence[str], partition: str = "train") -> None:
-        loop.run(self.put_fields(samples, fields, partition))
-
-    def get_sync(self, consumer: str, batch_size: int, **kwargs: Any) -> Batch:
-        return loop.run(self.get(consumer, batch_size, **kwargs))
-
-    def ack_sync(self, batch_id: str) -> int:
-        return loop.run(self.ack(batch_id))
-
-    def nack_sync(self, batch_id: str) -> int:
-        return loop.run(self.nack(batch_id))
-
-    def drop_sync(self, uids: Sequence[str], reason: str) -> int:
-        return loop.run(self.drop(uids, reason))
-
-    def close_sync(self) -> None:
-        loop.run(self.close())
-
-    def shutdown_sync(self) -> None:
-        loop.run(self.shutdown())
-
-    def save_sync(self, path: str) -> Snapshot:
-        return loop.run(self.save(path))
-
-    @classmethod
-    def load_sync(cls, path: str, cfg: TransferQueueConfig | None = None) -> TransferQueue:
-        return loop.run(cls.load(path, cfg))

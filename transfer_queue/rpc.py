@@ -155,7 +155,7 @@ class PendingReplies:
     """The futures of the calls in flight on one connection, by call id: a reply
     settles its own call's (one its caller stopped waiting for is left be); a lost
     connection fails them all. Calls are answered in any order. Used by this
-    module's client and by ``actors/runtime.py``'s process handles."""
+    module's client and by ``actors/runtime/process.py``'s process handles."""
 
     def __init__(self) -> None:
         self._futures: dict[int, asyncio.Future] = {}

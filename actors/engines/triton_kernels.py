@@ -58,11 +58,8 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(
         q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, cos_ptr, sin_ptr, part_ptr,
-        stride_qb, stride_qh,
-        stride_knb, stride_knh,
-        stride_vnb, stride_vnh,
-        stride_cs, stride_ch, stride_cl,
-        stride_ob, stride_oh, stride_rope,
+        stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh,
+        stride_cs, stride_ch, stride_cl, stride_ob, stride_oh, stride_rope,
         scale, split_len, splits,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
