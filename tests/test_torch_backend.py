@@ -134,7 +134,7 @@ def test_make_backend_refuses_a_backend_this_build_lacks_naming_the_key(monkeypa
 
 def test_a_backend_named_by_its_import_path_is_built_by_make_backend():
     # what a backend of one's own looks like to the config: its factory's import path
-    cfg = TrainerConfig(backend="actors.backends.torch_backend:TorchBackend.from_config")
+    cfg = TrainerConfig(backend="actors.backends.torch_build:torch_backend")
     assert isinstance(make_backend(cfg, str(BUILTIN_MODEL_DIR), seed=0, loss=PPO), TorchBackend)
     with pytest.raises(ValueError, match=r"^trainer\.backend: 'actors\.backends:Missing': module 'actors\.backends' "
                                          r"has no attribute 'Missing'$"):

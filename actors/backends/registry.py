@@ -1,7 +1,7 @@
 """The trainer backends ``trainer.backend`` can name, declared as rollout engines
 are (:mod:`actors.engines.registry`; the registry itself: :mod:`actors.registry`).
 
-    torch      actors/backends/torch_backend.py      built in
+    torch      actors/backends/torch_backend.py      built in (actors/backends/torch_build.py)
     megatron   actors/backends/megatron_backend.py   megatron-core installed, trainer.device=cuda
 
 A backend's factory is called as ``factory(cfg, model_path, seed=seed, loss=loss)``
@@ -54,6 +54,6 @@ def _megatron_buildable(cfg: TrainerConfig) -> str | None:
     return None
 
 
-register_backend("torch", "actors.backends.torch_backend:TorchBackend.from_config")
+register_backend("torch", "actors.backends.torch_build:torch_backend")
 register_backend("megatron", "actors.backends.megatron_backend:MegatronBackend.from_config",
                  check=_megatron_buildable)

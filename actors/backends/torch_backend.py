@@ -54,7 +54,7 @@ from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, co
                                      compiled_attention_kwargs)
 from actors.backends.config import TrainerConfig
 from actors.backends.graphs import GraphedPasses, graphs_unsupported
-from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope, kernels_unavailable
+from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
 from actors.backends.packing import PACKED_ATTENTION, PackedBatch, packed_batch, packing_unsupported
@@ -142,20 +142,6 @@ class TorchBackend(TrainerBackend):
         self.world_size, self.rank = 1, 0  # the data-parallel group's, read at setup()
         self._specs: dict[str, ShardSpec] = {}  # world > 1: which slice named_weights() holds
         self._live: dict[str, torch.Tensor] | None = None  # one worker: named_weights(), listed once
-
-    @classmethod
-    def from_config(cls, cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) -> TorchBackend:
-        """The backend the ``trainer`` section describes (``backend: torch``: :mod:`actors.backends.registry`)."""
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError(f"trainer.tensor_parallel_size: {cfg.tensor_parallel_size} needs backend: megatron "
-                             f"(the torch backend is data parallel only)")
-        if (reason := kernels_unavailable(cfg.kernels, cfg.device)) is not None:
-            raise ValueError(f"trainer.kernels: {reason}")
-        return cls(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
-                   lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
-                   micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=cfg.activation_checkpointing,
-                   packed=cfg.packed, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-                   compile=cfg.compile, kernels=cfg.kernels, cuda_graphs=cfg.cuda_graphs)
 
     # -- setup -----------------------------------------------------------------
 
