@@ -55,4 +55,5 @@ def make_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) 
                         lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
                         micro_batch_tokens=cfg.micro_batch_tokens, activation_checkpointing=cfg.activation_checkpointing,
                         packed=cfg.packed, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-                        compile=cfg.compile, kernels=cfg.kernels, cuda_graphs=cfg.cuda_graphs)
+                        compile=cfg.compile, kernels=cfg.kernels, cuda_graphs=cfg.cuda_graphs,
+                        muon=cfg.muon if cfg.optimizer == "muon" else None)
