@@ -144,6 +144,24 @@ def test_two_steps_match_the_published_muon_and_adamw(adjust_lr):
     assert min(moved.values()) > 10 * ATOL, moved  # every param moved well beyond the tolerance
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_in_bf16_the_fp32_main_params_step_as_the_reference():
+    """The default GPU setting: bf16 model, fp32 main params (MainParamsOptimizer), fused AdamW."""
+    samples, advantages = _batch()
+    b = _backend(device="cuda", dtype="bfloat16", master_dtype="float32")
+    names = [n for n, _ in b.model.named_parameters()]
+    main = dict(zip(names, b.optimizer.main))
+    ref = _Reference(main, {n for n, m in zip(names, muon_mask(b.model)) if m}, "match_rms_adamw")
+    for _ in range(NUM_STEPS):
+        b.train_step(samples, advantages)
+        ref.step({n: m.grad for n, m in main.items()})  # the clipped fp32 main grads the step used
+        for name, m in main.items():
+            torch.testing.assert_close(m.detach().double(), ref.params[name], atol=ATOL, rtol=0, msg=name)
+    params = dict(b.model.named_parameters())
+    assert all(torch.equal(params[n], m.to(torch.bfloat16)) for n, m in main.items())
+
+
 def test_muon_takes_the_hidden_matrices_and_adamw_the_embedding_norms_and_biases():
     b = _backend()
     mask = dict(zip([n for n, _ in b.model.named_parameters()], muon_mask(b.model)))
@@ -162,14 +180,18 @@ def _optimizer_tensors(state: dict) -> dict[tuple, torch.Tensor]:
     return {(i, k): v for i, st in state["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_checkpoint_restores_the_momentum_exactly_and_resumes_the_same_step(tmp_path, dtype):
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "float32"), ("cpu", "bfloat16"),
+                                               pytest.param("cuda", "bfloat16", marks=CUDA)])
+def test_a_checkpoint_restores_the_momentum_exactly_and_resumes_the_same_step(tmp_path, device, dtype):
     samples, advantages = _batch()
-    b = _backend(dtype=dtype, master_dtype="float32")
+    b = _backend(device=device, dtype=dtype, master_dtype="float32")
     for _ in range(NUM_STEPS):
         b.train_step(samples, advantages)
     b.save(tmp_path)
-    fresh = _backend(dtype=dtype, master_dtype="float32")
+    fresh = _backend(device=device, dtype=dtype, master_dtype="float32")
     fresh.load(tmp_path)
     want, got = b.optimizer.state_dict(), fresh.optimizer.state_dict()
     if dtype == "bfloat16":  # MainParamsOptimizer: the fp32 main params, then Muon + AdamW's state
@@ -223,7 +245,7 @@ def test_a_torch_without_muon_gets_a_one_line_error(monkeypatch):
 
 def _full(b: TorchBackend) -> dict[str, torch.Tensor]:
     """Params and Muon momentum buffers, whole (sharded ones gathered on every rank: collective)."""
-    whole = (lambda t: t.full_tensor()) if b.world_size > 1 else (lambda t: t)
+    whole = (lambda t: t.full_tensor().cpu()) if b.world_size > 1 else (lambda t: t.cpu())
     out = {k: whole(v).clone() for k, v in b.model.state_dict().items()}
     names = [n for n, _ in b.model.named_parameters()]
     for i, st in b.optimizer.state_dict()["state"].items():
@@ -240,27 +262,32 @@ def _given_grads(b: TorchBackend, step: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
     b.optimizer.zero_grad()
     for p in b.model.parameters():
-        grad = torch.randn(tuple(p.shape), generator=gen) * 1e-2
+        grad = (torch.randn(tuple(p.shape), generator=gen) * 1e-2).to(p.device)
         p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
     b.optimizer.step()
     return _full(b)
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def _rank(rank: int, world: int, port: int, out_dir: str, device: str) -> None:
+    """One of ``world`` trainer ranks: gloo on the CPU, NCCL on ``cuda:<rank>``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
         samples, advantages = _batch()
         mine, my_adv = samples[4 * rank : 4 * rank + 4], advantages[4 * rank : 4 * rank + 4]
-        b = _backend()
+        b = _backend(device=device)
         assert b.world_size == world and type(b.optimizer.muon).__name__ == "ShardedMuon"
         out: dict[str, Any] = {"given": [_given_grads(b, step) for step in range(NUM_STEPS)]}
-        b = _backend()
+        b = _backend(device=device)
         out["steps"] = [(b.train_step(mine, my_adv), _full(b)) for _ in range(NUM_STEPS)]
         b.save(os.path.join(out_dir, "ckpt"))
-        fresh = _backend()
+        fresh = _backend(device=device)
         fresh.load(os.path.join(out_dir, "ckpt"))
         out["reloaded"] = _full(fresh)
         b.train_step(mine, my_adv)
@@ -272,20 +299,22 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("muon_dp")
-    mp.spawn(_rank, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")])])
+def two_ranks(request, tmp_path_factory):
+    """Both ranks' results and the device they ran on (``cuda``: one worker on cuda:0 to compare)."""
+    out_dir = tmp_path_factory.mktemp(f"muon_dp_{request.param}")
+    mp.spawn(_rank, args=(2, free_port(), str(out_dir), request.param), nprocs=2, join=True)
     ranks = []
     for r in range(2):
         with open(out_dir / f"rank{r}.pkl", "rb") as f:
             ranks.append(pickle.load(f))
-    return out_dir, ranks
+    return out_dir, ranks, "cpu" if request.param == "cpu" else "cuda:0"
 
 
 def test_given_the_same_gradients_two_ranks_step_bit_for_bit_like_one_worker(two_ranks):
-    _, (r0, r1) = two_ranks
-    one = _backend()
+    _, (r0, r1), device = two_ranks
+    one = _backend(device=device)
     for step, (w0, w1) in enumerate(zip(r0["given"], r1["given"])):
         want = _given_grads(one, step)
         assert w0.keys() == want.keys() and sum(k.startswith("momentum:") for k in want) == 14
@@ -313,18 +342,18 @@ def test_two_ranks_training_on_half_the_batch_each_step_like_one_worker(two_rank
     each rank's half instead lands 60-80% away."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    _, (r0, _) = two_ranks
+    _, (r0, _), device = two_ranks
     samples, advantages = _batch()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank
     try:
-        one = _backend()
+        one = _backend(device=device)
         before = _full(one)
         single = []
         for _ in range(NUM_STEPS):
             single.append((one.train_step(samples, advantages), _full(one)))
             if len(single) == 1:
-                updates = {n: p.grad.lerp(single[0][1][f"momentum:{n}"], 0.95)
+                updates = {n: p.grad.cpu().lerp(single[0][1][f"momentum:{n}"], 0.95)
                            for n, p in one.model.named_parameters() if _is_muon(n)}
     finally:
         torch.set_num_threads(threads)
@@ -344,12 +373,12 @@ def test_two_ranks_training_on_half_the_batch_each_step_like_one_worker(two_rank
 
 
 def test_a_two_rank_checkpoint_restores_the_momentum_at_two_ranks_and_at_one(two_ranks):
-    out_dir, (r0, _) = two_ranks
+    out_dir, (r0, _), device = two_ranks
     saved = r0["steps"][-1][1]
     assert all(torch.equal(r0["reloaded"][k], v) for k, v in saved.items())
     continued, resumed = r0["after_resume"]
     assert all(torch.equal(continued[k], resumed[k]) for k in continued)
-    one = _backend()
+    one = _backend(device=device)
     one.load(out_dir / "ckpt")
     assert all(torch.equal(v, saved[k]) for k, v in _full(one).items())
     samples, advantages = _batch()
