@@ -388,3 +388,18 @@ def test_a_two_rank_checkpoint_restores_the_momentum_at_two_ranks_and_at_one(two
             assert _step_apart(v, continued[k], saved[k]) < 0.15, k
         else:
             torch.testing.assert_close(v, continued[k], atol=ATOL, rtol=0, msg=k)
+
+
+def test_the_optimizer_bench_counts_one_state_tensor_per_muon_matrix_against_adamws_two(capsys):
+    import json
+
+    from bench import optimizer as bench
+
+    bench.main(["--small", "--repeats", "1", "--warmup", "0"])
+    result = json.loads(capsys.readouterr().out)
+    n, m = result["params"], result["muon"]["muon_params"]
+    num_tensors = len(list(bench.build_model("tiny", torch.float32, "meta").parameters()))
+    assert result["adamw"]["state_bytes"] == 8 * n + 4 * num_tensors  # exp_avg, exp_avg_sq (fp32), step
+    assert 4 * m + 8 * (n - m) < result["muon"]["state_bytes"] < 4 * m + 8 * (n - m) + 4 * num_tensors
+    assert result["ratios"]["state_bytes"] == pytest.approx((4 * m + 8 * (n - m)) / (8 * n), rel=1e-3)
+    assert result["adamw"]["step_ms"] > 0 and result["muon"]["step_ms"] > 0
