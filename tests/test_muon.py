@@ -293,6 +293,8 @@ def _rank(rank: int, world: int, port: int, out_dir: str, device: str) -> None:
         b.train_step(mine, my_adv)
         fresh.train_step(mine, my_adv)
         out["after_resume"] = (_full(b), _full(fresh))
+        mixed = _backend(device=device, dtype="bfloat16", master_dtype="float32")  # FSDP2's fp32 params, bf16 compute
+        out["mixed"] = (_full(mixed), mixed.train_step(mine, my_adv), _full(mixed))
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
     finally:
@@ -370,6 +372,17 @@ def test_two_ranks_training_on_half_the_batch_each_step_like_one_worker(two_rank
         whole = _zeropower_via_newtonschulz(u, *ns).float()
         halves = torch.cat([_zeropower_via_newtonschulz(h, *ns).float() for h in u.chunk(2)])
         assert float((halves - whole).norm() / whole.norm()) > 0.5, n
+
+
+def test_two_ranks_step_muon_on_fp32_sharded_params_under_bf16_compute(two_ranks):
+    _, (r0, r1), _ = two_ranks
+    before, metrics, after = r0["mixed"]
+    assert metrics["grad_norm"] > 0 and all(torch.equal(v, r1["mixed"][2][k]) for k, v in after.items())
+    for k, v in after.items():
+        assert v.dtype == torch.float32 and bool(v.isfinite().all()), k
+        if not k.startswith("momentum:"):
+            assert not torch.equal(v, before[k]), k  # every param stepped
+    assert sum(k.startswith("momentum:") for k in after) == 14
 
 
 def test_a_two_rank_checkpoint_restores_the_momentum_at_two_ranks_and_at_one(two_ranks):
