@@ -17,12 +17,30 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["TrainerConfig", "import_error"]
+__all__ = ["MuonConfig", "TrainerConfig", "import_error"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
+
+
+class MuonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``trainer.optimizer: muon``: Muon (``torch.optim.Muon``) for the 2-D hidden weights,
+    AdamW (``trainer.lr``, ``trainer.weight_decay``) for embeddings, head, norms and biases
+    (:mod:`actors.backends.optimizers`; what it costs and where it pays: docs/optimizers.md)."""
+
+    lr: PosFloat | None = None
+    """Muon's learning rate; ``null``: ``trainer.lr``, which the AdamW-matched
+    ``adjust_lr`` scales are made to take."""
+    momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.95
+    """Muon's momentum (Nesterov)."""
+    adjust_lr: Literal["match_rms_adamw", "match_adamw_update_rms", "original"] = "match_rms_adamw"
+    """How each matrix's step is scaled by its shape ``[A, B]``: ``match_rms_adamw``
+    0.2 sqrt(max(A, B)) (Moonlight's: an update of AdamW's typical RMS, so AdamW's lr carries
+    over); ``match_adamw_update_rms`` the same with sqrt((1 - beta1) / (1 + beta1)) (0.229)
+    for 0.2, the RMS of AdamW's update on noisy gradients (verl's ``muon_match_adamw_update_rms``);
+    ``original`` sqrt(max(1, A / B)) (Keller Jordan's; wants a Muon-sized lr, ~0.02)."""
 
 
 class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -43,7 +61,11 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Megatron-style: AdamW steps them, the model keeps ``dtype`` copies, which the weight
     sync reads). ``null``: step the model params in ``dtype`` as they are."""
     lr: PosFloat = 1e-5
-    """AdamW learning rate."""
+    """AdamW learning rate (Muon's too, unless ``muon.lr`` sets its own)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """``muon``: Muon for the 2-D hidden weights and AdamW for the rest (``trainer.muon``;
+    docs/optimizers.md). ``backend: torch`` only."""
+    muon: MuonConfig = msgspec.field(default_factory=MuonConfig)
     weight_decay: NonNegFloat = 0.0
     grad_clip: PosFloat = 1.0
     """Max global grad norm."""
@@ -155,6 +177,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.dtype != "bfloat16"):
             raise ValueError(f"cuda_graphs must be false unless device is cuda and dtype bfloat16 (the varlen "
                              f"flash attention); got device {self.device!r}, dtype {self.dtype!r}")
+        if self.optimizer == "muon" and self.backend != "torch":
+            raise ValueError(f"optimizer must be adamw with backend {self.backend!r}: it steps Megatron's distributed "
+                             f"optimizer, under which megatron-core's Muon (it needs the emerging-optimizers "
+                             f"package) does not run; backend: torch has muon")
         if self.compile and self.num_workers > 1:
             raise ValueError(f"compile must be false with num_workers={self.num_workers} (compiled layers "
                              f"under FSDP2's hooks are untested here; one worker only)")

@@ -1,4 +1,4 @@
-"""The plain-PyTorch trainer backend: one HF causal LM, AdamW, an injected loss.
+"""The plain-PyTorch trainer backend: one HF causal LM, AdamW (or Muon + AdamW), an injected loss.
 
 Every method is synchronous and blocking; the trainer actor calls them on its
 worker thread so the event loop never waits on a matmul.
@@ -7,7 +7,7 @@ worker thread so the event loop never waits on a matmul.
                (actors.backends.packing); padded (trainer.packed=false): [B, T], right-padded
             ─► forward ─► log-probs of the response tokens [B, T_resp]
                (packed: the LM head in chunks of response tokens, actors.backends.chunked_logprobs)
-            ─► loss(logprobs, rollout_logprobs, advantages, mask) ─► AdamW step
+            ─► loss(logprobs, rollout_logprobs, advantages, mask) ─► optimizer step (actors.backends.optimizers)
             ─► metrics and grad norm read back in one transfer, the step's only sync
             ─► version += 1 ─► named_weights() for the weight sync
 
@@ -21,6 +21,7 @@ default group (dim 0 of every parameter, uneven like ``torch.chunk``)::
             (padded with weight-0 passes to the ranks' max pass count, since every
             forward/backward all-gathers and reduce-scatters)
         ─► grads reduce-scattered as a SUM ─► clip on the full norm ─► AdamW on the shard
+           (Muon: on the full matrix, gathered; this rank's rows kept)
         ─► named_weights(): this rank's shards, shard_specs(): where they sit
 
 The update equals one worker's on the union of the ranks' samples (up to fp32
@@ -52,11 +53,12 @@ from actors.backends.batching import batch_error, micro_batch_budget, micro_batc
 from actors.backends.chunked_logprobs import chunked_logprobs
 from actors.backends.compile import (PACKED_COMPILED_ATTENTION, CompileWatch, compile_context, compile_model,
                                      compiled_attention_kwargs)
-from actors.backends.config import TrainerConfig
+from actors.backends.config import MuonConfig, TrainerConfig
 from actors.backends.graphs import GraphedPasses, graphs_unsupported
 from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
+from actors.backends.optimizers import build_optimizer
 from actors.backends.packing import PACKED_ATTENTION, PackedBatch, packed_batch, packing_unsupported
 from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
 from actors.models import load_causal_lm, resolve_model_path
@@ -105,6 +107,7 @@ class TorchBackend(TrainerBackend):
         compile: bool = _DEFAULTS.compile,
         kernels: str = _DEFAULTS.kernels,
         cuda_graphs: bool = _DEFAULTS.cuda_graphs,
+        muon: MuonConfig | None = None,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -121,6 +124,7 @@ class TorchBackend(TrainerBackend):
         # fp32 main params; see mixed_precision.py). None: step the model params as they are.
         self.master_dtype = None if master_dtype is None or _DTYPES[master_dtype] == self.dtype else _DTYPES[master_dtype]
         self.lr, self.weight_decay, self.betas, self.grad_clip = lr, weight_decay, tuple(betas), grad_clip
+        self.muon = muon  # None: AdamW over every param; else trainer.muon (actors.backends.optimizers)
         if not callable(loss) or not hasattr(loss, "needs_proximal"):
             raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
         self.loss = loss
@@ -179,18 +183,13 @@ class TorchBackend(TrainerBackend):
                 raise ValueError(f"trainer.cuda_graphs: {reason}")
             self._graphs = GraphedPasses(self.model, self._packed_forward, self.device)
 
-        def adamw(params):  # fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
-            fused = self.device.type == "cuda" and self.world_size == 1
-            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
-                                     fused=fused or None)
-
         if self.world_size > 1:
             self._shard_model()
-            self.optimizer = adamw(self.model.parameters())
-        elif self.master_dtype is None:
-            self.optimizer = adamw(self.model.parameters())
-        else:
-            self.optimizer = MainParamsOptimizer(self.model.parameters(), adamw, self.master_dtype)
+        # AdamW fused on one GPU: one kernel for every param (sharded DTensors keep foreach)
+        self.optimizer = build_optimizer(self.model, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
+                                         muon=self.muon, fused=self.device.type == "cuda" and self.world_size == 1,
+                                         sharded=self.world_size > 1,
+                                         master_dtype=self.master_dtype if self.world_size == 1 else None)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
     def _shard_model(self) -> None:
@@ -316,7 +315,7 @@ class TorchBackend(TrainerBackend):
         advantages: list[float],
         proximal_logprobs: list[list[float]] | None = None,
     ) -> dict[str, float]:
-        """One AdamW step on the batch with the configured loss; raises ``version`` by 1.
+        """One optimizer step on the batch with the configured loss; raises ``version`` by 1.
 
         ``advantages[i]`` belongs to ``samples[i]`` and applies to all its
         response tokens; each sample's ``rollout_logprobs`` are the behaviour

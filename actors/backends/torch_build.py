@@ -25,4 +25,4 @@ def torch_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss)
                         micro_batch_tokens=cfg.micro_batch_tokens,
                         activation_checkpointing=cfg.activation_checkpointing, packed=cfg.packed,
                         logprob_chunk_tokens=cfg.logprob_chunk_tokens, compile=cfg.compile, kernels=cfg.kernels,
-                        cuda_graphs=cfg.cuda_graphs)
+                        cuda_graphs=cfg.cuda_graphs, muon=cfg.muon if cfg.optimizer == "muon" else None)
