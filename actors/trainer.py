@@ -162,7 +162,7 @@ class TrainerActor(Actor):
         if self.sender is None:  # a group formed again keeps sending against the copy of the last version
             # sync.mode auto becomes full or delta by the transport (sync.auto.mode_for)
             self.sender = WeightSender.from_config(self.sync_cfg, self.engine_dtype, transport=kind)
-        return TrainerLink.rendezvous() if kind == "broadcast" else None
+        return TrainerLink.rendezvous() if self._link.collective else None
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
         """Join the broadcast group as rank ``self.rank`` (every trainer worker
@@ -203,7 +203,7 @@ class TrainerActor(Actor):
         """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
         return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 
-    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, ShardSpec] | None]:
+    async def local_weights(self, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]:
         """This worker's weights in ``dtype`` (its shards, on the host) and their shard specs (for checks)."""
         weights = await self.blocking(self.backend.named_weights, dtype)
         return {k: v.detach().cpu() for k, v in weights.items()}, self.backend.shard_specs()
@@ -349,7 +349,8 @@ def merge_reports(reports: list[StepReport]) -> StepReport:
                       dropped=dropped, metrics=metrics, examples=[e for r in reports for e in r.examples])
 
 
-def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, Any]:
+def assemble_shards(parts: list[tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]]
+                    ) -> dict[str, torch.Tensor]:
     """Full tensors from every worker's ``(named local tensors, shard specs)``."""
     first, specs = parts[0]
     if specs is None:

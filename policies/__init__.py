@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from policies.base import PolicyBase
+    from policies.config import RunSettings
 
 __all__ = ["make_policy"]
 
 
-def make_policy(cfg: Any, **parts: Any) -> Any:
+def make_policy(cfg: RunSettings, **parts: object) -> PolicyBase:
     """The schedule named by ``policy.type``."""
     kind = cfg.policy.type
     if kind == "fully_async":

@@ -34,8 +34,11 @@ import asyncio
 import itertools
 from typing import Any
 
+from contracts.handles import RolloutHandle
 from contracts.rollout import GroupRequest
+from contracts.training import StepReport
 from policies.base import PolicyBase
+from transfer_queue import QueueStats
 
 __all__ = ["SyncPolicy", "OneStepOffPolicy"]
 
@@ -60,7 +63,7 @@ class _BatchPolicy(PolicyBase):
             actors = [self.rollouts[i % len(self.rollouts)] for i in range(len(groups))]
             need -= sum(await asyncio.gather(*(self._run_group(a, g) for a, g in zip(actors, groups))))
 
-    async def _run_group(self, actor: Any, group: GroupRequest) -> int:
+    async def _run_group(self, actor: RolloutHandle, group: GroupRequest) -> int:
         """Generate ``group`` on ``actor`` and count its report; returns the
         samples it left in the queue for the batch."""
         self.group_sent(group, actor.name)
@@ -108,8 +111,8 @@ class OneStepOffPolicy(_BatchPolicy):
     def rollout_idle(self) -> bool:
         return self._next is None or self._next.done()
 
-    def background_tasks(self) -> list[asyncio.Task[Any]]:
-        return [*self._respawning, *([] if self.rollout_idle() else [self._next])]  # type: ignore[list-item]
+    def background_tasks(self) -> list[asyncio.Task[None]]:
+        return [*self._respawning, *([] if self._next is None or self._next.done() else [self._next])]
 
     async def _before_step(self) -> None:
         if self._next is not None:
@@ -118,7 +121,7 @@ class OneStepOffPolicy(_BatchPolicy):
             await self._generate_batch()
         self._queued_ahead = False
 
-    def state_dict(self, queue: Any) -> dict[str, Any]:
+    def state_dict(self, queue: QueueStats) -> dict[str, object]:
         # between steps the batch generated during the last one is done and queued (``_after_step``)
         return {**super().state_dict(queue), "batch_ahead": self._next is not None or self._queued_ahead}
 
@@ -126,7 +129,7 @@ class OneStepOffPolicy(_BatchPolicy):
         super().load_state_dict(state)
         self._queued_ahead = bool(state.get("batch_ahead", False))
 
-    async def _train_once(self) -> Any:
+    async def _train_once(self) -> StepReport:
         # the batch is queued already: the next one is generated while the trainer takes and trains it
         self._next = asyncio.create_task(self._generate_batch(join_now=False), name="next-batch")
         return await super()._train_once()

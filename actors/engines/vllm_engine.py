@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from actors.engines.adapted import AdaptedEngine, AdaptedStream
-from actors.engines.base import GenerateOutput, GenerateRequest, SamplingParams, copy_output
+from actors.engines.base import EngineUpdate, GenerateOutput, GenerateRequest, SamplingParams, copy_output
 from actors.engines.weights import LM_HEAD
 
 _FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
@@ -162,7 +162,7 @@ class VllmEngine(AdaptedEngine[_Stream]):
         await self._llm.reset_prefix_cache()
 
     # ---- weights and memory --------------------------------------------------------------------
-    async def update_weights(self, update: object) -> int:
+    async def update_weights(self, update: EngineUpdate) -> int:
         version = await self._apply_to_host(update, require_all=False)
         return await self._load_paused(self._load_into_workers, version)
 
