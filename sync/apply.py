@@ -95,7 +95,10 @@ def _check_payload(update: WeightUpdate, pieces: list[Piece], buckets: dict[int,
     passes release the GIL), sparse ones summed together; device ones on this
     thread's stream, their sums read back together (one wait on the device per
     update)."""
-    on_cpu, cpu_sizes, on_device, sparse = [], [], [], []
+    on_cpu: list[int | Callable[[], None]] = []  # a sparse piece's place in ``sparse``, or a raw piece's check
+    cpu_sizes: list[int] = []
+    on_device: list[tuple[Piece, torch.Tensor]] = []
+    sparse: list[tuple[Piece, torch.Tensor]] = []
     for piece in pieces:
         blob = _blob(update, piece.entry, buckets)
         if blob.device.type != "cpu":

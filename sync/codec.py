@@ -98,7 +98,7 @@ class Changes(NamedTuple):
     codecs: tuple[IndexCodec, ValueCodec] | None
     streams: list[list[Any]]
     sums: tuple[Checksum, Checksum] | None
-    index: tuple
+    index: tuple  # type: ignore[assignment]  # a field, not tuple.index
     impl: Impl
 
 
@@ -226,7 +226,7 @@ def positions(kept: tuple) -> torch.Tensor:
     return decode_index(stream, codec, count, k)
 
 
-def encode_planned_delta(plan: device.SenderPlan, version: int, base_version: int | None,
+def encode_planned_delta(plan: device.SenderPlan, version: int, base_version: int,
                          base_sums: list[Checksum], bucket_bytes: int, *,
                          restore: bool = False) -> tuple[WeightUpdate, dict[int, Checksum]]:
     """A delta of every piece of ``plan`` at once, against the last version its
@@ -281,7 +281,7 @@ def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.n
                         [e.num_changed for e in entries])
     for (_, flat, blob), e, r in zip(jobs, entries, out):
         if not isinstance(r, Exception):
-            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec, e.count, r[0]))
+            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec or "", e.count, r[0]))
     for (i, _, _), e, r in zip(jobs, entries, out):  # a malformed blob raised with its piece as it was
         if isinstance(r, ValueError):
             results[i] = _undecodable(e, r)
@@ -322,7 +322,7 @@ def apply_planned_delta(weights: dict[str, torch.Tensor], update: WeightUpdate) 
     itemsize = dtype_from_name(m.entries[0].dtype).itemsize
     blob_offsets = _blob_offsets(m, itemsize)
     found = None if blob_offsets is None else _delta_receiver(weights, m, region, itemsize)
-    if found is None:
+    if found is None or blob_offsets is None:
         return False
     plan, indices = found
     plan.apply(m, region, blob_offsets, indices)
