@@ -294,7 +294,8 @@ class ArithmeticProblems:
         """The first ``n`` distinct held-out problems from a fixed seed: the same
         on every call and in every process. Fewer when the problem space holds
         fewer than ``n`` held-out problems."""
-        rng, seen, out = random.Random("asyncrl/text_arithmetic/eval"), set(), []
+        rng, seen = random.Random("asyncrl/text_arithmetic/eval"), set()
+        out: list[Row] = []
         for _ in range(max(1000, 200 * n)):
             if len(out) == n:
                 break

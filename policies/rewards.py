@@ -54,6 +54,7 @@ import numbers
 import pathlib
 import re
 import sys
+import types
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -318,7 +319,7 @@ def _import(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def _import_file(spec: str, path: pathlib.Path) -> Any:
+def _import_file(spec: str, path: pathlib.Path) -> types.ModuleType:
     """The module of the Python file ``path``, executed once per process: its
     name is derived from the absolute path, so a task built twice reuses it."""
     if not path.is_file():
@@ -327,10 +328,12 @@ def _import_file(spec: str, path: pathlib.Path) -> Any:
     name = f"_asyncrl_reward_{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    spec_ = importlib.util.spec_from_file_location(name, path)
+    assert spec_ is not None and spec_.loader is not None, path  # a .py file's: a source loader
+    module = importlib.util.module_from_spec(spec_)
     sys.modules[name] = module  # before running it: dataclasses and pickle look modules up by name
     try:
-        module.__spec__.loader.exec_module(module)
+        spec_.loader.exec_module(module)
     except Exception as e:  # any failure while running user code is a bad reward file
         del sys.modules[name]
         raise ValueError(f"reward {spec!r}: cannot import {str(path)!r}: {type(e).__name__}: {e}") from None

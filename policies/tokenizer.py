@@ -39,11 +39,12 @@ import pathlib
 import sys
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -172,8 +173,11 @@ class LightTokenizer:
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """Token ids; a token not in the vocabulary gets ``unk_token_id``."""
         if not isinstance(tokens, str):
-            return [self.convert_tokens_to_ids(t) for t in tokens]
-        idx = self.backend.token_to_id(tokens)
+            return [self._token_id(t) for t in tokens]
+        return self._token_id(tokens)
+
+    def _token_id(self, token: str) -> int | None:
+        idx = self.backend.token_to_id(token)
         unk = self.special_tokens_map.get("unk_token")
         return idx if idx is not None or unk is None else self.backend.token_to_id(unk)
 
@@ -189,8 +193,8 @@ class LightTokenizer:
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        ids = [e.ids for e in self.backend.encode_batch(list(text), add_special_tokens=add_special_tokens)]
-        return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}
+        batch = [e.ids for e in self.backend.encode_batch(list(text), add_special_tokens=add_special_tokens)]
+        return {"input_ids": batch, "attention_mask": [[1] * len(x) for x in batch]}
 
     def decode(self, token_ids: int | list[int] | list[list[int]],
                skip_special_tokens: bool = False) -> str | list[str]:
@@ -200,8 +204,8 @@ class LightTokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         if token_ids and isinstance(token_ids[0], (list, tuple)):
-            return [self.decode(ids, skip_special_tokens) for ids in token_ids]
-        return self.backend.decode([int(i) for i in token_ids], skip_special_tokens=skip_special_tokens)
+            return cast(list[str], [self.decode(ids, skip_special_tokens) for ids in token_ids])
+        return self.backend.decode([int(i) for i in cast(list[int], token_ids)], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list, *, add_generation_prompt: bool = False, tokenize: bool = True,
                             return_dict: bool = True) -> Any:
@@ -232,9 +236,9 @@ class _GenerationTag(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:

@@ -44,7 +44,7 @@ class TransferQueue:
         return {"cfg": self.cfg, "_d": self._d}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["cfg"], state["_d"])
+        TransferQueue.__init__(self, state["cfg"], state["_d"])
 
     # ---------------------------------------------------------------- creation
     @classmethod

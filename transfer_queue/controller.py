@@ -65,7 +65,7 @@ class Controller:
         self._by_uid: dict[str, Record] = {}
         self._by_index: dict[int, Record] = {}
         self._pending: dict[str, dict[int, Record]] = {}  # partition -> seq -> unleased record, arrival order
-        self._version_floor: dict[str, int] = {}  # partition -> lower bound of pending min_version
+        self._version_floor: dict[str, float] = {}  # partition -> lower bound of pending min_version
         self._leases: dict[str, Lease] = {}
         self._settled: dict[str, str] = {}  # batch id -> why it is no longer leased
         self._settled_uids: dict[str, str] = {}  # uid -> "delivered" | "dropped (reason)"
@@ -295,7 +295,7 @@ class Controller:
             self.expire_leases()
             if self._lost_returned:  # a lease that came back held samples of a lost unit
                 await self._drop_lost()
-            if current_version is not None:
+            if current_version is not None and max_staleness is not None:  # given together (checked above)
                 await self._drop_stale(partition, current_version, max_staleness, sampler == "grpo_group", dropped)
             if group_ids is not None:
                 self._check_alive(partition, group_ids)

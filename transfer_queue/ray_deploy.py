@@ -66,7 +66,7 @@ import loop
 from contracts.placement import node_address
 from transfer_queue.coalesce import ReserveRefused
 from transfer_queue.codec import decode_raw_row, decode_raw_rows, decode_tags, encode_rows, encode_tags, fields_mask
-from transfer_queue.config import TransferQueueConfig
+from transfer_queue.config import RpcLimits, TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
 from transfer_queue.errors import StorageUnitLost
@@ -114,10 +114,10 @@ class StorageActor:
 
     SERVED = ("put_new", "put_commit", "put", "get", "delete", "num_rows")
 
-    def __init__(self, unit_id: int, secret: bytes, limits: dict[str, float] | None = None) -> None:
+    def __init__(self, unit_id: int, secret: bytes, limits: RpcLimits | None = None) -> None:
         self._unit = StorageUnit(unit_id)
-        self._secret, self._limits = secret, dict(limits or {})
-        self._controller: RpcClient | None = None
+        self._secret, self._limits = secret, RpcLimits(**(limits or {}))
+        self._controller: RpcClient = None  # type: ignore[assignment]  # made in connect()
         self._unparsed: collections.deque[tuple[list[int], bytes]] = collections.deque()
         # Rows of new samples kept whole (a msgpack slice of their write, never parsed): a
         # read of whole rows copies them out as they are. Parsed into ``_unit`` (field ->
@@ -222,7 +222,7 @@ class ControllerActor:
 
     def __init__(self, cfg: TransferQueueConfig, secret: bytes) -> None:
         self._cfg, self._secret = cfg, secret
-        self._controller: Controller | None = None
+        self._controller: Controller = None  # type: ignore[assignment]  # made in setup()
         self._units: list[RpcClient] = []
         self._actors: list[Any] = []  # each storage unit's current actor
         self._unit_addresses: list[Address] = []
@@ -292,7 +292,8 @@ class ControllerActor:
         """A new actor for storage unit ``unit``, placed by the options the lost one had (a
         placement-group bundle waits until Ray placed it again on the nodes left); given
         up, counted in its state, when it does not serve within ``replace_timeout_s``."""
-        actor = StorageActor.options(**self._unit_options[unit]).remote(unit, self._secret, self._cfg.rpc_limits)
+        actor = StorageActor.options(**self._unit_options[unit]).remote(  # type: ignore[attr-defined]  # ray.remote
+            unit, self._secret, self._cfg.rpc_limits)
         try:
             address = await asyncio.wait_for(_unwrap(actor.serve.remote(self._cfg.ports)), self._replace_timeout_s)
             await asyncio.wait_for(_unwrap(actor.connect.remote(self._address)), self._replace_timeout_s)
@@ -330,9 +331,9 @@ class RayDeployment:
     encoded_put = True  # new samples travel as msgpack bodies (put_new), coalesced
 
     def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes,
-                 limits: dict[str, float] | None = None, generations: list[int] | None = None) -> None:
+                 limits: RpcLimits | None = None, generations: list[int] | None = None) -> None:
         self._controller, self.units, self._owner = controller, list(units), owner
-        self._addresses, self._secret, self._limits = list(addresses), secret, dict(limits or {})
+        self._addresses, self._secret, self._limits = list(addresses), secret, RpcLimits(**(limits or {}))
         self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller", **self._limits)
         self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}", **self._limits)
                           for i, a in enumerate(addresses[1:])]
@@ -361,9 +362,10 @@ class RayDeployment:
         options = [o or default for o in [*unit_options, *[None] * (cfg.num_storage_units - len(unit_options))]]
         # No runtime_env: Ray makes each actor's loop with uvloop already (the loop module says
         # where), and a per-actor runtime_env would cost each one a fresh worker process.
-        units = [StorageActor.options(**options[i]).remote(i, secret, cfg.rpc_limits)
+        units = [StorageActor.options(**options[i]).remote(i, secret, cfg.rpc_limits)  # type: ignore[attr-defined]
                  for i in range(cfg.num_storage_units)]
-        controller = ControllerActor.options(**{**default, **(controller_options or {})}).remote(cfg, secret)
+        controller = ControllerActor.options(  # type: ignore[attr-defined]  # a ray.remote class
+            **{**default, **(controller_options or {})}).remote(cfg, secret)
         unit_addresses = await _unwrap(asyncio.gather(*(u.serve.remote(cfg.ports) for u in units)))
         address = await _unwrap(controller.setup.remote(unit_addresses, units, options, replace_timeout_s))
         await _unwrap(asyncio.gather(*(u.connect.remote(address) for u in units)))

@@ -222,6 +222,7 @@ class RpcServer:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or not ports:
                     raise
+        assert ports is not None  # without a range, port 0 was taken or its error raised
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[1]} on {host}")
 
     async def close(self, timeout_s: float = 5.0) -> None:
@@ -342,7 +343,8 @@ class RpcClient:
                  hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         _check_limits(secret, hello_timeout_s, max_frame_bytes)
-        self._address, self._secret, self._name = tuple(address), secret, name
+        self._address: tuple[str, int] = (address[0], address[1])  # a list when it came through msgpack
+        self._secret, self._name = secret, name
         self._hello_timeout_s, self._max_frame_bytes = hello_timeout_s, max_frame_bytes
         self._conn: _Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
