@@ -14,7 +14,7 @@ __all__ = ["friendly"]
 _MSG = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
-def friendly(err: msgspec.ValidationError, root: type, tree: dict[str, Any] | None = None) -> str:
+def friendly(err: msgspec.ValidationError, root: type, tree: dict[str, object] | None = None) -> str:
     """``err``, met decoding ``tree`` as ``root``, as one line naming the dotted key and what is wrong."""
     m = _MSG.match(str(err))
     what, path = m.group("what"), (m.group("path") or "").lstrip(".")

@@ -43,7 +43,7 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, object], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
@@ -54,7 +54,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(tree: dict[str, object], overrides: list[str]) -> dict[str, object]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -64,7 +64,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def read_yaml(p: pathlib.Path) -> dict[str, Any]:
+def read_yaml(p: pathlib.Path) -> dict[str, object]:
     """The mapping of sections in config file ``p``; :class:`ConfigError` (one line)
     for a file that cannot be read, is binary, is not UTF-8, is empty or is not YAML."""
     try:

@@ -106,7 +106,7 @@ def _tokenizer_and_generation_config(model_dir: pathlib.Path, cfg: Config, dst: 
 
 
 def write_hf_dir(trainer_dir: str | pathlib.Path, cfg: Config, out: str | pathlib.Path, *,
-                 dtype: str | None = None, source: dict[str, Any] | None = None) -> pathlib.Path:
+                 dtype: str | None = None, source: dict[str, object] | None = None) -> pathlib.Path:
     """Write the HF model directory ``out`` from the trainer checkpoint in
     ``trainer_dir`` and the run's ``model.path`` (tokenizer, generation config).
     ``out`` must not exist or be empty; it appears whole or not at all (written

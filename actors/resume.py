@@ -40,8 +40,8 @@ class Checkpointing:
     dir: pathlib.Path
     policy: Any
     queue: Any
-    history: list[dict[str, Any]]
-    initial_eval: dict[str, Any] | None
+    history: list[dict[str, object]]
+    initial_eval: dict[str, object] | None
     last_checkpoint: pathlib.Path | None
     _metrics_file: Any
     _resume_step: int

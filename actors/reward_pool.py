@@ -21,7 +21,7 @@ __all__ = ["RewardPool"]
 _CLOSE_WAIT_S = 1.0  # close() waits this long for calls to end, then abandons them
 
 
-def _timed(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
+def _timed(fn: Callable[..., object], args: tuple[Any, ...]) -> tuple[Any, float]:
     """(what ``fn(*args)`` returned or the exception it raised, its seconds)."""
     t0 = time.perf_counter()
     try:
@@ -46,7 +46,7 @@ class RewardPool:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., object], *args: Any) -> concurrent.futures.Future:
         with self._lock:
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()

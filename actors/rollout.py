@@ -103,7 +103,7 @@ class RolloutActor(Actor):
 
     def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
-                 next_request: Callable[..., Any], absorb: Callable[..., bool], queue: TransferQueue,
+                 next_request: Callable[..., object], absorb: Callable[..., bool], queue: TransferQueue,
                  reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None) -> None:
         self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
         self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens

@@ -125,7 +125,7 @@ class OneStepOffPolicy(_BatchPolicy):
         # between steps the batch generated during the last one is done and queued (``_after_step``)
         return {**super().state_dict(queue), "batch_ahead": self._next is not None or self._queued_ahead}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         super().load_state_dict(state)
         self._queued_ahead = bool(state.get("batch_ahead", False))
 

@@ -29,7 +29,7 @@ class TimedReward:
     threads. Calls pass their arguments to ``fn`` (an adapted function: it
     checks its own result) and return its result."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
+    def __init__(self, fn: Callable[..., object], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
         if not timeout_s > 0:
             raise ValueError(f"reward {name!r}: timeout_s must be > 0, got {timeout_s}")
         self.fn, self.name, self.timeout_s, self.max_stuck = fn, name, timeout_s, max_stuck

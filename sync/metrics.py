@@ -55,7 +55,7 @@ class SyncResult(msgspec.Struct, kw_only=True):
     metrics: SyncMetrics
     aborted: list[Any] = msgspec.field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return msgspec.structs.asdict(self.metrics)
 
     def keys(self) -> Any:

@@ -182,10 +182,10 @@ class SglangEngine(AdaptedEngine[_Stream]):
                 self._dir = None
 
     # ---- generation ----------------------------------------------------------------------------
-    def _body(self, st: _Stream) -> dict[str, Any]:
+    def _body(self, st: _Stream) -> dict[str, object]:
         req, done = st.request, st.out.token_ids
         s = req.sampling
-        sampling: dict[str, Any] = {"max_new_tokens": req.max_tokens - len(done), "temperature": s.temperature,
+        sampling: dict[str, object] = {"max_new_tokens": req.max_tokens - len(done), "temperature": s.temperature,
                                     "ignore_eos": True}
         if s.stop_token_ids:
             sampling["stop_token_ids"] = list(s.stop_token_ids)
