@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import traceback
+from types import FrameType
 from typing import Any
 
 from actors.config import ConfigError, checkpoint_every, load_config, to_yaml
@@ -112,7 +113,7 @@ class _StopOnSignals:
         self._expired = True
         _thread.interrupt_main(self.first)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.closing:
             self._say(f"stopped by {name} while closing")

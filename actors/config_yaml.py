@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import Any
 
 import yaml
 
@@ -36,14 +35,14 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str) -> object:
     try:
         return yaml.load(text, Loader=_Loader) if text.strip() else ""
     except yaml.YAMLError:
         return text
 
 
-def _set_dotted(tree: dict[str, object], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, object], dotted: str, value: object) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:

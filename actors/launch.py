@@ -97,7 +97,7 @@ def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
     return Run(cfg, resume=ckpt, task_data=task_data)
 
 
-def _reward_function(cfg: Config, reward: Any) -> Callable[..., object]:
+def _reward_function(cfg: Config, reward: Callable[..., object]) -> Callable[..., object]:
     """``reward`` checked (a function the task takes, in a form :mod:`policies.rewards`
     knows) and recorded in ``cfg.task.kwargs.reward`` by name, for the saved config
     and the run's errors; ``ValueError`` naming ``launch(reward=...)`` otherwise."""

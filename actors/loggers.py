@@ -71,7 +71,7 @@ def flatten(record: dict[str, object]) -> tuple[int, dict[str, int | float], dic
     scalars: dict[str, int | float] = {}
     texts: dict[str, str] = {}
 
-    def visit(key: str, value: Any) -> None:
+    def visit(key: str, value: object) -> None:
         if isinstance(value, bool):
             scalars[key] = int(value)
         elif isinstance(value, (int, float)):
@@ -123,7 +123,7 @@ class _Mirror(Protocol):
     def close(self) -> None: ...
 
 
-def _hparam(value: Any) -> int | float | str | bool:
+def _hparam(value: object) -> int | float | str | bool:
     """A config value as TensorBoard's HParams takes it (scalars; anything else as text)."""
     return value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
 

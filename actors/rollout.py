@@ -249,7 +249,7 @@ class RolloutActor(Actor):
         self.num_scoring += 1
         ahead = (self.num_scoring - 1) // self.rewards.num_workers  # rounds of calls before this one's turn
         call = self.rewards.submit(self.task.reward, sample.meta, list(sample.response_ids))
-        outcome: tuple[Any, float] | None = None
+        outcome: tuple[object, float] | None = None
         try:
             outcome = await asyncio.wait_for(asyncio.wrap_future(call), self.reward_timeout_s * (ahead + 1) + 1.0)
         except TimeoutError:
@@ -262,7 +262,7 @@ class RolloutActor(Actor):
         self.reward_call_s += outcome[1] if outcome is not None else self.reward_timeout_s
         self._take_reward(sample, outcome)
 
-    def _take_reward(self, sample: Sample, outcome: tuple[Any, float] | None) -> None:
+    def _take_reward(self, sample: Sample, outcome: tuple[object, float] | None) -> None:
         """Set ``sample``'s reward from what its reward call returned, or mark it ``error``."""
         try:
             if outcome is None:

@@ -39,6 +39,7 @@ from contracts.training import BatchRequest, StepReport
 from contracts.weights import ShardSpec, WeightUpdate, merge_updates
 from sync import SyncConfig, WeightSender
 from sync.link import TrainerLink, digest_named
+from transfer_queue.batch import Batch
 from transfer_queue.client import TransferQueue
 from transfer_queue.errors import StorageUnitLost
 
@@ -121,7 +122,7 @@ class TrainerActor(Actor):
                           metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}},
                           examples=_spread(samples, request.num_examples))
 
-    async def _get_batch(self, request: BatchRequest) -> Any:
+    async def _get_batch(self, request: BatchRequest) -> Batch:
         """The batch ``request`` describes. One whose rows a lost storage unit held
         (its node died) went back to the queue, which dropped those samples counted
         (``storage_lost``): another batch is taken, as long as a unit is left."""

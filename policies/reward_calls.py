@@ -38,7 +38,7 @@ class TimedReward:
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []  # the job queues of threads waiting for a call
 
-    def __call__(self, *args: Any) -> float:
+    def __call__(self, *args: object) -> float:
         with self._lock:
             if self._num_stuck >= self.max_stuck:
                 raise RuntimeError(f"reward {self.name!r}: {self._num_stuck} calls still running after timing "

@@ -224,7 +224,7 @@ class RewardValueError(ValueError):
         super().__init__(message)
         self.location = location
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keeps ``location`` across processes
+    def __reduce__(self) -> tuple[type[RewardValueError], tuple[str, str]]:  # keeps ``location`` across processes
         return type(self), (str(self), self.location)
 
 
@@ -374,7 +374,7 @@ def _verl_keywords(sig: inspect.Signature) -> tuple[str, ...]:
     return names if _takes_any_keyword(sig) else tuple(k for k in names if k in sig.parameters)
 
 
-def _score(value: Any, fn: Callable[..., object], name: str) -> float:
+def _score(value: object, fn: Callable[..., object], name: str) -> float:
     """``value``, a score ``fn`` returned, as a float: any finite number (a bool, numpy's
     float32 too); else :class:`RewardValueError` naming ``fn`` and where it is defined."""
     if isinstance(value, numbers.Real) and math.isfinite(value):  # numbers.Real: bools and numpy's floats too
@@ -399,7 +399,7 @@ def _adapt(fn: Callable[..., object], form: str, name: str = "") -> Callable[[Re
     if form == "verl":
         keywords = _verl_keywords(sig)
 
-        def verl(r: Response) -> Any:
+        def verl(r: Response) -> float:
             given = {"data_source": r.fields.get("data_source"), "solution_str": r.text, "ground_truth": r.answer,
                      "extra_info": r.fields.get("extra_info")}
             score = settle(fn(**{k: given[k] for k in keywords}))
@@ -412,7 +412,7 @@ def _adapt(fn: Callable[..., object], form: str, name: str = "") -> Callable[[Re
         return verl
     any_keyword = _takes_any_keyword(sig)
 
-    def trl(r: Response) -> Any:
+    def trl(r: Response) -> float:
         completion = [{"role": "assistant", "content": r.text}] if isinstance(r.prompt, list) else r.text
         # as TRL does: every column but the prompt and completion ones, as keyword lists (of one here)
         kwargs = {k: [v] for k, v in r.fields.items() if k not in ("prompt", "completion", "completion_ids")}

@@ -107,7 +107,7 @@ class _TextTask(Task):
     tokenizer: TextTokenizer
 
     def __init__(self, tokenizer=None, *, model_path: str | None, chat_template: bool, system_prompt: str,
-                 reward: str | Callable[..., Any], reward_timeout_s: float | None,
+                 reward: str | Callable[..., object], reward_timeout_s: float | None,
                  chat_prompt_at: str | None = None) -> None:
         """``chat_prompt_at``: where the data has a prompt of chat messages (``file:row``), if it has one."""
         _check_types(self.name, chat_template=(chat_template, bool), system_prompt=(system_prompt, str),
@@ -204,7 +204,7 @@ class TextDataset(_TextTask):
 
     def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
                  data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
-                 chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., Any] = "math",
+                 chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., object] = "math",
                  max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
                      answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int),
@@ -282,7 +282,7 @@ class TextArithmetic(_TextTask):
     def __init__(self, tokenizer=None, *, model_path: str | None = None, digits: int = 2, num_operands: int = 2,
                  ops: str = "+-", tail_alpha: float = 0.0, max_digits: int = 12, eval_fraction: float = 0.1,
                  instruction: str = "Answer with the number only.", chat_template: bool = True,
-                 system_prompt: str = "", reward: str | Callable[..., Any] = "math",
+                 system_prompt: str = "", reward: str | Callable[..., object] = "math",
                  reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, digits=(digits, int), num_operands=(num_operands, int), ops=(ops, str),
                      tail_alpha=(tail_alpha, (int, float)), max_digits=(max_digits, int),

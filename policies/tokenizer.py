@@ -37,7 +37,7 @@ import json
 import logging
 import pathlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, cast
 
@@ -241,7 +241,7 @@ class _GenerationTag(jinja2.ext.Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
@@ -249,7 +249,8 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None,
             sort_keys: bool = False) -> str:
     # not jinja's own: that one escapes HTML characters
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -275,12 +276,12 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check_name(name: Any) -> None:
+    def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from contracts.weights import TensorEntry, WeightUpdate, bucket_tensor
+from contracts.weights import Manifest, TensorEntry, WeightUpdate, bucket_tensor
 from sync import checksum as cks
 from sync import codec, device, pool
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
@@ -52,7 +52,7 @@ def _raw_values(blob: torch.Tensor, piece: Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
-def _promised(e: TensorEntry) -> Any:
+def _promised(e: TensorEntry) -> cks.Checksum | None:
     """The checksum the manifest promises for a piece's payload (an unknown
     encoding is refused here, whatever its bytes summed to)."""
     if e.encoding == "raw":
@@ -158,7 +158,7 @@ def stage_update(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool
     return True
 
 
-def stageable(manifest: Any) -> bool:
+def stageable(manifest: Manifest) -> bool:
     """Whether :func:`stage_update` can check an update of this manifest ahead."""
     return bool(manifest.layout) and manifest.kind == "full"
 
@@ -188,7 +188,7 @@ def _planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> tuple[de
     return plan, region
 
 
-def _plan_receiver(weights: dict[str, torch.Tensor], m: Any, region: torch.Tensor) -> device.ReceiverPlan | None:
+def _plan_receiver(weights: dict[str, torch.Tensor], m: Manifest, region: torch.Tensor) -> device.ReceiverPlan | None:
     """Check a layout once: every piece raw, block-aligned, and a contiguous
     run of a receiver tensor of exactly its dtype on the buckets' device."""
     if device.layout_digest(m.entries, m.bucket_sizes) != m.layout:

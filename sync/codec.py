@@ -267,7 +267,7 @@ def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
     return results
 
 
-def _undecodable(e: Any, exc: Exception) -> ChecksumError:
+def _undecodable(e: TensorEntry, exc: Exception) -> ChecksumError:
     err = ChecksumError(f"{e.name}: undecodable sparse payload: {exc}")
     err.__cause__ = exc
     return err

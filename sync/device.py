@@ -252,7 +252,7 @@ class ReceiverPlan:
                                 region.device)
         self._region_ptr = -1
         self._src: list[torch.Tensor] = []
-        self._checked: tuple[Any, ...] | None = None  # the update the last check() passed
+        self._checked: tuple[object, ...] | None = None  # the update the last check() passed
 
     def still_valid(self, weights: dict[str, torch.Tensor]) -> bool:
         """The receiver still holds the same tensors, at the same addresses."""
@@ -298,7 +298,7 @@ class ReceiverPlan:
             torch.cuda.current_stream(region.device).synchronize()
 
 
-def _checked_key(manifest: Manifest, region: torch.Tensor) -> tuple[Any, ...]:
+def _checked_key(manifest: Manifest, region: torch.Tensor) -> tuple[object, ...]:
     """What must be the same for a check to stand for an apply: the update's
     version and checksums, and where its bytes are."""
     return manifest.version, region.data_ptr(), region.numel(), tuple(tuple(e.checksum) for e in manifest.entries)

@@ -27,9 +27,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from actors.engines.base import EngineUpdate
+
+R = TypeVar("R")
 
 from actors.engines.config import CUDA_MAX_NUM_SEQS
 from actors.engines.cuda_graphs import DecodeGraphs
@@ -288,7 +292,8 @@ class EngineCore(Scheduler):
         return self._on_update_tensors(lambda u: stage_update(self._update_targets(u), u), update,
                                        self._stage_stream)
 
-    def _on_update_tensors(self, fn: Callable[[Any], Any], update: Any, stream: Any = None) -> Any:
+    def _on_update_tensors(self, fn: Callable[[EngineUpdate], R], update: EngineUpdate,
+                           stream: torch.cuda.Stream | None = None) -> R:
         """``fn(update)`` on the engine's stream, or on ``stream`` (which then waits for nothing
         of the engine's: a decode step in flight runs on beside it)."""
         if self.opts.device.type != "cuda":
@@ -322,7 +327,7 @@ class EngineCore(Scheduler):
             return int(update.version)
         return apply_update(self._update_targets(update), update, self.version)
 
-    def _update_targets(self, update: Any) -> dict[str, torch.Tensor]:
+    def _update_targets(self, update: EngineUpdate) -> dict[str, torch.Tensor]:
         """The HF-named tensors ``sync.apply`` writes into (a tied head: see ``update_targets``)."""
         return update_targets(self.weights.params, update, tied=self.cfg.tie_word_embeddings)
 

@@ -185,7 +185,7 @@ class VllmEngine(AdaptedEngine[_Stream]):
             self._freed |= set(tags)
 
 
-def _wire(name: str, t: Any) -> tuple[str, str, list[int], bytes]:
+def _wire(name: str, t: torch.Tensor) -> tuple[str, str, list[int], bytes]:
     """A tensor as vLLM's RPC carries it (see ``vllm_worker.WeightLoader``)."""
     t = t.detach().contiguous().cpu()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
