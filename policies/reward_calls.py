@@ -10,7 +10,6 @@ import inspect
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import loop
 
@@ -80,7 +79,7 @@ class TimedReward:
             self._num_stuck -= 1
 
 
-def settle(value: Any) -> Any:
+def settle(value: object) -> object:
     """``value``, or what it resolves to when it is awaitable (an ``async def``
     reward's coroutine): awaited on the process's one loop (``loop.submit``),
     beside every other reward call awaiting there, while this thread waits.
@@ -93,7 +92,7 @@ def settle(value: Any) -> Any:
         raise RuntimeError("an async reward was called on the event loop's own thread; score it on a worker "
                            "thread (the rollout actor's reward pool does)")
 
-    async def wait() -> Any:
+    async def wait() -> object:
         return await value
 
     return loop.submit(wait()).result()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -254,7 +254,7 @@ def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
     stopped it with nothing of it written (an undecodable payload: a
     ChecksumError). What was written is on ``undo`` before this returns. The
     C path takes its pieces all at once on the pool (pieces are disjoint)."""
-    results: list[Any] = [None] * len(items)
+    results: list[tuple[Checksum, Checksum] | Exception | None] = [None] * len(items)
     jobs = []
     for i, (piece, blob) in enumerate(items):
         flat = piece.np_piece()
@@ -264,7 +264,7 @@ def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
     for i, (piece, blob) in enumerate(items):
         if results[i] is None:
             results[i] = _apply_torch(piece, blob.to(piece.device), undo)
-    return results
+    return cast("list[tuple[Checksum, Checksum] | Exception]", results)  # every piece has its result by now
 
 
 def _undecodable(e: TensorEntry, exc: Exception) -> ChecksumError:
@@ -291,7 +291,8 @@ def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.n
             results[i] = (cks.shift_sums(r[1], e.shard, e.start), cks.shift_sums(r[2], e.shard, e.start))
 
 
-def _apply_torch(piece: Piece, blob: torch.Tensor, undo: list[Callable[[], None]]) -> Any:
+def _apply_torch(piece: Piece, blob: torch.Tensor, undo: list[Callable[[], None]]
+                 ) -> tuple[Checksum, Checksum] | Exception:
     e = piece.entry
     try:
         idx, new, old = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,

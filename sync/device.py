@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 from sync import checksum as cks
+
+if TYPE_CHECKING:
+    from sync.device_delta import DeltaPacker
 
 BLOCK = 1024  # elements per checksum block; every planned piece starts on one
 MAX_PLANS = 4  # receiver plans kept per layout (one per receiver in a process), and delta layouts kept
@@ -181,7 +184,7 @@ class SenderPlan:
                                 [_piece_first(e.shard, e.start) for e, *_ in pieces],
                                 self.values.numel() // BLOCK, device)
         self.num_elements = sum(item[1].numel() for item in items)
-        self.delta: Any = None  # sync.device_delta.DeltaPacker, made by the first planned delta
+        self.delta: DeltaPacker | None = None  # made by the first planned delta
 
     def fill_prev(self) -> None:
         """Copy the last version sent from the storage into the sender's

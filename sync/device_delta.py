@@ -41,7 +41,7 @@ import torch
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync import checksum as cks
 from sync.streams import bitmask_encode
-from sync.device import BLOCK, _PieceSums, _piece_first
+from sync.device import BLOCK, SenderPlan, _PieceSums, _piece_first
 
 MASK_BYTES = BLOCK // 8
 _CHUNK_WORDS = 1024  # 8-byte words of payload per program of the payload-sum kernel
@@ -224,7 +224,7 @@ class DeltaPacker:
     (``values``: its storage read as integers, which holds the last version
     sent, updated here at the changed elements)."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: SenderPlan) -> None:
         storage, entries = plan.storage, plan.entries
         self.itemsize = plan.dst[0].element_size()
         self.cur_storage = torch.zeros_like(storage)
@@ -336,7 +336,7 @@ class DeltaPacker:
         self.cur[pos] = self.old[: pos.numel()]
 
 
-def delta_update(plan: Any, packer: DeltaPacker, rows: list[list[int]], version: int, base_version: int,
+def delta_update(plan: SenderPlan, packer: DeltaPacker, rows: list[list[int]], version: int, base_version: int,
                  base_sums: list[cks.Checksum], bucket_bytes: int) -> tuple[WeightUpdate, dict[int, cks.Checksum]]:
     """The update the packed payload is, cut into buckets at piece boundaries;
     and the new checksum of every changed piece (by piece index)."""

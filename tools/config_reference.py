@@ -53,7 +53,7 @@ def markdown(text: str, indent: str = "") -> str:
                                      break_on_hyphens=False, break_long_words=False) for p in paragraphs)
 
 
-def bounds(t: Any) -> str:
+def bounds(t: object) -> str:
     marks = [(">", "gt"), (">=", "ge"), ("<", "lt"), ("<=", "le")]
     return ", ".join(f"{sign} {getattr(t, key)}" for sign, key in marks if getattr(t, key, None) is not None)
 
@@ -83,7 +83,7 @@ def type_name(t: Any, order: list[Any]) -> str:
     return f"{name} ({bounds(t)})" if bounds(t) else name
 
 
-def value(v: Any) -> str:
+def value(v: object) -> str:
     """A value as the YAML of a config file writes it."""
     v = msgspec.to_builtins(v)
     if v is None:
@@ -95,7 +95,7 @@ def value(v: Any) -> str:
     return "{}" if v == {} else str(v)
 
 
-def size_note(v: Any) -> str:
+def size_note(v: object) -> str:
     """`` (64 MiB)`` after a default that is a whole number of MiB or GiB."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 1 << 20 or v % (1 << 20):
         return ""
