@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from actors.config import ConfigError, checkpoint_every, load_config, to_yaml
 from actors.resume import resume_config
@@ -103,7 +103,7 @@ class _StopOnSignals:
         self.forced: _StopNow | None = None  # a stop at once that cancelled the training task
         self._expired = False
         self._timer: threading.Timer | None = None
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     @staticmethod
     def _say(line: str) -> None:

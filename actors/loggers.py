@@ -32,6 +32,7 @@ import re
 from typing import Any, Protocol
 
 from actors.backends.config import import_error
+from contracts.sample import Sample
 
 __all__ = ["LOGGER_TYPES", "MetricsLog", "flatten", "loggers_unavailable", "open_metrics_log", "sample_rows"]
 
@@ -90,7 +91,7 @@ def flatten(record: dict[str, object]) -> tuple[int, dict[str, int | float], dic
     return int(record["step"]), scalars, texts
 
 
-def sample_rows(step: int, samples: list[Any], tokenizer: Any) -> list[dict[str, object]]:
+def sample_rows(step: int, samples: list[Sample], tokenizer: object) -> list[dict[str, object]]:
     """``samples.jsonl`` rows of a step's samples: prompt and completion as text
     (special tokens kept, so a missing stop shows) when ``tokenizer`` decodes, else
     as token ids; reward, finish reason, completion length and the weight versions."""

@@ -94,6 +94,10 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             window=cfg.policy.reward_error_window, min_samples=2 * cfg.rollout.n)
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
+        self._init_schedule()
+
+    def _init_schedule(self) -> None:
+        """Hook: a schedule's own state, made once the shared state above is."""
 
     @property
     def started_at(self) -> float:

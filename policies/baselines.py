@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
 
 from contracts.handles import RolloutHandle
 from contracts.rollout import GroupRequest
@@ -44,8 +43,8 @@ __all__ = ["SyncPolicy", "OneStepOffPolicy"]
 
 
 class _BatchPolicy(PolicyBase):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         self._gids = itertools.count()
 
     async def _generate_batch(self, *, join_now: bool = True) -> None:
@@ -103,8 +102,8 @@ class SyncPolicy(_BatchPolicy):
 class OneStepOffPolicy(_BatchPolicy):
     """Generation of the next batch overlaps training on the current one."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         self._next: asyncio.Task[None] | None = None
         self._queued_ahead = False  # resumed: the checkpoint's queue holds the next batch already
 

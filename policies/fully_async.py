@@ -91,8 +91,8 @@ class FullyAsyncPolicy(PolicyBase):
     admission window ahead of training, and every ``trigger_parameter_sync_step``
     trainer steps the engines get the new weights (interrupted generations resume)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         p = self.cfg.policy
         self.admission = Admission(window_budget(self.cfg.batch_size, p.require_batches,
                                                  p.trigger_parameter_sync_step, p.staleness_threshold))

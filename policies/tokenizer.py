@@ -37,7 +37,7 @@ import json
 import logging
 import pathlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, cast
 
@@ -73,7 +73,7 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, the first one standard
 
 
-def load_local_tokenizer(model_dir: str | pathlib.Path) -> Any:
+def load_local_tokenizer(model_dir: str | pathlib.Path) -> object:
     """The tokenizer saved in ``model_dir``, from local files only: a
     :class:`LightTokenizer` where :func:`try_light_tokenizer` allows one, else
     ``transformers.AutoTokenizer`` (whose errors propagate)."""
@@ -146,7 +146,7 @@ def try_light_tokenizer(model_dir: str | pathlib.Path) -> LightTokenizer | str:
     return LightTokenizer(backend, named, template)
 
 
-def _content(token: Any) -> str:
+def _content(token: object) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
@@ -298,7 +298,7 @@ def _compile(chat_template: str) -> jinja2.Template:
     return env.from_string(chat_template)
 
 
-def _template_messages(chat: Any) -> list[dict]:
+def _template_messages(chat: Iterable[object]) -> list[dict]:
     """The messages as the template sees them: dicts without None values, rebuilt of
     plain data, reasoning under its aliases."""
     messages = []

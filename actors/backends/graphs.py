@@ -48,7 +48,6 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -181,7 +180,7 @@ class GraphedPasses:
         self.capture_s = 0.0  # seconds spent warming up and capturing, all buckets
         self.reuses = 0  # micro-batches run in a bigger bucket than their own (pick_bucket)
         self._wasted: Counter[Bucket] = Counter()
-        self._pool: Any = None
+        self._pool: tuple[int, int] | None = None  # the captured graphs' memory pool handle
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
     def attach_grads(self) -> None:

@@ -153,14 +153,14 @@ class TorchEngine(RolloutEngine):
         for cb in callbacks:
             cb()
 
-    async def _call(self, name: str, *args: Any) -> Any:
+    async def _call(self, name: str, *args: object) -> Any:
         if self._core is None:
             raise RuntimeError("TorchEngine.setup() was not awaited")
         if self._core.closed:
             raise RuntimeError(f"TorchEngine is closed ({name} not run)")
         fut = self._loop.create_future()
 
-        def done(result: Any, exc: BaseException | None) -> None:
+        def done(result: object, exc: BaseException | None) -> None:
             if fut.done():
                 return
             if exc is not None:
