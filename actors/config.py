@@ -418,7 +418,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     return cfg
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+def _diff(a: object, b: object, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config trees."""
     if isinstance(a, dict) and isinstance(b, dict):
         return [k for key in sorted(set(a) | set(b))

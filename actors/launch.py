@@ -50,8 +50,7 @@ from __future__ import annotations
 import inspect
 import pathlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 from actors.cli import main
 from actors.config import Config, load_config
@@ -71,7 +70,8 @@ _DEFAULT_CONFIG = "fully_async.yaml"
 
 
 def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
-           resume: str | pathlib.Path | None = None, data: Any = None, eval_data: Any = None,
+           resume: str | pathlib.Path | None = None, data: Iterable[Mapping[str, object]] | None = None,
+           eval_data: Iterable[Mapping[str, object]] | None = None,
            reward: Callable[..., object] | None = None) -> Run:
     """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`.
 

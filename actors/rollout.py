@@ -101,7 +101,7 @@ class RolloutActor(Actor):
     # (policies/tokenizer.py: no transformers). vLLM and SGLang import theirs when they start.
     preload = ("actors.engines.torch_engine", "policies.tasks", "policies.tokenizer")
 
-    def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
+    def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], object],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
                  next_request: Callable[..., object], absorb: Callable[..., bool], queue: TransferQueue,
                  reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None) -> None:

@@ -14,7 +14,7 @@ import logging
 import functools
 import pathlib
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, cast
 
 from policies.config import PolicyConfig
@@ -203,7 +203,8 @@ class TextDataset(_TextTask):
     name = "text_dataset"
 
     def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
-                 data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
+                 data: Iterable[Mapping[str, object]] | None = None,
+                 eval_data: Iterable[Mapping[str, object]] | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
                  chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., object] = "math",
                  max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
@@ -220,7 +221,11 @@ class TextDataset(_TextTask):
         fields = functools.partial(load_rows, prompt_field=prompt_field, answer_field=answer_field,
                                    answer_required=answer_required)
         # bad data fails before the tokenizer load
-        train_rows = fields(path) if path else fields(data, name="data")
+        if path:
+            train_rows = fields(path)
+        else:
+            assert data is not None  # one source of rows: checked above
+            train_rows = fields(data, name="data")
         eval_rows = (fields(eval_path) if eval_path else
                      fields(eval_data, name="eval_data") if eval_data is not None else [])
         chat = next((row for row in train_rows + eval_rows if isinstance(row.prompt, list)), None)

@@ -313,7 +313,7 @@ def _template_messages(chat: Iterable[object]) -> list[dict]:
     return messages
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Only JSON types reach the sandbox; anything else becomes ``"<TypeName>"``."""
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -332,5 +332,5 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
+        return _plain(getattr(value, "model_dump")())
     return f"<{type(value).__name__}>"

@@ -169,7 +169,7 @@ def _encode_c(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch: Sc
     return Changes(k, olds, None, codecs, [d.index[index_codec], *u8], sums, (index_codec, d.index[index_codec]), "c")
 
 
-def _nbytes(chunk: Any) -> int:
+def _nbytes(chunk: torch.Tensor | np.ndarray) -> int:
     return chunk.numel() if isinstance(chunk, torch.Tensor) else chunk.size
 
 
@@ -274,7 +274,7 @@ def _undecodable(e: TensorEntry, exc: Exception) -> ChecksumError:
 
 
 def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.ndarray, np.ndarray]],
-             undo: list[Callable[[], None]], results: list[Any]) -> None:
+             undo: list[Callable[[], None]], results: list[tuple[Checksum, Checksum] | Exception | None]) -> None:
     entries = [items[i][0].entry for i, _, _ in jobs]
     out = pool.run_each([partial(native.apply_piece, flat, blob, e.parts, e.index_codec or "", e.value_codec or "",
                                  e.count, e.num_changed) for (_, flat, blob), e in zip(jobs, entries)],

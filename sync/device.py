@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
@@ -42,6 +42,7 @@ from sync import checksum as cks
 
 if TYPE_CHECKING:
     from sync.device_delta import DeltaPacker
+    from sync.piece import Piece
 
 BLOCK = 1024  # elements per checksum block; every planned piece starts on one
 MAX_PLANS = 4  # receiver plans kept per layout (one per receiver in a process), and delta layouts kept
@@ -234,16 +235,17 @@ class ReceiverPlan:
     rebuilt), and the buckets' views strongly (they are the sender's)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], manifest: Manifest, region: torch.Tensor,
-                 pieces: list[Any]) -> None:
+                 pieces: list[Piece]) -> None:
         entries = manifest.entries
         self.names = [e.name for e in entries]
         tensors = [weights[n] for n in self.names]
         self.refs = [weakref.ref(t) for t in tensors]
         self.ptrs = [t.data_ptr() for t in tensors]
         # a piece that is its whole tensor is copied into the tensor itself; others into a slice
-        self.slices = [None if p.region_view().numel() == t.numel() and p.entry.shard is None and p.entry.start == 0
-                       else (p.region_view().data_ptr() - t.data_ptr()) // t.element_size()
-                       for p, t in zip(pieces, tensors)]
+        views = cast("list[torch.Tensor]", [p.region_view() for p in pieces])  # every one there: _plan_receiver
+        self.slices = [None if v.numel() == t.numel() and p.entry.shard is None and p.entry.start == 0
+                       else (v.data_ptr() - t.data_ptr()) // t.element_size()
+                       for p, v, t in zip(pieces, views, tensors)]
         self.shapes = [tuple(t.shape) if sl is None else (e.count,) for t, sl, e in zip(tensors, self.slices, entries)]
         self.dtypes = [p.dtype for p in pieces]
         self.counts = [e.count for e in entries]

@@ -20,7 +20,6 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -58,14 +57,14 @@ def bounds(t: object) -> str:
     return ", ".join(f"{sign} {getattr(t, key)}" for sign, key in marks if getattr(t, key, None) is not None)
 
 
-def declared_order(tp: Any) -> list[Any]:
+def declared_order(tp: object) -> list[object]:
     """The values of every Literal in a type annotation, in the order they are declared."""
     if typing.get_origin(tp) is typing.Literal:
         return list(typing.get_args(tp))
     return [v for arg in typing.get_args(tp) for v in declared_order(arg)]
 
 
-def type_name(t: Any, order: list[Any]) -> str:
+def type_name(t: object, order: list[object]) -> str:
     """A field's type with its bounds; Literal values in ``order`` (msgspec sorts them)."""
     if isinstance(t, mi.LiteralType):
         values = sorted(t.values, key=lambda v: order.index(v) if v in order else len(order))

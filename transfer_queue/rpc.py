@@ -408,7 +408,7 @@ class RpcClient:
             raise AuthenticationFailed(f"{self._name} at {self._where()} refused this client's proof "
                                        "(it holds another secret)")
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: object) -> Any:
         """``method(*args)`` on the actor; its result, or its exception raised here."""
         conn = await self._connection()
         rid = self._ids()

@@ -319,7 +319,7 @@ class MegatronBackend(MegatronState, TrainerBackend):
         group's members' in rank order, and where this rank's rows start. TP = 1: as is."""
         if self.tp_size == 1:
             return (*columns, 0)
-        gathered: list[Any] = [None] * self.tp_size
+        gathered: list[tuple[list[object], ...]] = [()] * self.tp_size  # filled by all_gather_object
         dist.all_gather_object(gathered, columns, group=self.tp_group)
         start = sum(len(g[0]) for g in gathered[: self.tp_rank])
         merged = []

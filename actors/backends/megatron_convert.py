@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -72,7 +71,7 @@ class GptShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> GptShape:
+    def from_hf_config(cls, cfg: object) -> GptShape:
         """Read an HF ``PretrainedConfig`` (or any object with its attributes).
         Raises ``ValueError`` naming a model type or feature the map does not cover."""
         model_type = getattr(cfg, "model_type", None)

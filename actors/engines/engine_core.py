@@ -216,7 +216,7 @@ class EngineCore(Scheduler):
         seq.version_marks.append((0, self.version))
         self.waiting.append(seq)
 
-    def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[Any]]:
+    def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[object]]:
         wanted = None if request_ids is None else set(request_ids)
         hit = [s for s in (*self.running, *self.waiting)
                if s.finish is None and (wanted is None or s.request_id in wanted)]  # not idle rows: ended
@@ -256,7 +256,7 @@ class EngineCore(Scheduler):
     def _cmd_update(self, update: object) -> int:
         return self._on_update_tensors(self._apply_update, update)
 
-    def _cmd_swap(self, update: object, in_flight: str, asleep: bool) -> tuple[int, list[Any], float, float]:
+    def _cmd_swap(self, update: object, in_flight: str, asleep: bool) -> tuple[int, list[object], float, float]:
         """The whole swap as one command, between two decode steps (the step in
         flight was drained before it): ``abort`` ends every request with its
         partial tokens (posted before the apply, so they end even if it fails);
@@ -267,7 +267,7 @@ class EngineCore(Scheduler):
         after it, apply failed or not. Returns (version, the aborted streams,
         the command's and the apply's milliseconds)."""
         t0 = time.perf_counter()
-        streams: list[Any] = []
+        streams: list[object] = []
         if in_flight == "abort":
             events, streams = self._cmd_abort(None)
             self._post(events, [])
