@@ -13,11 +13,13 @@ import pickle
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from actors import gc_clock
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from actors.runtime import Actor
 
 __all__ = ["STOP", "serve_calls"]
@@ -38,7 +40,7 @@ def _error_payload(exc: BaseException) -> bytes:
         return pickle.dumps(err, protocol=5)
 
 
-async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+async def _answer(conn: Connection, actor: Actor, name: str, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
     try:
         if isinstance(actor, BaseException):  # the constructor failed: every call gets its error
             raise actor
@@ -55,7 +57,7 @@ async def _answer(conn: Any, actor: Any, name: str, call_id: int, method: str, a
     conn.send_bytes(pickle.dumps((call_id, ok, payload), protocol=5))
 
 
-async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwargs: dict,
+async def serve_calls(conn: Connection, cls: type[Actor], name: str, args: tuple, kwargs: dict,
                       t_start: float | None = None, boot_s: float | None = None) -> None:
     """The child's main coroutine: build the actor, answer calls (each a task,
     so they overlap like Ray's async actor calls) until told to stop or orphaned."""
@@ -74,7 +76,7 @@ async def serve_calls(conn: Any, cls: type[Actor], name: str, args: tuple, kwarg
 
     threading.Thread(target=read, name="asyncrl-actor-inbox", daemon=True).start()
     try:
-        actor: Any = cls(*args, **kwargs)
+        actor: Actor = cls(*args, **kwargs)
         if t_start is not None:  # the process started and imported what its actor needs
             actor.startup_parts = {"process_s": time.time() - t_start}
             if boot_s is not None:

@@ -30,7 +30,6 @@ import random
 import re
 import shutil
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -174,11 +173,11 @@ def find(path: str | pathlib.Path) -> tuple[pathlib.Path, list[tuple[pathlib.Pat
                      "; ".join(f"{c.name}: {why}" for c, why in skipped))
 
 
-def read_state(ckpt: pathlib.Path) -> dict[str, Any]:
+def read_state(ckpt: pathlib.Path) -> dict[str, object]:
     return json.loads((ckpt / "state.json").read_text())
 
 
-def restore_metrics(run_dir: pathlib.Path, num_bytes: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def restore_metrics(run_dir: pathlib.Path, num_bytes: int) -> tuple[dict[str, object] | None, list[dict[str, object]]]:
     """Cut ``metrics.jsonl`` back to the checkpoint's ``num_bytes`` (the records after
     it, of steps the crash lost, move to ``metrics.rolled_back.jsonl``); returns the
     records kept: the evaluation before step 1 (or None) and one per step."""
@@ -217,7 +216,7 @@ def set_aside_later(run_dir: pathlib.Path, step: int) -> None:
 
 # -- the driver's RNG states ------------------------------------------------------
 
-def driver_rng_state() -> dict[str, Any]:
+def driver_rng_state() -> dict[str, object]:
     """This process's python, numpy and torch (CPU) RNG states, as JSON values."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -226,7 +225,7 @@ def driver_rng_state() -> dict[str, Any]:
             "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
 
 
-def set_driver_rng_state(state: dict[str, Any]) -> None:
+def set_driver_rng_state(state: dict[str, object]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

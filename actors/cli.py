@@ -16,7 +16,8 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
 
 from actors.config import ConfigError, checkpoint_every, load_config, to_yaml
 from actors.resume import resume_config
@@ -102,7 +103,7 @@ class _StopOnSignals:
         self.forced: _StopNow | None = None  # a stop at once that cancelled the training task
         self._expired = False
         self._timer: threading.Timer | None = None
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
     @staticmethod
     def _say(line: str) -> None:
@@ -112,7 +113,7 @@ class _StopOnSignals:
         self._expired = True
         _thread.interrupt_main(self.first)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.closing:
             self._say(f"stopped by {name} while closing")

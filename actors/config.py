@@ -280,7 +280,7 @@ def checkpoint_every(cfg: Config) -> int:
     return cfg.run.checkpoint_every
 
 
-def _moved(tree: dict[str, Any], resumed: bool) -> dict[str, Any]:
+def _moved(tree: dict[str, object], resumed: bool) -> dict[str, object]:
     """``trainer.checkpoint_every``, the older name of ``run.checkpoint_every``:
     one line naming the new key in a config; folded into it in the config a
     run saved before the rename, so that run still resumes."""
@@ -343,7 +343,7 @@ def _check_progress(cfg: Config) -> None:
             "policy.max_staleness >= 1, or policy.type=sync to train on-policy")
 
 
-def build_config(tree: dict[str, Any], base_dir: str = ".", check: bool = True) -> Config:
+def build_config(tree: dict[str, object], base_dir: str = ".", check: bool = True) -> Config:
     """Decode a raw tree into a :class:`Config` or raise :class:`ConfigError`; ``check``: its
     sections against each other and against this machine (what it can build) too."""
     if not isinstance(tree, dict):
@@ -388,7 +388,7 @@ RESUMABLE_KEYS = ("run.total_steps", "run.progress", "run.watchdog_s", "run.stop
                   "rollout.max_respawns", "trainer.kernels", "trainer.cuda_graphs")
 
 
-def _saved_tree(p: pathlib.Path) -> tuple[dict[str, Any], str]:
+def _saved_tree(p: pathlib.Path) -> tuple[dict[str, object], str]:
     """A resolved config a run saved (``config.yaml``): its tree and ``base_dir``."""
     tree = _moved(read_yaml(p), resumed=True)
     base_dir = tree.pop("base_dir", None)
@@ -418,7 +418,7 @@ def load_resume_config(saved: str | pathlib.Path, overrides: list[str] = ()) -> 
     return cfg
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+def _diff(a: object, b: object, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config trees."""
     if isinstance(a, dict) and isinstance(b, dict):
         return [k for key in sorted(set(a) | set(b))

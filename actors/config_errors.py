@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import typing
-from typing import Any
 
 import msgspec
 
@@ -14,7 +13,7 @@ __all__ = ["friendly"]
 _MSG = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
-def friendly(err: msgspec.ValidationError, root: type, tree: dict[str, Any] | None = None) -> str:
+def friendly(err: msgspec.ValidationError, root: type, tree: dict[str, object] | None = None) -> str:
     """``err``, met decoding ``tree`` as ``root``, as one line naming the dotted key and what is wrong."""
     m = _MSG.match(str(err))
     what, path = m.group("what"), (m.group("path") or "").lstrip(".")
@@ -48,7 +47,7 @@ def friendly(err: msgspec.ValidationError, root: type, tree: dict[str, Any] | No
 _ABSENT = object()
 
 
-def _given(tree: Any, path: str) -> Any:
+def _given(tree: object, path: str) -> object:
     """The scalar the config gave at ``path`` (dotted), or ``_ABSENT``."""
     node = tree
     for part in path.split(".") if path and tree is not None else ():
@@ -61,15 +60,15 @@ def _given(tree: Any, path: str) -> Any:
     return _ABSENT if node is tree or isinstance(node, (dict, list)) else node
 
 
-def _choices(tp: Any) -> list[str]:
+def _choices(tp: object) -> list[str]:
     """The values a Literal field takes, ``null`` for an optional one (``Literal[...] | None``)."""
     if typing.get_origin(tp) is typing.Literal:
         return [str(a) for a in typing.get_args(tp)]
     return [c for a in typing.get_args(tp) for c in (["null"] if a is type(None) else _choices(a))]
 
 
-def _field_type(root: type, path: str) -> Any:
-    node: Any = root
+def _field_type(root: type, path: str) -> object:
+    node: object = root
     for part in [p for p in path.split(".") if p]:
         if part.isdigit() and typing.get_origin(node) in (list, tuple):  # an item of a list field
             node = typing.get_args(node)[0]

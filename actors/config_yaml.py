@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import Any
 
 import yaml
 
@@ -36,14 +35,14 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str) -> object:
     try:
         return yaml.load(text, Loader=_Loader) if text.strip() else ""
     except yaml.YAMLError:
         return text
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, object], dotted: str, value: object) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
@@ -54,7 +53,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(tree: dict[str, object], overrides: list[str]) -> dict[str, object]:
     """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars)."""
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -64,7 +63,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def read_yaml(p: pathlib.Path) -> dict[str, Any]:
+def read_yaml(p: pathlib.Path) -> dict[str, object]:
     """The mapping of sections in config file ``p``; :class:`ConfigError` (one line)
     for a file that cannot be read, is binary, is not UTF-8, is empty or is not YAML."""
     try:

@@ -30,7 +30,6 @@ import pathlib
 import sys
 import tempfile
 import traceback
-from typing import Any
 
 import loop
 from actors import checkpoint
@@ -44,7 +43,7 @@ _SCORING = ["run.progress=false", "run.checkpoint_every=0", "run.save_final=fals
 
 
 def _config(target: pathlib.Path, config: str | None, overrides: list[str], scratch: pathlib.Path,
-            ) -> tuple[Config, dict[str, Any]]:
+            ) -> tuple[Config, dict[str, object]]:
     """The config to score ``target`` with (its ``model.path`` the model to score), and what
     the output line says about where the weights came from."""
     overrides = [*overrides, *_SCORING, f"run.output_dir={scratch / 'runs'}"]
@@ -68,7 +67,7 @@ def _config(target: pathlib.Path, config: str | None, overrides: list[str], scra
     return load_config(config, overrides), {"model": str(target)}
 
 
-def evaluate(target: str | pathlib.Path, config: str | None = None, overrides: list[str] = ()) -> dict[str, Any]:
+def evaluate(target: str | pathlib.Path, config: str | None = None, overrides: list[str] = ()) -> dict[str, object]:
     """Score ``target`` (a run directory, one of its checkpoints, or a model directory):
     the mean reward of one greedy response to each held-out prompt, with counts."""
     from actors.run import Run

@@ -33,7 +33,10 @@ import pathlib
 import shutil
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.run import Run
 
 from actors import checkpoint
 from actors.config import Config, load_resume_config
@@ -106,7 +109,7 @@ def _tokenizer_and_generation_config(model_dir: pathlib.Path, cfg: Config, dst: 
 
 
 def write_hf_dir(trainer_dir: str | pathlib.Path, cfg: Config, out: str | pathlib.Path, *,
-                 dtype: str | None = None, source: dict[str, Any] | None = None) -> pathlib.Path:
+                 dtype: str | None = None, source: dict[str, object] | None = None) -> pathlib.Path:
     """Write the HF model directory ``out`` from the trainer checkpoint in
     ``trainer_dir`` and the run's ``model.path`` (tokenizer, generation config).
     ``out`` must not exist or be empty; it appears whole or not at all (written
@@ -152,7 +155,7 @@ def export_checkpoint(path: str | pathlib.Path, out: str | pathlib.Path, *, dtyp
     return write_hf_dir(ckpt / "trainer", cfg, out, dtype=dtype, source=source)
 
 
-async def export_run(run: Any, out: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
+async def export_run(run: Run, out: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
     """``Run.export_hf``: the trainer's current weights (its push settled), saved
     by the trainer into a scratch directory of the run (the backend's HF
     checkpoint, every worker's shards gathered), then written as ``out``."""

@@ -50,8 +50,7 @@ from __future__ import annotations
 import inspect
 import pathlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 from actors.cli import main
 from actors.config import Config, load_config
@@ -71,8 +70,9 @@ _DEFAULT_CONFIG = "fully_async.yaml"
 
 
 def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
-           resume: str | pathlib.Path | None = None, data: Any = None, eval_data: Any = None,
-           reward: Callable[..., Any] | None = None) -> Run:
+           resume: str | pathlib.Path | None = None, data: Iterable[Mapping[str, object]] | None = None,
+           eval_data: Iterable[Mapping[str, object]] | None = None,
+           reward: Callable[..., object] | None = None) -> Run:
     """Load a config (plus ``key.path=value`` overrides) and start a :class:`Run`.
 
     ``resume``: a run directory (its newest whole checkpoint) or one checkpoint
@@ -97,7 +97,7 @@ def launch(config: str | pathlib.Path | None = _DEFAULT_CONFIG, *overrides: str,
     return Run(cfg, resume=ckpt, task_data=task_data)
 
 
-def _reward_function(cfg: Config, reward: Any) -> Callable[..., Any]:
+def _reward_function(cfg: Config, reward: Callable[..., object]) -> Callable[..., object]:
     """``reward`` checked (a function the task takes, in a form :mod:`policies.rewards`
     knows) and recorded in ``cfg.task.kwargs.reward`` by name, for the saved config
     and the run's errors; ``ValueError`` naming ``launch(reward=...)`` otherwise."""

@@ -32,6 +32,7 @@ import re
 from typing import Any, Protocol
 
 from actors.backends.config import import_error
+from contracts.sample import Sample
 
 __all__ = ["LOGGER_TYPES", "MetricsLog", "flatten", "loggers_unavailable", "open_metrics_log", "sample_rows"]
 
@@ -61,7 +62,7 @@ def loggers_unavailable(names: tuple[str, ...] | list[str]) -> str | None:
     return None
 
 
-def flatten(record: dict[str, Any]) -> tuple[int, dict[str, int | float], dict[str, str]]:
+def flatten(record: dict[str, object]) -> tuple[int, dict[str, int | float], dict[str, str]]:
     """A metrics record as ``(step, scalars, texts)`` under the record's own keys.
 
     Numbers are scalars as they are, ``True``/``False`` as 1/0; a nested mapping
@@ -71,7 +72,7 @@ def flatten(record: dict[str, Any]) -> tuple[int, dict[str, int | float], dict[s
     scalars: dict[str, int | float] = {}
     texts: dict[str, str] = {}
 
-    def visit(key: str, value: Any) -> None:
+    def visit(key: str, value: object) -> None:
         if isinstance(value, bool):
             scalars[key] = int(value)
         elif isinstance(value, (int, float)):
@@ -90,7 +91,7 @@ def flatten(record: dict[str, Any]) -> tuple[int, dict[str, int | float], dict[s
     return int(record["step"]), scalars, texts
 
 
-def sample_rows(step: int, samples: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
+def sample_rows(step: int, samples: list[Sample], tokenizer: object) -> list[dict[str, object]]:
     """``samples.jsonl`` rows of a step's samples: prompt and completion as text
     (special tokens kept, so a missing stop shows) when ``tokenizer`` decodes, else
     as token ids; reward, finish reason, completion length and the weight versions."""
@@ -107,7 +108,7 @@ def sample_rows(step: int, samples: list[Any], tokenizer: Any) -> list[dict[str,
              "versions": [s.min_version, s.max_version]} for s in samples]
 
 
-def _samples_markdown(rows: list[dict[str, Any]]) -> str:
+def _samples_markdown(rows: list[dict[str, object]]) -> str:
     """A step's sample rows as one TensorBoard text (markdown)."""
     return "\n\n".join(f"**reward {r['reward']}** ({r['finish_reason']}, {r['num_tokens']} tokens)\n\n"
                         f"```\n{r['prompt']}\n--- completion ---\n{r['completion']}\n```" for r in rows)
@@ -123,13 +124,13 @@ class _Mirror(Protocol):
     def close(self) -> None: ...
 
 
-def _hparam(value: Any) -> int | float | str | bool:
+def _hparam(value: object) -> int | float | str | bool:
     """A config value as TensorBoard's HParams takes it (scalars; anything else as text)."""
     return value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
 
 
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _dotted(tree: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
@@ -147,7 +148,7 @@ class TensorBoardMirror:
     resumed run's first step; TensorBoard hides what an earlier process logged
     from there on (the steps the resume rolled back)."""
 
-    def __init__(self, log_dir: pathlib.Path, config: dict[str, Any], config_yaml: str, *,
+    def __init__(self, log_dir: pathlib.Path, config: dict[str, object], config_yaml: str, *,
                  purge_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -164,7 +165,7 @@ class TensorBoardMirror:
         for key, value in texts.items():
             self.writer.add_text(key, value, global_step=step)
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+    def log_samples(self, step: int, rows: list[dict[str, object]]) -> None:
         self.writer.add_text("samples", _samples_markdown(rows), global_step=step)
 
     def flush(self) -> None:
@@ -178,7 +179,7 @@ class WandbMirror:
     """A W&B run in ``run_dir/wandb`` (``mode`` offline: no network, no login),
     its id the run directory's name, the resolved config as its config."""
 
-    def __init__(self, run_dir: pathlib.Path, config: dict[str, Any], *, project: str, mode: str) -> None:
+    def __init__(self, run_dir: pathlib.Path, config: dict[str, object], *, project: str, mode: str) -> None:
         import wandb
 
         run_id = re.sub(r"[^A-Za-z0-9_.-]", "-", run_dir.name)[-128:]
@@ -209,7 +210,7 @@ class MetricsLog:
         self._partial = ""  # a line not yet ended (write is called with whole lines)
         self._samples_path = path.with_name("samples.jsonl")
 
-    def write_samples(self, rows: list[dict[str, Any]]) -> None:
+    def write_samples(self, rows: list[dict[str, object]]) -> None:
         """Append a step's sample rows (:func:`sample_rows`) to ``samples.jsonl``, and
         show them in TensorBoard as text (a W&B step is logged once: not there)."""
         if not rows:

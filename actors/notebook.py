@@ -15,9 +15,14 @@ import asyncio
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from tqdm import TqdmWarning
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+    from tqdm import tqdm as tqdm_bar
 
 __all__ = ["PANELS", "TrainResult", "describe", "extend_total_steps", "metrics_table", "plot", "progress_bar",
            "interactive", "setup_status", "waiting_for"]
@@ -31,7 +36,7 @@ PANELS: dict[str, tuple[tuple[str, str], ...]] = {
 _YLABELS = {"staleness": "staleness (versions)", "throughput": "samples/s"}
 
 
-def _tqdm_class() -> Any:
+def _tqdm_class() -> type[tqdm_bar]:
     """``tqdm.auto``'s bar: the notebook widget under Jupyter when ipywidgets is
     installed, the text bar otherwise. ``tqdm.auto`` warns ("IProgress not found")
     when it falls back in a notebook; the fallback is what we want, so not that."""
@@ -46,7 +51,7 @@ def _tqdm_class() -> Any:
 _tqdm_class()
 
 
-def progress_bar(total: int, initial: int) -> Any:
+def progress_bar(total: int, initial: int) -> tqdm_bar:
     """A bar counting trainer steps from ``initial`` to ``total``."""
     return _tqdm_class()(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
@@ -89,14 +94,14 @@ class SetupStatus:
         self._bar.close()
 
 
-def waiting_for(rollout_stats: Sequence[dict[str, Any]]) -> str:
+def waiting_for(rollout_stats: Sequence[dict[str, object]]) -> str:
     """What a step waits for, from its rollout actors' statistics: the samples
     being scored (``num_scoring``: queued for or in a reward call), else generation."""
     scoring = sum(int(st.get("num_scoring", 0)) for st in rollout_stats)
     return f"scoring {scoring} sample{'s' * (scoring != 1)}" if scoring else "generating"
 
 
-def describe(name: str, history: Sequence[dict[str, Any]], total_steps: int, closed: bool, run_dir: Any) -> str:
+def describe(name: str, history: Sequence[dict[str, object]], total_steps: int, closed: bool, run_dir: object) -> str:
     """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, N samples/s, runs/<dir>)``:
     the latest step's figures and where the run writes."""
     parts = [name]
@@ -119,7 +124,7 @@ class TrainResult(list):
     them all as a table). ``total_steps``: the run's budget after the call;
     ``wall_s``: the call's wall time."""
 
-    def __init__(self, records: Sequence[dict[str, Any]], *, total_steps: int, wall_s: float) -> None:
+    def __init__(self, records: Sequence[dict[str, object]], *, total_steps: int, wall_s: float) -> None:
         super().__init__(records)
         self.total_steps, self.wall_s = total_steps, wall_s
 
@@ -132,7 +137,11 @@ class TrainResult(list):
                 f"{self.wall_s:.1f} s)")
 
 
-def extend_total_steps(run_cfg: Any, step: int, steps: int) -> None:
+class _Steps(Protocol):
+    total_steps: int  # the ``run`` section's
+
+
+def extend_total_steps(run_cfg: _Steps, step: int, steps: int) -> None:
     """An explicit ``run.train(steps)`` at ``step`` that goes past ``run.total_steps``
     (the ``run`` section) raises it to where the call ends, visibly: one line on
     stderr, the repr's total the new one, later checkpoints' config holding it (as
@@ -143,8 +152,8 @@ def extend_total_steps(run_cfg: Any, step: int, steps: int) -> None:
         run_cfg.total_steps = step + steps
 
 
-def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flat(record: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
     for key, value in record.items():
         if isinstance(value, dict):
             out.update(_flat(value, f"{prefix}{key}/"))
@@ -153,7 +162,7 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def metrics_table(history: Sequence[dict[str, Any]]) -> Any:
+def metrics_table(history: Sequence[dict[str, object]]) -> pd.DataFrame | list[dict[str, object]]:
     """The records, one row a step, with the same columns with or without pandas:
     ``step`` and every record key, nested counters flattened (``dropped: {stale: 3}``
     as ``dropped/stale``). A pandas DataFrame (default index; ``step`` is a column)
@@ -166,8 +175,8 @@ def metrics_table(history: Sequence[dict[str, Any]]) -> Any:
     return pd.DataFrame(rows)
 
 
-def plot(history: Sequence[dict[str, Any]], initial_eval: dict[str, Any] | None,
-         panels: Sequence[str] = tuple(PANELS), *, title: str = "") -> Any:
+def plot(history: Sequence[dict[str, object]], initial_eval: dict[str, object] | None,
+         panels: Sequence[str] = tuple(PANELS), *, title: str = "") -> np.ndarray:
     """One panel per name in ``panels``, against the trainer step: a name of
     :data:`PANELS` (reward with eval reward, staleness, throughput) or any
     numeric record key (``train/loss``). The held-out evaluation before the first

@@ -8,11 +8,19 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import loop
 from actors import notebook
 from actors.config import Config
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+    from actors.training import TrainCall
+    from policies.base import PolicyBase
+    from transfer_queue import TransferQueue
 
 __all__ = ["NotebookAPI"]
 
@@ -20,7 +28,7 @@ __all__ = ["NotebookAPI"]
 _CONNECTION_MODULES = ("transfer_queue.rpc",)
 
 
-def _module_of(task: asyncio.Task[Any]) -> str:
+def _module_of(task: asyncio.Task[object]) -> str:
     """The module of the function ``task`` runs now ("" if not known)."""
     frame = getattr(task.get_coro(), "cr_frame", None)
     return frame.f_globals.get("__name__", "") if frame is not None else ""
@@ -32,15 +40,15 @@ class NotebookAPI:
 
     cfg: Config
     dir: pathlib.Path
-    history: list[dict[str, Any]]
-    initial_eval: dict[str, Any] | None
+    history: list[dict[str, object]]
+    initial_eval: dict[str, object] | None
     last_checkpoint: pathlib.Path | None
-    policy: Any
-    queue: Any
-    _train_call: Any
+    policy: PolicyBase
+    queue: TransferQueue
+    _train_call: TrainCall | None
     _closed: bool
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """First-10% vs last-10% reward, throughput and drops of the run so far, the
         held-out eval reward before the first step and at the last evaluation, and
         the newest checkpoint (the final one once the run closed: ``run.save_final``)."""
@@ -67,20 +75,20 @@ class NotebookAPI:
     def __repr__(self) -> str:
         return notebook.describe(self.cfg.run.name, self.history, self.cfg.run.total_steps, self._closed, self.dir)
 
-    def metrics(self) -> Any:
+    def metrics(self) -> pd.DataFrame | list[dict[str, object]]:
         """The steps' records so far, one row a step with ``step`` a column and nested
         counters as ``dropped/<reason>``: a pandas DataFrame when pandas is installed,
         else a list of dicts with the same columns (``actors/notebook.py``)."""
         return notebook.metrics_table(self.history)
 
-    def plot(self, *panels: str) -> Any:
+    def plot(self, *panels: str) -> np.ndarray:
         """Plot reward (with the held-out eval reward), staleness and throughput
         against the step, or the ``panels`` named (those, or record keys such as
         ``train/loss``); returns their matplotlib Axes. Needs the ``plot`` extra."""
         return notebook.plot(self.history, self.initial_eval, panels or tuple(notebook.PANELS),
                              title=self.dir.name)
 
-    def check(self, timeout_s: float = 30.0) -> dict[str, Any]:
+    def check(self, timeout_s: float = 30.0) -> dict[str, object]:
         """Check the run between train calls (after an interrupt, say) and return its
         counters. Between calls rollout goes on until what may run ahead of the
         trainer is generated, then stops: this waits for that (up to ``timeout_s``),
@@ -93,12 +101,12 @@ class NotebookAPI:
             raise RuntimeError("this run is closed")
         return loop.run(self._check(timeout_s))
 
-    async def _check(self, timeout_s: float) -> dict[str, Any]:
+    async def _check(self, timeout_s: float) -> dict[str, object]:
         policy, me = self.policy, asyncio.current_task()
         if self._train_call is not None:
             raise RuntimeError("a train call is running: check the run between calls")
 
-        def left() -> list[asyncio.Task[Any]]:
+        def left() -> list[asyncio.Task[object]]:
             parked = set(policy.background_tasks())
             return [t for t in asyncio.all_tasks() if t is not me and t not in parked and not t.done()
                     and _module_of(t) not in _CONNECTION_MODULES]

@@ -94,7 +94,7 @@ def _fits(need: dict[str, float], free: dict[str, float]) -> bool:
     return all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items())
 
 
-def _has(labels: dict[str, str], node: dict[str, Any]) -> bool:
+def _has(labels: dict[str, str], node: dict[str, object]) -> bool:
     return all(node["labels"].get(k) == v for k, v in labels.items())
 
 
@@ -102,7 +102,7 @@ def _fmt(bundle: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {int(v) if v == int(v) else f'{v:g}'}" for k, v in bundle.items()) + "}"
 
 
-def _missing(plan: RolePlan, nodes: list[dict[str, Any]]) -> str:
+def _missing(plan: RolePlan, nodes: list[dict[str, object]]) -> str:
     """What the cluster lacks for ``plan`` (the first reason found), for the one line."""
     bundle = plan.bundles[0]
     n = len(plan.bundles)
@@ -130,7 +130,7 @@ def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
     return total
 
 
-def _place(plan: RolePlan, nodes: list[dict[str, Any]]) -> bool:
+def _place(plan: RolePlan, nodes: list[dict[str, object]]) -> bool:
     """Take ``plan``'s bundles out of ``nodes``' free resources as its strategy would; False if they do not fit."""
     order = sorted(range(len(plan.bundles)), key=lambda i: -sum(plan.bundles[i].values()))
     if plan.strategy == "STRICT_PACK":
@@ -152,7 +152,7 @@ def _place(plan: RolePlan, nodes: list[dict[str, Any]]) -> bool:
     return True
 
 
-def check_fits(plans: list[RolePlan], ray_nodes: list[dict[str, Any]]) -> None:
+def check_fits(plans: list[RolePlan], ray_nodes: list[dict[str, object]]) -> None:
     """Raise :class:`PlacementError` (one line) for the first role the cluster's alive
     nodes cannot hold, after the roles before it took their share."""
     nodes = [{"free": dict(x["Resources"]), "labels": dict(x.get("Labels") or {})} for x in ray_nodes if x["Alive"]]
@@ -174,7 +174,7 @@ class Placer:
 
     def __init__(self, plans: list[RolePlan], ready_timeout_s: float) -> None:
         self.plans, self.ready_timeout_s = plans, ready_timeout_s
-        self._groups: dict[str, Any] = {}  # plan role -> placement group
+        self._groups: dict[str, object] = {}  # plan role -> placement group
         self._slot_of: dict[str, int] = {}  # actor name -> the slot (actor index) of its role it holds
 
     async def reserve(self) -> None:
@@ -216,7 +216,7 @@ class Placer:
         return (f"runtime.placement.{plan.role}: its placement group was not placed {when} within "
                 f"runtime.placement.ready_timeout_s={self.ready_timeout_s:g}: {why}")
 
-    def options(self, role: str, index: int) -> dict[str, Any] | None:
+    def options(self, role: str, index: int) -> dict[str, object] | None:
         """Ray actor options putting actor ``index`` of ``role`` in its bundle (None:
         the run has no such actor)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -231,7 +231,7 @@ class Placer:
                                                                         plan.actors[role][index])}
 
     async def actor_options(self, role: str, name: str, index: int,
-                            replaces: str | None = None) -> dict[str, Any] | None:
+                            replaces: str | None = None) -> dict[str, object] | None:
         """:meth:`options` of actor ``name``, the ``index``-th of ``role``; a replacement of the
         actor named ``replaces`` takes its bundle, once that is placed again (its node may be
         gone): a :class:`PlacementError` if it is not within ``ready_timeout_s``."""
@@ -253,7 +253,7 @@ class Placer:
             except Exception:  # noqa: BLE001 - a cluster already gone took them with it
                 pass
 
-    def queue_options(self, num_units: int) -> dict[str, Any]:
+    def queue_options(self, num_units: int) -> dict[str, object]:
         """``TransferQueue.create``'s ``ray_options``: each storage unit in its bundle,
         the controller on the driver's node (whose loss ends the run anyway). A unit
         lost with its node is replaced in the same bundle, once Ray placed it again on

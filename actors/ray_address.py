@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+import types
 
 __all__ = ["join_ray_cluster"]
 
@@ -30,7 +30,7 @@ _CHECK_TOKEN = ("the cluster uses Ray's token authentication: set RAY_AUTH_MODE=
                 "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")
 
 
-def join_ray_cluster(ray: Any, address: str, timeout_s: float) -> None:
+def join_ray_cluster(ray: types.ModuleType, address: str, timeout_s: float) -> None:
     """``ray.init(address=address)`` after checking, within ``timeout_s``, that a Ray
     cluster answers there; a ``ConnectionError`` of one line naming the address and
     what to check when none does (nothing is started, nothing left running)."""

@@ -13,7 +13,12 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.loggers import MetricsLog
+    from policies.base import PolicyBase
+    from transfer_queue import TransferQueue
 
 import loop
 from actors import checkpoint
@@ -38,12 +43,12 @@ class Checkpointing:
 
     cfg: Config
     dir: pathlib.Path
-    policy: Any
-    queue: Any
-    history: list[dict[str, Any]]
-    initial_eval: dict[str, Any] | None
+    policy: PolicyBase
+    queue: TransferQueue
+    history: list[dict[str, object]]
+    initial_eval: dict[str, object] | None
     last_checkpoint: pathlib.Path | None
-    _metrics_file: Any
+    _metrics_file: MetricsLog
     _resume_step: int
     _closed: bool
     _train_failed: bool  # a train call ended on an error: no final checkpoint

@@ -14,18 +14,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 __all__ = ["RewardPool"]
 
 _CLOSE_WAIT_S = 1.0  # close() waits this long for calls to end, then abandons them
 
 
-def _timed(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, float]:
+def _timed(fn: Callable[..., object], args: tuple[object, ...]) -> tuple[object, float]:
     """(what ``fn(*args)`` returned or the exception it raised, its seconds)."""
     t0 = time.perf_counter()
     try:
-        value: Any = fn(*args)
+        value: object = fn(*args)
     except Exception as err:  # noqa: BLE001 - its sample's error, counted by the caller
         value = err
     except BaseException as err:  # SystemExit and the like: an error of this sample, not the end of the actor
@@ -46,7 +45,7 @@ class RewardPool:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future[tuple[object, float]]:
         with self._lock:
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()

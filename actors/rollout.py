@@ -44,7 +44,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -57,6 +57,7 @@ from contracts.placement import Placement, placement as placement_of
 from contracts.rollout import (GenerateOutput, GroupReport, GroupRequest, InFlight, RolloutCounts, SamplingParams,
                                SwapReport)
 from contracts.sample import Sample, pack_tokens
+from contracts.weights import WeightHandle, WeightUpdate
 from sync.link import EngineLink, digest_named
 from transfer_queue.client import TransferQueue
 
@@ -100,9 +101,9 @@ class RolloutActor(Actor):
     # (policies/tokenizer.py: no transformers). vLLM and SGLang import theirs when they start.
     preload = ("actors.engines.torch_engine", "policies.tasks", "policies.tokenizer")
 
-    def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], Any],
+    def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], object],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
-                 next_request: Callable[..., Any], absorb: Callable[..., bool], queue: TransferQueue,
+                 next_request: Callable[..., object], absorb: Callable[..., bool], queue: TransferQueue,
                  reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None) -> None:
         self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
         self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens
@@ -248,7 +249,7 @@ class RolloutActor(Actor):
         self.num_scoring += 1
         ahead = (self.num_scoring - 1) // self.rewards.num_workers  # rounds of calls before this one's turn
         call = self.rewards.submit(self.task.reward, sample.meta, list(sample.response_ids))
-        outcome: tuple[Any, float] | None = None
+        outcome: tuple[object, float] | None = None
         try:
             outcome = await asyncio.wait_for(asyncio.wrap_future(call), self.reward_timeout_s * (ahead + 1) + 1.0)
         except TimeoutError:
@@ -261,7 +262,7 @@ class RolloutActor(Actor):
         self.reward_call_s += outcome[1] if outcome is not None else self.reward_timeout_s
         self._take_reward(sample, outcome)
 
-    def _take_reward(self, sample: Sample, outcome: tuple[Any, float] | None) -> None:
+    def _take_reward(self, sample: Sample, outcome: tuple[object, float] | None) -> None:
         """Set ``sample``'s reward from what its reward call returned, or mark it ``error``."""
         try:
             if outcome is None:
@@ -312,7 +313,7 @@ class RolloutActor(Actor):
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.engine.wake_up(tags)
 
-    async def update_weights(self, handle: Any) -> int:
+    async def update_weights(self, handle: WeightHandle) -> int:
         """Apply the update behind ``handle`` (fetched through the weight link)."""
         return await self.engine.update_weights(await self._receive(handle))
 
@@ -328,7 +329,7 @@ class RolloutActor(Actor):
         self.num_aborted += num
         return num
 
-    async def swap_weights(self, handle: Any, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+    async def swap_weights(self, handle: WeightHandle, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
         """Receive the update behind ``handle`` (over a broadcast link: while the
         engine still generates) and let the engine swap it in (its
         ``swap_weights``). Aborted generations (``abort`` mode) keep their partial
@@ -345,19 +346,21 @@ class RolloutActor(Actor):
         report.aborted = report.num_aborted
         return report
 
-    async def _receive(self, handle: Any) -> Any:
+    async def _receive(self, handle: WeightHandle) -> WeightUpdate:
         if self._link is None:
             raise RuntimeError("a weight update before open_weight_link()")
-        return await self.blocking(self._link.receive, handle) if self._link.kind == "broadcast" else handle
+        if self._link.collective:  # takes part in the group's broadcast: blocking
+            return await self.blocking(self._link.receive, handle)
+        return cast(WeightUpdate, handle)  # published ahead: the update itself, its buckets references
 
-    async def stage_weights(self, handle: Any) -> bool:
+    async def stage_weights(self, handle: WeightHandle) -> bool:
         """Check the update behind ``handle`` ahead of :meth:`update_weights`
-        while generating (the engine's ``stage_weights``); False over a broadcast link."""
+        while generating (the engine's ``stage_weights``); False over a collective link."""
         if self._link is None:
             raise RuntimeError("stage_weights() before open_weight_link()")
-        if self._link.kind == "broadcast":
+        if self._link.collective:
             return False
-        return await self.engine.stage_weights(handle)
+        return await self.engine.stage_weights(cast(WeightUpdate, handle))
 
     async def placement(self) -> Placement:
         return placement_of(str(self.engine_cfg.device))
@@ -391,7 +394,7 @@ class RolloutActor(Actor):
     async def get_version(self) -> int:
         return self.engine.version
 
-    async def statistics(self) -> dict[str, Any]:
+    async def statistics(self) -> dict[str, object]:
         """The engine's counters and step timings (when it keeps them), and this actor's.
         ``loop_cpu_s``: CPU seconds of the thread that runs this actor's event loop (its
         process's own under ``process`` and Ray; the driver's loop, shared, under ``local``);

@@ -22,7 +22,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import loop
 from actors.config import Config, to_yaml
@@ -31,6 +31,12 @@ from actors.notebook_api import NotebookAPI
 from actors.resume import Checkpointing
 from actors.training import TrainCall, Training
 from actors.wiring import Wiring
+
+if TYPE_CHECKING:
+    from actors.loggers import MetricsLog
+    from actors.runtime import Runtime
+    from policies.base import PolicyBase
+    from transfer_queue import TransferQueue
 
 __all__ = ["Run"]
 
@@ -77,7 +83,7 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
     synchronous (they drive the process's one loop) so notebooks can call them."""
 
     def __init__(self, cfg: Config, *, resume: pathlib.Path | None = None,
-                 task_data: dict[str, Any] | None = None) -> None:
+                 task_data: dict[str, object] | None = None) -> None:
         """``resume``: a whole checkpoint (``checkpoint.find``) whose config ``cfg``
         is (``load_resume_config``); ``launch(resume=...)`` finds both. ``task_data``:
         task options no config file can hold (``launch(data=...)``)."""
@@ -99,8 +105,8 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
         else:
             self.dir, made = resume.parents[1], []  # an existing run: nothing is removed if setup fails
-        self.history: list[dict[str, Any]] = []
-        self._metrics_file: Any = None
+        self.history: list[dict[str, object]] = []
+        self._metrics_file: MetricsLog | None = None
         self.last_checkpoint: pathlib.Path | None = None
         self._stop_signal: int | None = None  # set by request_stop: checkpoint after this step, then stop
         self._train_call: TrainCall | None = None  # the train call in progress (interrupt stops it)
@@ -108,13 +114,13 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         self._train_failed = False  # a train call ended on an error: no final checkpoint at close
         self._discarded = False  # setup failed: no summary, the run directory removed
         self.stop_reason: str | None = None  # the line a run stopped early with, kept in summary.json
-        self.runtime: Any = None
+        self.runtime: Runtime | None = None
         self.mps = None
-        self.policy: Any = None
-        self.queue: Any = None
+        self.policy: PolicyBase | None = None
+        self.queue: TransferQueue | None = None
         self.weight_transport = ""  # chosen by placement at setup (sync.link.choose_transport)
         self.weight_mode = ""  # full or delta over it after the first push (sync.mode; auto: sync.auto.mode_for)
-        self.initial_eval: dict[str, Any] | None = None  # held-out eval before the first step (policy.eval_every)
+        self.initial_eval: dict[str, object] | None = None  # held-out eval before the first step (policy.eval_every)
         try:
             self.startup["config_s"] = time.perf_counter() - self._t_startup  # transformers import, run dir
             loop.run(self._setup())

@@ -37,6 +37,7 @@ from contracts.training import BatchRequest, StepReport
 from contracts.weights import ShardSpec, WeightUpdate
 from sync import SyncConfig, WeightSender
 from sync.link import TrainerLink, digest_named
+from transfer_queue.batch import Batch
 from transfer_queue.client import TransferQueue
 from transfer_queue.errors import StorageUnitLost
 
@@ -119,7 +120,7 @@ class TrainerActor(Actor):
                           metrics={**stats, **{f"train/{k}": v for k, v in metrics.items()}},
                           examples=_spread(samples, request.num_examples))
 
-    async def _get_batch(self, request: BatchRequest) -> Any:
+    async def _get_batch(self, request: BatchRequest) -> Batch:
         """The batch ``request`` describes. One whose rows a lost storage unit held
         (its node died) went back to the queue, which dropped those samples counted
         (``storage_lost``): another batch is taken, as long as a unit is left."""
@@ -160,7 +161,7 @@ class TrainerActor(Actor):
         if self.sender is None:  # a group formed again keeps sending against the copy of the last version
             # sync.mode auto becomes full or delta by the transport (sync.auto.mode_for)
             self.sender = WeightSender.from_config(self.sync_cfg, self.engine_dtype, transport=kind)
-        return TrainerLink.rendezvous() if kind == "broadcast" else None
+        return TrainerLink.rendezvous() if self._link.collective else None
 
     async def join_weight_group(self, init_method: str, world_size: int, backend: str) -> None:
         """Join the broadcast group as rank ``self.rank`` (every trainer worker
@@ -201,7 +202,7 @@ class TrainerActor(Actor):
         """sha256 of every weight cast to the engine's ``dtype``, by HF name."""
         return await self.blocking(lambda: digest_named(self.backend.named_weights(dtype)))
 
-    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, ShardSpec] | None]:
+    async def local_weights(self, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]:
         """This worker's weights in ``dtype`` (its shards, on the host) and their shard specs (for checks)."""
         weights = await self.blocking(self.backend.named_weights, dtype)
         return {k: v.detach().cpu() for k, v in weights.items()}, self.backend.shard_specs()

@@ -14,13 +14,22 @@ import logging
 import pathlib
 import signal
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 import loop
 from actors import notebook
 from actors.config import Config, checkpoint_every
 from actors.loggers import sample_rows
 from policies.base import NoProgressError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from actors.loggers import MetricsLog
+    from policies.base import PolicyBase
+
+R = TypeVar("R")
 
 __all__ = ["RunStopped", "TrainCall", "Training"]
 
@@ -43,7 +52,7 @@ class TrainCall:
 
     def __init__(self) -> None:
         self.interrupted = False
-        self.task: asyncio.Task[Any] | None = None  # on the run's loop, once it runs
+        self.task: asyncio.Task[object] | None = None  # on the run's loop, once it runs
 
     def interrupt(self) -> None:
         self.interrupted = True
@@ -59,13 +68,13 @@ class Training:
     and the state below, which the run's constructor sets."""
 
     cfg: Config
-    policy: Any
+    policy: PolicyBase
     dir: pathlib.Path
-    history: list[dict[str, Any]]
-    initial_eval: dict[str, Any] | None
+    history: list[dict[str, object]]
+    initial_eval: dict[str, object] | None
     resumed_from: pathlib.Path | None
     last_checkpoint: pathlib.Path | None
-    _metrics_file: Any
+    _metrics_file: MetricsLog
     _resume_step: int
     _stop_signal: int | None
     _train_call: TrainCall | None
@@ -110,7 +119,7 @@ class Training:
         call, t0 = TrainCall(), time.perf_counter()
         work = self._train_alone(steps, call)
         if loop.in_loop():
-            running: asyncio.Future[list[dict[str, Any]]] = asyncio.ensure_future(work)
+            running: asyncio.Future[list[dict[str, object]]] = asyncio.ensure_future(work)
         else:
             running = asyncio.wrap_future(loop.submit(work))
         try:  # a cancel reaches this wait only, never a step (asyncio.wait leaves ``running`` be)
@@ -147,7 +156,7 @@ class Training:
         remaining = self.cfg.run.total_steps - self.policy.step
         return max(0, remaining) if steps is None else steps
 
-    async def _train_alone(self, steps: int, call: TrainCall) -> list[dict[str, Any]]:
+    async def _train_alone(self, steps: int, call: TrainCall) -> list[dict[str, object]]:
         """:meth:`_train` as ``call``, one call at a time (two would step one trainer at once)."""
         if self._train_call is not None:
             raise RuntimeError("this run is training already (one train call at a time; run.interrupt() stops it)")
@@ -166,13 +175,13 @@ class Training:
         raises :class:`RunStopped` naming it (the command line's SIGTERM / SIGINT)."""
         self._stop_signal = signum
 
-    async def _train(self, steps: int, call: TrainCall) -> list[dict[str, Any]]:
+    async def _train(self, steps: int, call: TrainCall) -> list[dict[str, object]]:
         t_call = time.perf_counter()
         bar = None
         if self.cfg.run.progress:
             bar = notebook.progress_bar(total=len(self.history) + steps, initial=len(self.history))
-        out: list[dict[str, Any]] = []
-        unwritten: list[dict[str, Any]] = []  # steps' records not final yet (a push or an evaluation runs on)
+        out: list[dict[str, object]] = []
+        unwritten: list[dict[str, object]] = []  # steps' records not final yet (a push or an evaluation runs on)
         if self.cfg.policy.eval_every and self.initial_eval is None:  # the baseline: weights before step 1,
             # evaluated beside the first steps (their pushes wait for it); written first, once it is in
             t0 = time.perf_counter()
@@ -229,7 +238,7 @@ class Training:
                 bar.close()
         return out
 
-    async def _show_waiting(self, bar: Any) -> None:
+    async def _show_waiting(self, bar: tqdm) -> None:
         """While a step runs, say on ``bar`` every second what it waits for (the
         samples being scored, or generation): a slow step is never a still bar."""
         while True:
@@ -240,7 +249,7 @@ class Training:
                 continue
             bar.set_description_str(notebook.waiting_for(stats))
 
-    def _close_startup(self, record: dict[str, Any], t_call: float, t_step: float) -> None:
+    def _close_startup(self, record: dict[str, object], t_call: float, t_step: float) -> None:
         """The run's first trained step: ``startup`` gets ``before_train_s`` (from the end of
         construction to the train call that took it: the caller's own work, e.g. an evaluation),
         ``first_step_s`` (its first batch generated and trained) and ``total_s`` (from the
@@ -261,7 +270,7 @@ class Training:
         for actor, parts in self.startup_actors.items():
             log.info("startup of %s: %s", actor, ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
 
-    async def _watched(self, step: Any) -> Any:
+    async def _watched(self, step: Awaitable[R]) -> R:
         """Await one trainer step; past ``run.watchdog_s`` stop it and raise
         ``NoProgressError`` with what each part of the run was waiting on."""
         limit = self.cfg.run.watchdog_s

@@ -15,7 +15,7 @@ import pathlib
 import pickle
 import sys
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import torch
@@ -23,15 +23,17 @@ import torch
 from actors import notebook
 from actors.config import Config
 from actors.mps import MpsDaemon
-from actors.placement import reserve_roles
+from actors.placement import Placer, reserve_roles
 from actors.rollout import RolloutActor
-from actors.runtime import make_runtime
+from actors.runtime import Handle, Runtime, make_runtime
 from actors.trainer import TrainerActor
 from actors.trainer_group import TrainerGroup
 import policies.losses
 import policies.tasks
+from contracts.handles import RolloutHandle, TrainerHandle
 from contracts.rollout import SamplingParams
 from policies import make_policy
+from policies.base import PolicyBase
 from policies.advantages import grpo_advantages
 from policies.partial import absorb, next_request
 from sync.link import TrainerLink, weight_sync_fn
@@ -48,13 +50,13 @@ class ByValue:
     (Ray's copy, as Ray sends it) instead: it arrives as the function itself. Here
     it calls through, and looks like the function to ``inspect`` (``__wrapped__``)."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Callable[..., object]) -> None:
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         return self.__wrapped__(*args, **kwargs)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[bytes], object], tuple[bytes]]:
         try:
             import cloudpickle
         except ImportError:  # a dependency of Ray's, which ships its own copy
@@ -62,12 +64,12 @@ class ByValue:
         return pickle.loads, (cloudpickle.dumps(self.__wrapped__),)
 
 
-def _found_by_name(fn: Any) -> bool:
+def _found_by_name(fn: object) -> bool:
     """Whether a child process finds ``fn`` by its module and qualified name (as pickle sends it)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or module == "__main__" or not qualname or module not in sys.modules:
         return False
-    obj: Any = sys.modules[module]
+    obj: object = sys.modules[module]
     for part in qualname.split("."):  # "<locals>" in a nested function's name is no attribute
         obj = getattr(obj, part, None)
     return obj is fn
@@ -80,13 +82,13 @@ class Wiring:
 
     cfg: Config
     model_path: str
-    _task_data: dict[str, Any]
-    runtime: Any
-    queue: Any
+    _task_data: dict[str, object]
+    runtime: Runtime
+    queue: TransferQueue
     weight_transport: str
     weight_mode: str  # full or delta: sync.mode over weight_transport (auto resolved, sync.auto.mode_for)
-    policy: Any
-    placer: Any  # the run's Ray placement groups (actors/placement.py); None under local and process
+    policy: PolicyBase
+    placer: Placer | None  # the run's Ray placement groups (actors/placement.py); None under local and process
     mps: MpsDaemon | None  # runtime.mps: the run's MPS control daemon (actors/mps.py)
     startup: dict[str, float]
     startup_actors: dict[str, dict[str, float]]  # each actor's start by part (Actor.startup_parts)
@@ -136,7 +138,7 @@ class Wiring:
         sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   stop_token_ids=tuple(task.stop_token_ids))
 
-        async def spawn_rollout(i: int, replaces: str | None = None) -> Any:
+        async def spawn_rollout(i: int, replaces: str | None = None) -> Handle:
             options = await self.placer.actor_options("rollout", f"rollout-{i}", i, replaces) if self.placer else None
             return await self.runtime.spawn(
                 RolloutActor, name=f"rollout-{i}", num_cpus=1, num_gpus=engine_gpus, ray_options=options,
@@ -153,7 +155,7 @@ class Wiring:
         lap("weight_link_s")
         replacement_index = itertools.count(r.num_actors)  # a replacement gets a name (and seed) of its own
 
-        async def respawn_rollout(dead: Any) -> Any:
+        async def respawn_rollout(dead: Handle) -> Handle:
             """A new rollout actor for ``dead`` (its process ended: what the driver
             still holds for it is let go), its weight link open; the policy joins
             it to the broadcast group and pushes it the weights."""
@@ -182,7 +184,8 @@ class Wiring:
         if status is not None:
             status.close()
 
-    async def _start_actors(self, spawn_rollout: Any) -> tuple[Any, list[Any]]:
+    async def _start_actors(self, spawn_rollout: Callable[[int], Awaitable[Handle]]
+                            ) -> tuple[Handle | TrainerGroup, list[Handle]]:
         """The trainer (its workers) and the rollout actors (``spawn_rollout(i)``)
         started and set up all at once (model loads, engines' caches): the workers must
         (their setup joins one group), and the rest need not wait for each other.
@@ -208,7 +211,7 @@ class Wiring:
         workers = spawned[:n]
         return (workers[0] if n == 1 else TrainerGroup(list(workers))), list(spawned[n:])
 
-    def _task_kwargs(self) -> dict[str, Any]:
+    def _task_kwargs(self) -> dict[str, object]:
         """``task.kwargs`` with data files (``path``, ``eval_path``) made absolute: a
         relative one is tried against the config file's directory, then the current
         one, as ``model.path`` is (actors in other processes may run elsewhere); a
@@ -225,7 +228,7 @@ class Wiring:
                 kwargs[key] = str((near_config if near_config.exists() else pathlib.Path.cwd() / value).resolve())
         return kwargs
 
-    async def _make_queue(self) -> Any:
+    async def _make_queue(self) -> TransferQueue:
         """The TransferQueue and the driver's client of it. Under ``process`` and
         ``ray`` the ``local`` deployment lives in a queue-host actor, not here:
         the driver only sends control calls (statistics, close)."""
@@ -240,7 +243,7 @@ class Wiring:
                                         ray_options=self._where("storage", 0))
         return TransferQueue(q, ServedDeployment(await host.address(), secret, q.rpc_limits))
 
-    async def _open_weight_link(self, trainer: Any, rollouts: list[Any]) -> tuple[str, str]:
+    async def _open_weight_link(self, trainer: TrainerHandle, rollouts: list[RolloutHandle]) -> tuple[str, str]:
         """Pick the weight transport from where the actors run (``sync.transport``
         can force one) and open it at both ends (``sync.link.open_weight_link``);
         returns its name and the kind pushed over it (``sync.mode``, ``auto`` resolved)."""
@@ -256,7 +259,7 @@ class Wiring:
             "trainer": (1, self._placement(cfg.trainer.device)[0]),
             "rollout": (1, self._placement(cfg.rollout.engine.device)[0]), "storage": (storage_cpus, 0)})
 
-    def _where(self, role: str, index: int) -> dict[str, Any] | None:
+    def _where(self, role: str, index: int) -> dict[str, object] | None:
         """Ray options putting actor ``index`` of ``role`` in its placement-group bundle."""
         return self.placer.options(role, index) if self.placer is not None else None
 

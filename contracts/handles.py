@@ -5,6 +5,10 @@ the composition root call them: ``await handle.method(...)``.
     TrainerHandle          the trainer: one ``actors.trainer.TrainerActor``, or a
                            ``TrainerGroup`` of several standing in for one
     TrainerWorkerHandle    one trainer worker, as a ``TrainerGroup`` calls it
+    WeightReceiver[H]      what the weight-sync sequence drives on an engine's side, taking
+                           handles ``H``: a ``RolloutEngine`` (``WeightUpdate``) or a
+                           ``RolloutHandle`` (``WeightHandle``: over broadcast, a ``BroadcastPush``)
+    WeightSource           what a push takes its update from (the trainer's handle)
 
 A handle (``actors.runtime.Handle``) forwards any public method of its actor
 and awaits it, whatever the runtime; these Protocols name the ones that make
@@ -14,19 +18,66 @@ actor classes and ``TrainerGroup`` against them, signature by signature.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
+
+import torch
 
 from contracts.placement import Placement
-from contracts.rollout import GroupReport, GroupRequest, InFlight, SwapReport
+from contracts.rollout import GenerateOutput, GroupReport, GroupRequest, InFlight, SwapReport
 from contracts.training import BatchRequest, StepReport
-from contracts.weights import ShardSpec, WeightUpdate
+from contracts.weights import ShardSpec, WeightHandle, WeightUpdate
 
-__all__ = ["RolloutHandle", "TrainerHandle", "TrainerWorkerHandle"]
+__all__ = ["RolloutHandle", "TrainerHandle", "TrainerWorkerHandle", "WeightReceiver", "WeightSource"]
+
+H_contra = TypeVar("H_contra", contravariant=True)
+
+
+class WeightReceiver(Protocol[H_contra]):
+    """An engine's side of a push, as ``sync.sequence.sync_weights`` drives it:
+    the engine itself or a rollout actor's handle. ``H_contra``: the handle a
+    push passes it (what the push's transport publishes). The sequence reads the
+    version of one without ``get_version`` (a stand-in) from its ``version``."""
+
+    async def prepare_swap(self, in_flight: InFlight = "abort") -> list[GenerateOutput] | int:
+        """Pause, abort (``abort`` mode), ``sleep(1)``: before a push that frees the KV
+        cache. Returns the generations aborted (an engine) or their number (an actor)."""
+        ...
+
+    async def stage_weights(self, handle: H_contra) -> bool:
+        """Check the update behind ``handle`` while still generating; False: not checked ahead."""
+        ...
+
+    async def swap_weights(self, handle: H_contra, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+        """The engine's whole swap of the update behind ``handle``; it generates again after."""
+        ...
+
+    async def get_version(self) -> int: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Where a push takes its update from (the trainer's handle; a test's stand-in,
+    sync or async). It may also have ``weights_refused()`` (a receiver refused a
+    delta: the next update is full) and ``revert_update()`` (the update back to
+    the previous version), which the sequence calls where they exist."""
+
+    def weight_update(self) -> Awaitable[WeightUpdate | None] | WeightUpdate | None: ...
 
 
 class RolloutHandle(Protocol):
     """A rollout actor: generates, scores and queues samples with one engine, and
     exposes that engine's surface to the weight-sync sequence."""
+
+    @property
+    def name(self) -> str:
+        """The actor's name (the handle's, for logs: ``rollout-0``)."""
+        ...
 
     async def generate_group(self, group: GroupRequest) -> GroupReport:
         """``group.n`` samples of one prompt, generated, scored and queued; counts only."""
@@ -48,18 +99,18 @@ class RolloutHandle(Protocol):
 
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
 
-    async def update_weights(self, handle: Any) -> int:
-        """Apply the update behind ``handle`` (a published ``WeightUpdate``, or
-        ``sync.link.BroadcastPush`` over a broadcast link); returns the version held."""
+    async def update_weights(self, handle: WeightHandle) -> int:
+        """Apply the update behind ``handle`` (a published ``WeightUpdate``, or a
+        ``BroadcastPush`` over a broadcast link); returns the version held."""
         ...
 
-    async def stage_weights(self, handle: Any) -> bool: ...
+    async def stage_weights(self, handle: WeightHandle) -> bool: ...
 
     async def prepare_swap(self, in_flight: InFlight = "abort") -> int:
         """Pause, abort (``abort`` mode), ``sleep(1)``: before a push that frees the KV cache."""
         ...
 
-    async def swap_weights(self, handle: Any, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+    async def swap_weights(self, handle: WeightHandle, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
         """The engine's whole swap of the update behind ``handle``; it generates again after."""
         ...
 
@@ -78,7 +129,7 @@ class RolloutHandle(Protocol):
 
     async def weights_digest(self) -> dict[str, str]: ...
 
-    async def statistics(self) -> dict[str, Any]: ...
+    async def statistics(self) -> dict[str, object]: ...
 
 
 class TrainerHandle(Protocol):
@@ -124,6 +175,6 @@ class TrainerHandle(Protocol):
 class TrainerWorkerHandle(TrainerHandle, Protocol):
     """One of a ``TrainerGroup``'s workers: a trainer, and its own shards."""
 
-    async def local_weights(self, dtype: str) -> tuple[dict[str, Any], dict[str, ShardSpec] | None]:
+    async def local_weights(self, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]:
         """This worker's weights in ``dtype`` (its shards, on the host) and their shard specs."""
         ...

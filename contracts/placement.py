@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import types
 
 import msgspec
 
@@ -20,7 +21,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     device: str
 
 
-def _ray() -> object | None:
+def _ray() -> types.ModuleType | None:
     # Ray is connected only where something imported it: a local run never pays for
     # importing it (seconds, and in a notebook a log line about ipywidgets)
     ray = sys.modules.get("ray")

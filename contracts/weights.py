@@ -17,12 +17,28 @@ whatever the trainer sharding was.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, Union
 
 import msgspec
 import torch
 
+if TYPE_CHECKING:
+    import numpy as np
+
 Checksum = tuple[int, int]
+
+
+class BucketRef(Protocol):
+    """A transport's lazy reference to a payload bucket (a key in this process's
+    registry, a Ray object, a CUDA IPC handle): read with ``materialize()``."""
+
+    def materialize(self) -> Bucket: ...
+
+
+#: One payload bucket, as a sender made it or a receiver reads it: bytes, a numpy
+#: or torch uint8 buffer (on any device), or a transport's reference to one.
+Bucket: TypeAlias = Union[bytes, bytearray, memoryview, "np.ndarray", torch.Tensor, BucketRef]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -170,10 +186,11 @@ class Manifest(msgspec.Struct, kw_only=True):
 
 class WeightUpdate(msgspec.Struct, kw_only=True):
     """A manifest plus its payload buckets (``bytes``, numpy uint8 arrays, or
-    1-D uint8 torch tensors on any device; one per ``manifest.bucket_sizes``)."""
+    1-D uint8 torch tensors on any device, or a transport's references to them;
+    one per ``manifest.bucket_sizes``)."""
 
     manifest: Manifest
-    buckets: list[Any]
+    buckets: Sequence[Bucket]
 
     @property
     def nbytes(self) -> int:
@@ -195,13 +212,13 @@ def _decode_manifest(data: bytes) -> Manifest:
 _MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)
 
 
-def _to_host(bucket: Any) -> Any:
+def _to_host(bucket: Bucket) -> Bucket:
     if isinstance(bucket, torch.Tensor) and bucket.device.type != "cpu":
         return bucket.cpu().numpy()
     return bucket
 
 
-def _rebuild_update(manifest: Manifest, buckets: list[Any]) -> WeightUpdate:
+def _rebuild_update(manifest: Manifest, buckets: Sequence[Bucket]) -> WeightUpdate:
     return WeightUpdate(manifest=manifest, buckets=buckets)
 
 
@@ -212,7 +229,7 @@ def merge_updates(updates: list[WeightUpdate]) -> WeightUpdate:
         raise ValueError("merge_updates needs at least one update")
     first = updates[0].manifest
     entries: list[TensorEntry] = []
-    buckets: list[Any] = []
+    buckets: list[Bucket] = []
     sizes: list[int] = []
     for u in updates:
         m = u.manifest
@@ -237,7 +254,7 @@ def merge_updates(updates: list[WeightUpdate]) -> WeightUpdate:
     return WeightUpdate(manifest=manifest, buckets=buckets)
 
 
-def bucket_tensor(buf: Any) -> torch.Tensor:
+def bucket_tensor(buf: Bucket) -> torch.Tensor:
     """View a payload bucket (bytes / bytearray / memoryview / numpy / torch,
     or a transport reference with ``materialize()``) as a 1-D uint8 tensor
     without copying. Read-only buffers are fine: the
@@ -255,3 +272,16 @@ def bucket_tensor(buf: Any) -> torch.Tensor:
         import numpy as np
 
         return torch.from_numpy(np.asarray(buf).reshape(-1).view(np.uint8))
+
+
+class BroadcastPush(msgspec.Struct, frozen=True):
+    """The handle of one push over a collective transport (``broadcast``): it
+    carries no payload; each receiver takes the update from its weight group,
+    in step with the trainer's broadcast (``sync.link.EngineLink.receive``)."""
+
+    version: int
+
+
+#: What a push hands an engine's side to swap in: the update as its transport
+#: published it (manifest plus bucket references), or a broadcast push.
+WeightHandle: TypeAlias = WeightUpdate | BroadcastPush

@@ -37,6 +37,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Coroutine
+from types import FrameType
 from typing import Any, TypeVar
 
 __all__ = ["adopt", "get_loop", "run", "submit", "shutdown", "is_uvloop", "in_loop", "loop_name"]
@@ -181,7 +182,7 @@ def run(coro: Coroutine[Any, Any, T], *, on_interrupt: Callable[[], object] | No
         return loop.run_until_complete(coro)
     interrupted = False
 
-    def _on_sigint(signum: int, frame: Any) -> None:
+    def _on_sigint(signum: int, frame: FrameType | None) -> None:
         nonlocal interrupted
         if not interrupted:
             interrupted = True

@@ -47,13 +47,16 @@ import time
 from collections import Counter
 from typing import Any
 
+from contracts.handles import RolloutHandle
 from contracts.rollout import GroupReport, GroupRequest, RolloutCounts
+from policies.config import RunSettings
 from policies.reward_guard import RewardGuard
+from transfer_queue import QueueStats, TransferQueue
 
 __all__ = ["Accounting", "AccountingError"]
 
 
-def _rng_state(rng: random.Random) -> list[Any]:
+def _rng_state(rng: random.Random) -> list[object]:
     """``rng``'s state as JSON values."""
     version, internal, gauss = rng.getstate()
     return [version, list(internal), gauss]
@@ -78,9 +81,9 @@ class Accounting:
     """Sample counters of a schedule and the checks on them (module docstring)."""
 
     # what it reads of the schedule (PolicyBase and the RolloutFaults mixin own these)
-    cfg: Any
-    rollouts: list[Any]
-    queue: Any
+    cfg: RunSettings
+    rollouts: list[RolloutHandle]
+    queue: TransferQueue
     consumer: str
     rng: random.Random
     step: int
@@ -201,7 +204,7 @@ class Accounting:
                                   f"{total_dropped} + pending={pending}: the queue lost or made up samples")
         return pending
 
-    async def check_flow(self) -> Any:
+    async def check_flow(self) -> QueueStats:
         """The terms that hold at any time, a trainer step running or not: the ledger, each
         rollout actor's identities, the queue's ``put`` between the actors' counts. Returns
         the queue's statistics, read once."""
@@ -247,7 +250,7 @@ class Accounting:
             raise AccountingError(f"the queue registered put={put} > reported queued={reported_queued} + out={out} "
                                   f"(groups out: {self._out_named()}): the queue holds samples no group accounts for")
 
-    def check_rollout_statistics(self, rollouts: list[Any], stats: list[dict[str, Any]]) -> None:
+    def check_rollout_statistics(self, rollouts: list[RolloutHandle], stats: list[dict[str, Any]]) -> None:
         """With rollout stopped (every group reported): each actor's counters as its
         ``statistics`` read them now are the totals its last report carried."""
         for h, st in zip(rollouts, stats):
@@ -264,7 +267,7 @@ class Accounting:
     """Drop reason of the samples a checkpoint finds being generated: a run
     resumed from it does not have them (their partial tokens are not saved)."""
 
-    def state_dict(self, queue: Any) -> dict[str, Any]:
+    def state_dict(self, queue: QueueStats) -> dict[str, object]:
         """Counters, prompt RNG and admission state for a run checkpoint taken
         between trainer steps, consistent with ``queue`` (the counters of the
         TransferQueue snapshot saved with it, read just before this call).
@@ -282,7 +285,7 @@ class Accounting:
         if lost:
             rollout_dropped[self.IN_FLIGHT_AT_CHECKPOINT] += lost
         totals = self.rollout_totals()
-        state: dict[str, Any] = {
+        state: dict[str, object] = {
             "step": self.step, "trained": self.trained, "admitted": self.admitted,
             # the groups out that the queue has count as reported in the resumed run
             "rollout_queued": queue.put, "rollout_dropped": dict(rollout_dropped), "rollout_dropped": dict(rollout_dropped),

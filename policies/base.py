@@ -38,14 +38,20 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
 
+from contracts.handles import RolloutHandle, TrainerHandle
 from contracts.rollout import GroupRequest
+from contracts.sample import Sample
 from contracts.training import BatchRequest, StepReport
 from policies.accounting import Accounting, AccountingError
-from policies.faults import ACTOR_DIED, MAX_FAILED_PUSHES, ActorLostError, RolloutFaults, is_dead, one_line
+from policies.config import RunSettings
+from policies.faults import (ACTOR_DIED, MAX_FAILED_PUSHES, ActorLostError, Respawn, RolloutFaults, is_dead,
+                             one_line)
 from policies.reward_guard import RewardGuard
+from policies.task_base import Task
 from policies.watchdog import NoProgressError, WaitingReport
+from sync.link import WeightSync
+from transfer_queue import TransferQueue
 
 __all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "PolicyBase", "AccountingError", "ActorLostError", "NoProgressError",
            "is_dead"]
@@ -60,10 +66,11 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
 
     consumer = "trainer"
 
-    def __init__(self, cfg: Any, *, rollouts: list[Any], trainer: Any, queue: Any, task: Any,
-                 weight_sync: Any, respawn_rollout: Any = None) -> None:
+    def __init__(self, cfg: RunSettings, *, rollouts: list[RolloutHandle], trainer: TrainerHandle,
+                 queue: TransferQueue, task: Task, weight_sync: WeightSync,
+                 respawn_rollout: Respawn | None = None) -> None:
         self.cfg, self.rollouts, self.trainer, self.queue, self.task = cfg, rollouts, trainer, queue, task
-        # coroutine fn: (rollouts, trainer, released=None) -> dict of sync metrics; sets ``released``
+        # (rollouts, trainer, released=None) -> the push's result (its metrics); sets ``released``
         # (an asyncio.Event) once the trainer may step again (see sync.link.push_weights)
         self.weight_sync = weight_sync
         self.rng = random.Random(cfg.run.seed)
@@ -76,10 +83,10 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         self._t_busy_since = 0.0
         self._t_start = time.perf_counter()
         self._t_trainer_busy_s = 0.0
-        self.last_sync: dict[str, Any] = {}  # a finished sync whose step has no record yet
-        self._record: tuple[int, dict[str, Any]] | None = None  # (step, metrics) of the latest step
+        self.last_sync: dict[str, object] = {}  # a finished sync whose step has no record yet
+        self._record: tuple[int, dict[str, object]] | None = None  # (step, metrics) of the latest step
         self._eval: tuple[int, asyncio.Task[None]] | None = None  # an evaluation beside training: its step, task
-        self.examples: list[Any] = []  # a few samples of the latest step (``run.log_samples``), or none
+        self.examples: list[Sample] = []  # a few samples of the latest step (``run.log_samples``), or none
         self._init_faults(respawn_rollout)
         reward = cfg.task.kwargs.get("reward")
         self.reward_guard = RewardGuard(
@@ -87,6 +94,10 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             window=cfg.policy.reward_error_window, min_samples=2 * cfg.rollout.n)
         self.num_groups = 0  # prompt groups named by this run (ids g0, g1, ...)
         self._group_base = 0  # ... and before the checkpoint it resumed from (its ids go on after those)
+        self._init_schedule()
+
+    def _init_schedule(self) -> None:
+        """Hook: a schedule's own state, made once the shared state above is."""
 
     @property
     def started_at(self) -> float:
@@ -187,10 +198,10 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         fully-async feeder stops at a full admission window)."""
         return self.in_flight == 0
 
-    def background_tasks(self) -> list[asyncio.Task[Any]]:
+    def background_tasks(self) -> list[asyncio.Task[None]]:
         """The tasks of this schedule that live on between train calls (parked
         once :meth:`rollout_idle`); any other task left then is a leak."""
-        evaluating = [self._eval[1]] if self.evaluating() else []
+        evaluating = [self._eval[1]] if self._eval is not None and self.evaluating() else []
         return [*self._respawning, *evaluating]  # replacements being set up, an evaluation running
 
     async def sync_weights(self, released: asyncio.Event | None = None) -> None:
@@ -200,15 +211,14 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         :meth:`_failed_push`)."""
         await self._eval_finished()  # an evaluation pins the engines' weights: the push comes after it
         step, t0 = self.step, time.perf_counter()
-        extra = {} if released is None else {"released": released}
-        result = await self._push(**extra)
+        result = await self._push(released)
         result["sync_s"] = time.perf_counter() - t0
         if self._record is not None and self._record[0] == step:
             self._record[1].update({f"sync/{k}": v for k, v in result.items()})
         else:
             self.last_sync = result
 
-    async def _push(self, **kwargs: Any) -> dict[str, Any]:
+    async def _push(self, released: asyncio.Event | None = None) -> dict[str, object]:
         """One push to every rollout actor and every replacement ready to join; the
         joiners are rollout actors once it succeeds. Returns its metrics."""
         if not self.rollouts and not self._joining and self._respawning:
@@ -221,7 +231,8 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
             self._weight_link_stale = True  # a broadcast group has no place for them yet
         try:
             await self._reform_weight_link(engines)
-            result = dict(await self.weight_sync(engines, self.trainer, **kwargs))
+            extra = {} if released is None else {"released": released}
+            result: dict[str, object] = dict(await self.weight_sync(engines, self.trainer, **extra))
             self._failed_pushes_in_a_row = 0
         except Exception as err:
             result = await self._failed_push(err, engines, joining)
@@ -252,7 +263,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
     def _push_settled(self, step: int) -> bool:
         return True
 
-    async def train(self, num_steps: int) -> list[dict[str, Any]]:
+    async def train(self, num_steps: int) -> list[dict[str, object]]:
         """Run ``num_steps`` trainer steps; returns one metrics dict per step."""
         await self._start_background()
         if self._weight_link is None and self.respawn_rollout is not None and self.rollouts:
@@ -284,7 +295,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
 
     # -- evaluations ----------------------------------------------------------
 
-    async def evaluate_beside(self, record: dict[str, Any]) -> None:
+    async def evaluate_beside(self, record: dict[str, object]) -> None:
         """Evaluate this step's weights beside the steps that follow; the result goes
         into ``record`` (final once :meth:`settled`). The engines keep these weights
         until it ends: every push waits for it (:meth:`sync_weights`); fully-async
@@ -292,7 +303,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
         await self._eval_finished()
         self._eval = (self.step, asyncio.create_task(self._eval_into(record, self.trained), name=f"eval-{self.step}"))
 
-    async def _eval_into(self, record: dict[str, Any], at_trained: int) -> None:
+    async def _eval_into(self, record: dict[str, object], at_trained: int) -> None:
         await self._push_finished()  # the weights of this step reach the engines first
         record.update(await self._evaluate(at_trained))
 
@@ -331,7 +342,7 @@ class PolicyBase(Accounting, WaitingReport, RolloutFaults, abc.ABC):
                 "eval/response_len_mean": sum(n for _, n in scored) / max(1, len(scored)),
                 "eval/at_trained": at_trained, "eval/s": time.perf_counter() - t0}
 
-    def _step_metrics(self, report: StepReport, pending: int, *, wait_s: float, after_s: float) -> dict[str, Any]:
+    def _step_metrics(self, report: StepReport, pending: int, *, wait_s: float, after_s: float) -> dict[str, object]:
         elapsed = time.perf_counter() - self._t_start
         step_s = wait_s + report.train_s + after_s
         return {

@@ -32,17 +32,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
 
+from contracts.handles import RolloutHandle
 from contracts.rollout import GroupRequest
+from contracts.training import StepReport
 from policies.base import PolicyBase
+from transfer_queue import QueueStats
 
 __all__ = ["SyncPolicy", "OneStepOffPolicy"]
 
 
 class _BatchPolicy(PolicyBase):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         self._gids = itertools.count()
 
     async def _generate_batch(self, *, join_now: bool = True) -> None:
@@ -60,7 +62,7 @@ class _BatchPolicy(PolicyBase):
             actors = [self.rollouts[i % len(self.rollouts)] for i in range(len(groups))]
             need -= sum(await asyncio.gather(*(self._run_group(a, g) for a, g in zip(actors, groups))))
 
-    async def _run_group(self, actor: Any, group: GroupRequest) -> int:
+    async def _run_group(self, actor: RolloutHandle, group: GroupRequest) -> int:
         """Generate ``group`` on ``actor`` and count its report; returns the
         samples it left in the queue for the batch."""
         self.group_sent(group, actor.name)
@@ -100,16 +102,16 @@ class SyncPolicy(_BatchPolicy):
 class OneStepOffPolicy(_BatchPolicy):
     """Generation of the next batch overlaps training on the current one."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         self._next: asyncio.Task[None] | None = None
         self._queued_ahead = False  # resumed: the checkpoint's queue holds the next batch already
 
     def rollout_idle(self) -> bool:
         return self._next is None or self._next.done()
 
-    def background_tasks(self) -> list[asyncio.Task[Any]]:
-        return [*self._respawning, *([] if self.rollout_idle() else [self._next])]  # type: ignore[list-item]
+    def background_tasks(self) -> list[asyncio.Task[None]]:
+        return [*self._respawning, *([] if self._next is None or self._next.done() else [self._next])]
 
     async def _before_step(self) -> None:
         if self._next is not None:
@@ -118,15 +120,15 @@ class OneStepOffPolicy(_BatchPolicy):
             await self._generate_batch()
         self._queued_ahead = False
 
-    def state_dict(self, queue: Any) -> dict[str, Any]:
+    def state_dict(self, queue: QueueStats) -> dict[str, object]:
         # between steps the batch generated during the last one is done and queued (``_after_step``)
         return {**super().state_dict(queue), "batch_ahead": self._next is not None or self._queued_ahead}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         super().load_state_dict(state)
         self._queued_ahead = bool(state.get("batch_ahead", False))
 
-    async def _train_once(self) -> Any:
+    async def _train_once(self) -> StepReport:
         # the batch is queued already: the next one is generated while the trainer takes and trains it
         self._next = asyncio.create_task(self._generate_batch(join_now=False), name="next-batch")
         return await super()._train_once()

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 from msgspec import Meta
 
-__all__ = ["PolicyConfig", "TaskConfig"]
+from sync.config import SyncConfig
+
+__all__ = ["PolicyConfig", "RunSettings", "TaskConfig"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -96,3 +98,59 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     it waits too (each adds one version to the samples' staleness: at most
     ``max_staleness - 1`` steps, so they stay trainable); the baselines wait at
     their next push. 0: the trainer waits at its next push."""
+
+
+class _Run(Protocol):
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def log_samples_every(self) -> int: ...
+
+    @property
+    def log_samples(self) -> int: ...
+
+
+class _Placed(Protocol):
+    @property
+    def device(self) -> str: ...
+
+
+class _Rollout(Protocol):
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def max_respawns(self) -> int: ...
+
+    @property
+    def engine(self) -> _Placed: ...
+
+
+class RunSettings(Protocol):
+    """What a schedule reads of the run's config (``actors.config.Config``, which
+    the composition root passes; ``policies`` never imports ``actors``): its own
+    sections, and a few facts of the others'."""
+
+    @property
+    def run(self) -> _Run: ...
+
+    @property
+    def task(self) -> TaskConfig: ...
+
+    @property
+    def rollout(self) -> _Rollout: ...
+
+    @property
+    def trainer(self) -> _Placed: ...
+
+    @property
+    def policy(self) -> PolicyConfig: ...
+
+    @property
+    def sync(self) -> SyncConfig: ...
+
+    @property
+    def batch_size(self) -> int:
+        """Samples a trainer step takes (``trainer.batch_prompts`` groups of ``rollout.n``)."""
+        ...

@@ -46,13 +46,13 @@ class Row(msgspec.Struct, frozen=True):
     ``answer`` text, ``where`` it was read (``file:line``), and the whole
     record as read (``fields``: every column, nested ones as dicts)."""
 
-    prompt: str | list[dict[str, Any]]
+    prompt: str | list[dict[str, object]]
     answer: str
     where: str
-    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    fields: dict[str, object] = msgspec.field(default_factory=dict)
 
 
-def load_rows(source: str | os.PathLike | Iterable[Mapping[str, Any]], *, prompt_field: str = "prompt",
+def load_rows(source: str | os.PathLike | Iterable[Mapping[str, object]], *, prompt_field: str = "prompt",
               answer_field: str = "answer", name: str = "data", answer_required: bool = True) -> list[Row]:
     """Every row of ``source``, in order: a JSONL or Parquet (``.parquet``/``.pq``)
     file or a ``datasets`` ``save_to_disk`` directory at that path (absolute, or
@@ -143,7 +143,7 @@ def _disk_rows(p: pathlib.Path, name: str, fields: _Fields) -> list[Row]:
     return _dataset_rows(ds, name, fields)
 
 
-def _dataset_rows(ds: Iterable[Mapping[str, Any]], name: str, fields: _Fields) -> list[Row]:
+def _dataset_rows(ds: Iterable[Mapping[str, object]], name: str, fields: _Fields) -> list[Row]:
     columns = getattr(ds, "column_names", None)  # a datasets.Dataset knows them before its first row
     if isinstance(columns, list):
         _check_columns(name, columns, fields)
@@ -218,7 +218,7 @@ def _optional_answer(record: dict, answer_field: str) -> str:
     return answer if isinstance(answer, str) else ""
 
 
-def _messages(prompt: list | tuple, where: str, field: str) -> list[dict[str, Any]]:
+def _messages(prompt: list | tuple, where: str, field: str) -> list[dict[str, object]]:
     """A chat prompt as verl and TRL write it: ``[{"role": ..., "content": ...}, ...]``."""
     if not prompt:
         raise ValueError(f"{where}: field {field!r} is an empty list of chat messages")
@@ -294,7 +294,8 @@ class ArithmeticProblems:
         """The first ``n`` distinct held-out problems from a fixed seed: the same
         on every call and in every process. Fewer when the problem space holds
         fewer than ``n`` held-out problems."""
-        rng, seen, out = random.Random("asyncrl/text_arithmetic/eval"), set(), []
+        rng, seen = random.Random("asyncrl/text_arithmetic/eval"), set()
+        out: list[Row] = []
         for _ in range(max(1000, 200 * n)):
             if len(out) == n:
                 break

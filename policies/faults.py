@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
+from contracts.handles import RolloutHandle, TrainerHandle
 from contracts.rollout import GroupReport, GroupRequest
+from policies.config import RunSettings
 from sync.errors import SyncFailed
 from sync.link import WeightGroupLost, reform_weight_link
 from sync.sequence import resume_engines
+from transfer_queue import TransferQueue
 
-__all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "ActorLostError", "RolloutFaults", "is_dead", "one_line"]
+__all__ = ["ACTOR_DIED", "MAX_FAILED_PUSHES", "ActorLostError", "Respawn", "RolloutFaults", "is_dead", "one_line"]
+
+#: (a dead rollout actor's handle) -> a new rollout actor, set up, its weight link open (not its
+#: broadcast group: that is re-formed with everyone before the push it joins at)
+Respawn = Callable[[RolloutHandle], Awaitable[RolloutHandle]]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,7 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-async def is_dead(handle: Any) -> bool:
+async def is_dead(handle: object) -> bool:
     """Whether the actor behind ``handle`` (any of a group's ``workers``) is gone:
     its ``ping`` raises (a process that ended, a Ray actor that died). One that
     does not answer in time may be busy, and a handle without ``ping`` cannot
@@ -52,7 +59,7 @@ async def is_dead(handle: Any) -> bool:
     if isinstance(workers, list):
         return any(await asyncio.gather(*(is_dead(w) for w in workers)))
     try:
-        ping = handle.ping
+        ping: Callable[[], Awaitable[int]] = getattr(handle, "ping")
     except AttributeError:
         return False
     try:
@@ -67,16 +74,14 @@ async def is_dead(handle: Any) -> bool:
 class RolloutFaults:
     """Dead rollout actors, their replacements and failed pushes, for a schedule."""
 
-    rollouts: list[Any]
-    trainer: Any
-    queue: Any
-    cfg: Any
+    rollouts: list[RolloutHandle]
+    trainer: TrainerHandle
+    queue: TransferQueue
+    cfg: RunSettings
     step: int
 
-    def _init_faults(self, respawn_rollout: Any) -> None:
-        # coroutine fn: (dead rollout handle) -> a new rollout actor, set up, its weight link open
-        # (not its broadcast group: that is re-formed with everyone before the push it joins at); None: never
-        self.respawn_rollout = respawn_rollout
+    def _init_faults(self, respawn_rollout: Respawn | None) -> None:
+        self.respawn_rollout = respawn_rollout  # None: never
         self.lost_rollouts: list[str] = []  # "<name>: <why>" of every rollout actor that died
         self._weight_link_stale = False  # a rollout actor died: re-form the broadcast group before a push
         self.num_failed_pushes = 0
@@ -84,11 +89,11 @@ class RolloutFaults:
         self.num_lost_rollouts = 0  # rollout actors that died, over the run (checkpoints carry it)
         self.num_respawns = 0  # ... and replacements started for them
         self._respawning: set[asyncio.Task[None]] = set()  # replacements being set up
-        self._joining: list[Any] = []  # replacements set up, not on the trainer's weights yet: the next push's
+        self._joining: list[RolloutHandle] = []  # replacements set up, not on the trainer's weights yet: the next push's
         self._rollouts_changed = asyncio.Event()  # set (and replaced) whenever rollouts or replacements change
         self._weight_link: tuple[str, str | None, int] | None = None  # the rollouts' link, read at the first step
 
-    async def _push(self, **kwargs: Any) -> dict[str, Any]:
+    async def _push(self, released: asyncio.Event | None = None) -> dict[str, object]:
         """One weight push to the rollout actors and the replacements joining (PolicyBase)."""
         raise NotImplementedError
 
@@ -122,7 +127,7 @@ class RolloutFaults:
             await self._rollouts_changed.wait()
         return True
 
-    async def lose_rollout(self, handle: Any, err: BaseException) -> bool:
+    async def lose_rollout(self, handle: RolloutHandle, err: BaseException) -> bool:
         """Whether the rollout actor behind ``handle``, which failed with ``err``,
         is gone. A dead one leaves ``rollouts`` (pushes and evaluations go on
         without it), the weight group is re-formed before the next push, and a
@@ -136,7 +141,7 @@ class RolloutFaults:
             self._lost(handle, err)
         return True
 
-    def _lost(self, handle: Any, err: BaseException) -> None:
+    def _lost(self, handle: RolloutHandle, err: BaseException) -> None:
         """Count a dead rollout actor (no longer in ``rollouts``) and start its replacement."""
         self.lost_rollouts.append(f"{handle.name}: {one_line(err)}")
         self.num_lost_rollouts += 1
@@ -151,9 +156,10 @@ class RolloutFaults:
             task.add_done_callback(self._respawning.discard)
         self._notify_rollouts()
 
-    async def _replace(self, dead: Any) -> None:
+    async def _replace(self, dead: RolloutHandle) -> None:
         """Set up a replacement for ``dead``; it waits in ``_joining`` for a push.
         One whose setup fails is not retried (counted among the lost)."""
+        assert self.respawn_rollout is not None
         try:
             new = await self.respawn_rollout(dead)
         except asyncio.CancelledError:
@@ -164,7 +170,7 @@ class RolloutFaults:
         else:
             self._joining.append(new)
         finally:
-            self._respawning.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._respawning.discard(asyncio.current_task())
             self._notify_rollouts()
             self._on_rollouts_changed()
 
@@ -192,7 +198,7 @@ class RolloutFaults:
         return ActorLostError(f"every rollout actor died ({'; '.join(self.lost_rollouts)}); nothing is left to "
                               "generate with; continue from the run's last checkpoint")
 
-    async def _reform_weight_link(self, engines: list[Any]) -> None:
+    async def _reform_weight_link(self, engines: list[RolloutHandle]) -> None:
         """After a rollout actor died, or with replacements joining: the weight
         link of the trainer and ``engines`` (the live actors and those joining)
         formed again where it has fixed members (``sync.link.reform_weight_link``)."""
@@ -205,7 +211,8 @@ class RolloutFaults:
                                  "the run's last checkpoint") from err
         self._weight_link_stale = False
 
-    async def _failed_push(self, err: Exception, engines: list[Any], joining: list[Any] = ()) -> dict[str, Any]:
+    async def _failed_push(self, err: Exception, engines: list[RolloutHandle],
+                           joining: Sequence[RolloutHandle] = ()) -> dict[str, object]:
         """A weight push to ``engines`` (``joining``: those of them that were to join
         with it) raised ``err``. Rollout actors that died in it leave the run (the
         live ones, maybe left paused by the push, run again; live joiners wait for

@@ -59,6 +59,9 @@ from typing import Any
 
 import msgspec
 
+from contracts.handles import RolloutHandle
+from transfer_queue import QueueStats
+
 from contracts.rollout import GroupReport, GroupRequest
 from contracts.training import BatchRequest, StepReport
 from policies.admission import Admission, window_budget
@@ -78,7 +81,7 @@ _UNRECORDED_STEP_WAIT_S = 30.0  # how long a stopped run waits for a step its tr
 _QUEUE_DROPS = ("stale", "stale_group", "storage_lost")
 
 
-def _queue_drops(stats: Any) -> int:
+def _queue_drops(stats: QueueStats) -> int:
     """Samples the queue dropped after admission (``_QUEUE_DROPS``), ever."""
     return sum(stats.dropped_by_reason.get(reason, 0) for reason in _QUEUE_DROPS)
 
@@ -88,8 +91,8 @@ class FullyAsyncPolicy(PolicyBase):
     admission window ahead of training, and every ``trigger_parameter_sync_step``
     trainer steps the engines get the new weights (interrupted generations resume)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_schedule(self) -> None:
+        super()._init_schedule()
         p = self.cfg.policy
         self.admission = Admission(window_budget(self.cfg.batch_size, p.require_batches,
                                                  p.trigger_parameter_sync_step, p.staleness_threshold))
@@ -125,7 +128,7 @@ class FullyAsyncPolicy(PolicyBase):
         feeder_parked = self._feeder is None or self._feeder.done() or not self.admission.can_admit(n)
         return not self._groups and self.in_flight == 0 and feeder_parked
 
-    def background_tasks(self) -> list[asyncio.Task[Any]]:
+    def background_tasks(self) -> list[asyncio.Task[None]]:
         return [t for t in [self._feeder, *self._groups, *self._respawning] if t is not None and not t.done()]
 
     def _fail(self, err: BaseException) -> None:
@@ -155,7 +158,7 @@ class FullyAsyncPolicy(PolicyBase):
         except BaseException as err:
             self._fail(err)
 
-    async def _run_group(self, actor: Any, group: GroupRequest) -> None:
+    async def _run_group(self, actor: RolloutHandle, group: GroupRequest) -> None:
         try:
             self.group_sent(group, actor.name)
             release, lost = 0, False
@@ -271,7 +274,7 @@ class FullyAsyncPolicy(PolicyBase):
         self._order = {**saved, **{gid: v for gid, v in queued.items() if gid not in saved}}
         self._adopt_queued = False
 
-    def state_dict(self, queue: Any) -> dict[str, Any]:
+    def state_dict(self, queue: QueueStats) -> dict[str, object]:
         state = super().state_dict(queue)
         # the groups queued whole, in admission order (the resumed run trains them first, in it)
         state["group_order"] = [[gid, v] for gid, v in self._order.items() if v is not None]
@@ -291,8 +294,9 @@ class FullyAsyncPolicy(PolicyBase):
         if self._failure.done():
             self._failure.result()  # no step after a background failure
         step = asyncio.ensure_future(self._step())  # a wait for its groups is polled as the get is
+        waits: list[asyncio.Future[Any]] = [step, self._failure]
         try:
-            while not (await asyncio.wait([step, self._failure], timeout=_DROP_POLL_S,
+            while not (await asyncio.wait(waits, timeout=_DROP_POLL_S,
                                           return_when=asyncio.FIRST_COMPLETED))[0]:
                 # a get that waits may be dropping stale samples: their slots go back now, not
                 # when the step ends (a window full of them would leave it nothing to wait for)

@@ -36,11 +36,11 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Protocol
 
 import torch
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 
 def _metric(x: torch.Tensor) -> torch.Tensor:
@@ -66,12 +66,12 @@ def _check(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.T
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
-                       high: float) -> tuple[torch.Tensor, dict[str, float]]:
+                       high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Per-token ``min(ratio * A, clip(ratio) * A)`` ``[B, T]``, with clip_frac and ratio_mean."""
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv
     with torch.no_grad():
-        metrics = {
+        metrics: dict[str, torch.Tensor | float] = {
             "clip_frac": _metric(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
             "ratio_mean": _metric(_token_mean(ratio, mask)),
         }
@@ -87,7 +87,7 @@ def ppo_clip(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     proximal_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """PPO's clipped surrogate against the behaviour (rollout) policy.
 
     ratio = exp(logprobs - rollout_logprobs) says how much more likely the
@@ -121,7 +121,7 @@ def decoupled_ppo(
     clip_eps_high: float = 0.2,
     behav_weight_cap: float = 5.0,
     cap_mode: str = "truncate",
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Decoupled PPO (AReaL): trust region around the trainer's own recent
     weights, importance weights for the staleness of the sampler.
 
@@ -175,7 +175,7 @@ def tis_token(
     *,
     cap: float = 2.0,
     proximal_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy gradient with per-token truncated importance sampling.
 
     Each token's gradient is the REINFORCE term A * grad(logprob) scaled by
@@ -192,7 +192,7 @@ def tis_token(
     ratio = torch.exp(logprobs.detach() - rollout_logprobs)
     weight = ratio.clamp(max=cap)
     loss = _token_mean(-weight * adv * logprobs, mask)
-    metrics = {
+    metrics: dict[str, torch.Tensor | float] = {
         "is_weight_mean": _metric(_token_mean(weight, mask)),
         "truncated_frac": _metric(_token_mean((ratio > cap).to(mask.dtype), mask)),
         "ratio_mean": _metric(_token_mean(ratio, mask)),
@@ -208,7 +208,7 @@ def tis_seq(
     *,
     cap: float = 2.0,
     proximal_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy gradient with sequence-level truncated importance sampling.
 
     Like :func:`tis_token`, but one weight per response: the ratio of the
@@ -228,7 +228,7 @@ def tis_seq(
     loss = _token_mean(-weight.unsqueeze(-1) * adv * logprobs, mask)
     has_tokens = (mask.sum(dim=-1) > 0).to(mask.dtype)
     num_seqs = has_tokens.sum().clamp(min=1)
-    metrics = {
+    metrics: dict[str, torch.Tensor | float] = {
         "is_weight_mean": _metric((weight * has_tokens).sum() / num_seqs),
         "truncated_frac": _metric(((log_ratio_seq > math.log(cap)).to(mask.dtype) * has_tokens).sum() / num_seqs),
     }
@@ -265,7 +265,7 @@ class Loss:
 
     def __call__(self, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, *, proximal_logprobs: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         return self.fn(logprobs, rollout_logprobs, advantages, mask, proximal_logprobs=proximal_logprobs,
                        **self.options)
 
@@ -282,7 +282,21 @@ def make_loss(name: str, **options: float) -> Loss:
     return Loss(name=name, fn=fn, options=dict(options), needs_proximal=name in NEEDS_PROXIMAL)
 
 
-def make_loss_from_config(trainer: Any) -> Loss:
+class LossSection(Protocol):
+    """What :func:`make_loss_from_config` reads of the ``trainer`` section
+    (``actors.backends.TrainerConfig``; ``policies`` never imports ``actors``)."""
+
+    @property
+    def loss(self) -> str: ...
+
+    @property
+    def clip_eps(self) -> float: ...
+
+    @property
+    def is_cap(self) -> float: ...
+
+
+def make_loss_from_config(trainer: LossSection) -> Loss:
     """The loss a ``trainer`` config section names (``loss``), with its options
     taken from the section: ``clip_eps`` (both sides of the PPO clip range) and
     ``is_cap`` (the cap of truncated importance weights)."""

@@ -10,7 +10,6 @@ import inspect
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import loop
 
@@ -29,7 +28,7 @@ class TimedReward:
     threads. Calls pass their arguments to ``fn`` (an adapted function: it
     checks its own result) and return its result."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
+    def __init__(self, fn: Callable[..., object], *, name: str, timeout_s: float, max_stuck: int = 4) -> None:
         if not timeout_s > 0:
             raise ValueError(f"reward {name!r}: timeout_s must be > 0, got {timeout_s}")
         self.fn, self.name, self.timeout_s, self.max_stuck = fn, name, timeout_s, max_stuck
@@ -38,7 +37,7 @@ class TimedReward:
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []  # the job queues of threads waiting for a call
 
-    def __call__(self, *args: Any) -> float:
+    def __call__(self, *args: object) -> float:
         with self._lock:
             if self._num_stuck >= self.max_stuck:
                 raise RuntimeError(f"reward {self.name!r}: {self._num_stuck} calls still running after timing "
@@ -80,7 +79,7 @@ class TimedReward:
             self._num_stuck -= 1
 
 
-def settle(value: Any) -> Any:
+def settle(value: object) -> object:
     """``value``, or what it resolves to when it is awaitable (an ``async def``
     reward's coroutine): awaited on the process's one loop (``loop.submit``),
     beside every other reward call awaiting there, while this thread waits.
@@ -93,7 +92,7 @@ def settle(value: Any) -> Any:
         raise RuntimeError("an async reward was called on the event loop's own thread; score it on a worker "
                            "thread (the rollout actor's reward pool does)")
 
-    async def wait() -> Any:
+    async def wait() -> object:
         return await value
 
     return loop.submit(wait()).result()

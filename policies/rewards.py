@@ -54,6 +54,7 @@ import numbers
 import pathlib
 import re
 import sys
+import types
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -77,11 +78,11 @@ class Response(msgspec.Struct, frozen=True, kw_only=True):
     """The response, cut at its first stop token, special tokens skipped."""
     answer: str
     """The row's ground truth, as text."""
-    prompt: str | list[dict[str, Any]] = ""
+    prompt: str | list[dict[str, object]] = ""
     """The row's prompt as written: text, or chat messages ("" for generated tasks)."""
     ids: list[int] = msgspec.field(default_factory=list)
     """The response's token ids as generated (TRL's ``completion_ids``)."""
-    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    fields: dict[str, object] = msgspec.field(default_factory=dict)
     """The whole row, every column (verl's ``data_source``, ``extra_info``; TRL's keyword lists)."""
 
 _TRAILING_PUNCT = ".,;:!?"
@@ -223,11 +224,11 @@ class RewardValueError(ValueError):
         super().__init__(message)
         self.location = location
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keeps ``location`` across processes
+    def __reduce__(self) -> tuple[type[RewardValueError], tuple[str, str]]:  # keeps ``location`` across processes
         return type(self), (str(self), self.location)
 
 
-def resolve_reward(spec: str | Callable[..., Any], *, timeout_s: float) -> Callable[[Response], float]:
+def resolve_reward(spec: str | Callable[..., object], *, timeout_s: float) -> Callable[[Response], float]:
     """The reward named by ``spec`` as one call ``reward(response) -> float``: a
     built-in name (``exact_match``, ``math``), ``package.module:function``
     (``function`` may be dotted, e.g. ``Class.method``) or ``path/to/file.py:function``,
@@ -244,7 +245,7 @@ def resolve_reward(spec: str | Callable[..., Any], *, timeout_s: float) -> Calla
     return TimedReward(_adapt(fn, _form(fn, name), name), name=name, timeout_s=timeout_s)
 
 
-def reward_form(spec: str | Callable[..., Any]) -> str:
+def reward_form(spec: str | Callable[..., object]) -> str:
     """The form (a key of :data:`FORMS`) of the reward ``spec`` names (or is), importing
     it; ``ValueError`` as :func:`resolve_reward` raises. What the config checks on load."""
     if isinstance(spec, str) and spec in BUILTIN_REWARDS:
@@ -253,14 +254,14 @@ def reward_form(spec: str | Callable[..., Any]) -> str:
     return _form(fn, name)
 
 
-def reward_name(fn: Callable[..., Any]) -> str:
+def reward_name(fn: Callable[..., object]) -> str:
     """``module:qualname`` of a function (what errors and the run's config call it)."""
     fn = inspect.unwrap(fn)
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{getattr(fn, '__module__', None) or type(fn).__module__}:{qualname}"
 
 
-def defined_at(fn: Callable[..., Any]) -> str:
+def defined_at(fn: Callable[..., object]) -> str:
     """``file:line`` where ``fn`` (a function, a method, a partial of one or an object
     with ``__call__``) is defined; "" when it has no Python source (a builtin)."""
     fn = inspect.unwrap(fn)
@@ -270,7 +271,7 @@ def defined_at(fn: Callable[..., Any]) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 
-def _function(spec: str | Callable[..., Any]) -> tuple[Callable[..., Any], str]:
+def _function(spec: str | Callable[..., object]) -> tuple[Callable[..., object], str]:
     """The user function ``spec`` names (imported) or is, and its name for errors."""
     if isinstance(spec, str):
         return _import(spec), spec
@@ -290,7 +291,7 @@ def anchor_reward_spec(spec: str, base_dir: str) -> str:
     return f"{(near if near.is_file() else pathlib.Path.cwd() / path).resolve()}:{attr}"
 
 
-def _import(spec: str) -> Callable[..., Any]:
+def _import(spec: str) -> Callable[..., object]:
     path, sep, attr = spec.rpartition(":")  # rpartition: a file path may hold a ':' (C:\...)
     if sep and path.endswith(".py") and attr:
         obj = _import_file(spec, pathlib.Path(path).expanduser())
@@ -318,7 +319,7 @@ def _import(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def _import_file(spec: str, path: pathlib.Path) -> Any:
+def _import_file(spec: str, path: pathlib.Path) -> types.ModuleType:
     """The module of the Python file ``path``, executed once per process: its
     name is derived from the absolute path, so a task built twice reuses it."""
     if not path.is_file():
@@ -327,17 +328,19 @@ def _import_file(spec: str, path: pathlib.Path) -> Any:
     name = f"_asyncrl_reward_{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    spec_ = importlib.util.spec_from_file_location(name, path)
+    assert spec_ is not None and spec_.loader is not None, path  # a .py file's: a source loader
+    module = importlib.util.module_from_spec(spec_)
     sys.modules[name] = module  # before running it: dataclasses and pickle look modules up by name
     try:
-        module.__spec__.loader.exec_module(module)
+        spec_.loader.exec_module(module)
     except Exception as e:  # any failure while running user code is a bad reward file
         del sys.modules[name]
         raise ValueError(f"reward {spec!r}: cannot import {str(path)!r}: {type(e).__name__}: {e}") from None
     return module
 
 
-def _form(fn: Callable[..., Any], name: str) -> str:
+def _form(fn: Callable[..., object], name: str) -> str:
     """Which of :data:`FORMS` ``fn`` is written in, by its parameter names: verl's
     when it names ``solution_str`` and ``ground_truth``, TRL's when it names
     ``completions``, else this repo's when it takes two positional arguments.
@@ -371,7 +374,7 @@ def _verl_keywords(sig: inspect.Signature) -> tuple[str, ...]:
     return names if _takes_any_keyword(sig) else tuple(k for k in names if k in sig.parameters)
 
 
-def _score(value: Any, fn: Callable[..., Any], name: str) -> float:
+def _score(value: object, fn: Callable[..., object], name: str) -> float:
     """``value``, a score ``fn`` returned, as a float: any finite number (a bool, numpy's
     float32 too); else :class:`RewardValueError` naming ``fn`` and where it is defined."""
     if isinstance(value, numbers.Real) and math.isfinite(value):  # numbers.Real: bools and numpy's floats too
@@ -380,14 +383,14 @@ def _score(value: Any, fn: Callable[..., Any], name: str) -> float:
     raise _returned(fn, name, f"{value!r:.80}; expected {what}")
 
 
-def _returned(fn: Callable[..., Any], name: str, what: str) -> RewardValueError:
+def _returned(fn: Callable[..., object], name: str, what: str) -> RewardValueError:
     """The error for a function ``fn`` that returned ``what``, naming where it is defined."""
     where = defined_at(fn)
     return RewardValueError(f"reward {name or reward_name(fn)!r}{f' ({where})' if where else ''} returned {what}",
                             where)
 
 
-def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Response], float]:
+def _adapt(fn: Callable[..., object], form: str, name: str = "") -> Callable[[Response], float]:
     """``fn`` (written in ``form``) as the one internal call on a :class:`Response`,
     its result checked (:func:`_score`) on the thread that called it."""
     if form == "text":
@@ -396,7 +399,7 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
     if form == "verl":
         keywords = _verl_keywords(sig)
 
-        def verl(r: Response) -> Any:
+        def verl(r: Response) -> float:
             given = {"data_source": r.fields.get("data_source"), "solution_str": r.text, "ground_truth": r.answer,
                      "extra_info": r.fields.get("extra_info")}
             score = settle(fn(**{k: given[k] for k in keywords}))
@@ -409,7 +412,7 @@ def _adapt(fn: Callable[..., Any], form: str, name: str = "") -> Callable[[Respo
         return verl
     any_keyword = _takes_any_keyword(sig)
 
-    def trl(r: Response) -> Any:
+    def trl(r: Response) -> float:
         completion = [{"role": "assistant", "content": r.text}] if isinstance(r.prompt, list) else r.text
         # as TRL does: every column but the prompt and completion ones, as keyword lists (of one here)
         kwargs = {k: [v] for k, v in r.fields.items() if k not in ("prompt", "completion", "completion_ids")}

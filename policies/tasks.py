@@ -34,7 +34,7 @@ from __future__ import annotations
 import inspect
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -212,6 +212,7 @@ def make_task(name: str, *, model_path: str | None = None, reward_timeout_s: flo
     Raises ``ValueError`` naming the task when it is unknown or its options are wrong.
     """
     factory = task_factory(name)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or C callable: pass no context

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import functools
 import pathlib
 import random
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, cast
 
 from policies.config import PolicyConfig
 from policies.datasets import ArithmeticProblems, Row, load_rows
@@ -86,14 +87,27 @@ _CHAT_REMEDY = ("use a model whose tokenizer has a chat template (model.path), o
                 "(a string per row) with task.kwargs.chat_template=false")
 
 
+class TextTokenizer(Protocol):
+    """What a text task calls of its tokenizer (``transformers``' or the light
+    one of :mod:`policies.tokenizer`)."""
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> str: ...
+
+    def __call__(self, text: list[str], add_special_tokens: bool = True) -> Mapping[str, list[list[int]]]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 class _TextTask(Task):
     """Shared plumbing for tasks whose prompts and answers are text: render
     with the tokenizer, decode the response, score it with a reward on text."""
 
     name = "text"
+    tokenizer: TextTokenizer
 
     def __init__(self, tokenizer=None, *, model_path: str | None, chat_template: bool, system_prompt: str,
-                 reward: str | Callable[..., Any], reward_timeout_s: float | None,
+                 reward: str | Callable[..., object], reward_timeout_s: float | None,
                  chat_prompt_at: str | None = None) -> None:
         """``chat_prompt_at``: where the data has a prompt of chat messages (``file:row``), if it has one."""
         _check_types(self.name, chat_template=(chat_template, bool), system_prompt=(system_prompt, str),
@@ -136,7 +150,7 @@ class _TextTask(Task):
                                  f"{' with a system_prompt' if system else ''}: {type(e).__name__}: {e}") from None
             return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         prefix = self.system_prompt + "\n\n" if self.system_prompt else ""
-        return self.tokenizer([prefix + t for t in prompts])["input_ids"]
+        return self.tokenizer([prefix + cast(str, t) for t in prompts])["input_ids"]  # text: checked at load
 
     def prompts(self, rows: list[Row]) -> list[Prompt]:
         """``rows`` as prompts: the answer in ``meta["answer"]``, where the row was
@@ -189,8 +203,9 @@ class TextDataset(_TextTask):
     name = "text_dataset"
 
     def __init__(self, tokenizer=None, *, path: str = "", model_path: str | None = None, eval_path: str = "",
-                 data: Any = None, eval_data: Any = None, prompt_field: str = "prompt", answer_field: str = "answer",
-                 chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., Any] = "math",
+                 data: Iterable[Mapping[str, object]] | None = None,
+                 eval_data: Iterable[Mapping[str, object]] | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
+                 chat_template: bool = True, system_prompt: str = "", reward: str | Callable[..., object] = "math",
                  max_prompt_tokens: int = 0, reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, path=(path, str), eval_path=(eval_path, str), prompt_field=(prompt_field, str),
                      answer_field=(answer_field, str), max_prompt_tokens=(max_prompt_tokens, int),
@@ -202,12 +217,17 @@ class TextDataset(_TextTask):
             raise ValueError(f"task.kwargs: task {self.name!r} needs one source of rows: path (a file or a datasets directory) "
                              "or data (a datasets.Dataset or a list of dicts, from Python), and at most one of "
                              "eval_path and eval_data")
-        fields = {"prompt_field": prompt_field, "answer_field": answer_field,
-                  "answer_required": reward_form(reward) != "trl"}  # TRL's form reads no answer
+        answer_required = reward_form(reward) != "trl"  # TRL's form reads no answer
+        fields = functools.partial(load_rows, prompt_field=prompt_field, answer_field=answer_field,
+                                   answer_required=answer_required)
         # bad data fails before the tokenizer load
-        train_rows = load_rows(path, **fields) if path else load_rows(data, **fields, name="data")
-        eval_rows = (load_rows(eval_path, **fields) if eval_path else
-                     load_rows(eval_data, **fields, name="eval_data") if eval_data is not None else [])
+        if path:
+            train_rows = fields(path)
+        else:
+            assert data is not None  # one source of rows: checked above
+            train_rows = fields(data, name="data")
+        eval_rows = (fields(eval_path) if eval_path else
+                     fields(eval_data, name="eval_data") if eval_data is not None else [])
         chat = next((row for row in train_rows + eval_rows if isinstance(row.prompt, list)), None)
         if chat is not None and not chat_template:
             raise ValueError(f"task {self.name!r}: {chat.where}: {_CHAT_PROMPTS}: set task.kwargs.chat_template=true "
@@ -267,7 +287,7 @@ class TextArithmetic(_TextTask):
     def __init__(self, tokenizer=None, *, model_path: str | None = None, digits: int = 2, num_operands: int = 2,
                  ops: str = "+-", tail_alpha: float = 0.0, max_digits: int = 12, eval_fraction: float = 0.1,
                  instruction: str = "Answer with the number only.", chat_template: bool = True,
-                 system_prompt: str = "", reward: str | Callable[..., Any] = "math",
+                 system_prompt: str = "", reward: str | Callable[..., object] = "math",
                  reward_timeout_s: float | None = None) -> None:
         _check_types(self.name, digits=(digits, int), num_operands=(num_operands, int), ops=(ops, str),
                      tail_alpha=(tail_alpha, (int, float)), max_digits=(max_digits, int),

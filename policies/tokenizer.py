@@ -37,13 +37,14 @@ import json
 import logging
 import pathlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -72,7 +73,7 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, the first one standard
 
 
-def load_local_tokenizer(model_dir: str | pathlib.Path) -> Any:
+def load_local_tokenizer(model_dir: str | pathlib.Path) -> object:
     """The tokenizer saved in ``model_dir``, from local files only: a
     :class:`LightTokenizer` where :func:`try_light_tokenizer` allows one, else
     ``transformers.AutoTokenizer`` (whose errors propagate)."""
@@ -145,7 +146,7 @@ def try_light_tokenizer(model_dir: str | pathlib.Path) -> LightTokenizer | str:
     return LightTokenizer(backend, named, template)
 
 
-def _content(token: Any) -> str:
+def _content(token: object) -> str:
     return token["content"] if isinstance(token, dict) else str(token)
 
 
@@ -172,8 +173,11 @@ class LightTokenizer:
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """Token ids; a token not in the vocabulary gets ``unk_token_id``."""
         if not isinstance(tokens, str):
-            return [self.convert_tokens_to_ids(t) for t in tokens]
-        idx = self.backend.token_to_id(tokens)
+            return [self._token_id(t) for t in tokens]
+        return self._token_id(tokens)
+
+    def _token_id(self, token: str) -> int | None:
+        idx = self.backend.token_to_id(token)
         unk = self.special_tokens_map.get("unk_token")
         return idx if idx is not None or unk is None else self.backend.token_to_id(unk)
 
@@ -189,8 +193,8 @@ class LightTokenizer:
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        ids = [e.ids for e in self.backend.encode_batch(list(text), add_special_tokens=add_special_tokens)]
-        return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}
+        batch = [e.ids for e in self.backend.encode_batch(list(text), add_special_tokens=add_special_tokens)]
+        return {"input_ids": batch, "attention_mask": [[1] * len(x) for x in batch]}
 
     def decode(self, token_ids: int | list[int] | list[list[int]],
                skip_special_tokens: bool = False) -> str | list[str]:
@@ -200,8 +204,8 @@ class LightTokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         if token_ids and isinstance(token_ids[0], (list, tuple)):
-            return [self.decode(ids, skip_special_tokens) for ids in token_ids]
-        return self.backend.decode([int(i) for i in token_ids], skip_special_tokens=skip_special_tokens)
+            return cast(list[str], [self.decode(ids, skip_special_tokens) for ids in token_ids])
+        return self.backend.decode([int(i) for i in cast(list[int], token_ids)], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list, *, add_generation_prompt: bool = False, tokenize: bool = True,
                             return_dict: bool = True) -> Any:
@@ -232,12 +236,12 @@ class _GenerationTag(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> jinja2.nodes.CallBlock:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
@@ -245,7 +249,8 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None,
             sort_keys: bool = False) -> str:
     # not jinja's own: that one escapes HTML characters
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -271,12 +276,12 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check_name(name: Any) -> None:
+    def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
@@ -293,7 +298,7 @@ def _compile(chat_template: str) -> jinja2.Template:
     return env.from_string(chat_template)
 
 
-def _template_messages(chat: Any) -> list[dict]:
+def _template_messages(chat: Iterable[object]) -> list[dict]:
     """The messages as the template sees them: dicts without None values, rebuilt of
     plain data, reasoning under its aliases."""
     messages = []
@@ -308,7 +313,7 @@ def _template_messages(chat: Any) -> list[dict]:
     return messages
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Only JSON types reach the sandbox; anything else becomes ``"<TypeName>"``."""
     if value is None or type(value) in (str, int, float, bool):
         return value
@@ -327,5 +332,5 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
+        return _plain(getattr(value, "model_dump")())
     return f"<{type(value).__name__}>"

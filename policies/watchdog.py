@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Any
 
+from policies.config import RunSettings
 from policies.reward_guard import RewardGuard
+from transfer_queue import TransferQueue
 
 __all__ = ["NoProgressError", "WaitingReport"]
 
@@ -23,8 +24,8 @@ class WaitingReport:
     """``waiting_on`` for a schedule; subclasses add their own phrases."""
 
     # what it reads of the schedule (PolicyBase and the Accounting mixin own these)
-    cfg: Any
-    queue: Any
+    cfg: RunSettings
+    queue: TransferQueue
     step: int
     in_flight: int
     rollout_dropped: Counter[str]

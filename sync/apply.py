@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from contracts.weights import TensorEntry, WeightUpdate, bucket_tensor
+from contracts.weights import Manifest, TensorEntry, WeightUpdate, bucket_tensor
 from sync import checksum as cks
 from sync import codec, device, pool
 from sync.errors import BaseVersionMismatch, ChecksumError, ManifestMismatch, WeightSyncError
@@ -52,7 +52,7 @@ def _raw_values(blob: torch.Tensor, piece: Piece) -> torch.Tensor:
     return blob.view(piece.dtype)
 
 
-def _promised(e: TensorEntry) -> Any:
+def _promised(e: TensorEntry) -> cks.Checksum | None:
     """The checksum the manifest promises for a piece's payload (an unknown
     encoding is refused here, whatever its bytes summed to)."""
     if e.encoding == "raw":
@@ -95,7 +95,10 @@ def _check_payload(update: WeightUpdate, pieces: list[Piece], buckets: dict[int,
     passes release the GIL), sparse ones summed together; device ones on this
     thread's stream, their sums read back together (one wait on the device per
     update)."""
-    on_cpu, cpu_sizes, on_device, sparse = [], [], [], []
+    on_cpu: list[int | Callable[[], None]] = []  # a sparse piece's place in ``sparse``, or a raw piece's check
+    cpu_sizes: list[int] = []
+    on_device: list[tuple[Piece, torch.Tensor]] = []
+    sparse: list[tuple[Piece, torch.Tensor]] = []
     for piece in pieces:
         blob = _blob(update, piece.entry, buckets)
         if blob.device.type != "cpu":
@@ -155,7 +158,7 @@ def stage_update(weights: dict[str, torch.Tensor], update: WeightUpdate) -> bool
     return True
 
 
-def stageable(manifest: Any) -> bool:
+def stageable(manifest: Manifest) -> bool:
     """Whether :func:`stage_update` can check an update of this manifest ahead."""
     return bool(manifest.layout) and manifest.kind == "full"
 
@@ -185,7 +188,7 @@ def _planned(weights: dict[str, torch.Tensor], update: WeightUpdate) -> tuple[de
     return plan, region
 
 
-def _plan_receiver(weights: dict[str, torch.Tensor], m: Any, region: torch.Tensor) -> device.ReceiverPlan | None:
+def _plan_receiver(weights: dict[str, torch.Tensor], m: Manifest, region: torch.Tensor) -> device.ReceiverPlan | None:
     """Check a layout once: every piece raw, block-aligned, and a contiguous
     run of a receiver tensor of exactly its dtype on the buckets' device."""
     if device.layout_digest(m.entries, m.bucket_sizes) != m.layout:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ class Changes(NamedTuple):
     codecs: tuple[IndexCodec, ValueCodec] | None
     streams: list[list[Any]]
     sums: tuple[Checksum, Checksum] | None
-    index: tuple
+    index: tuple  # type: ignore[assignment]  # a field, not tuple.index
     impl: Impl
 
 
@@ -167,7 +167,7 @@ def _encode_c(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch: Sc
     return Changes(k, olds, None, codecs, [d.index[index_codec], *u8], sums, (index_codec, d.index[index_codec]), "c")
 
 
-def _nbytes(chunk: Any) -> int:
+def _nbytes(chunk: torch.Tensor | np.ndarray) -> int:
     return chunk.numel() if isinstance(chunk, torch.Tensor) else chunk.size
 
 
@@ -224,7 +224,7 @@ def positions(kept: tuple) -> torch.Tensor:
     return decode_index(stream, codec, count, k)
 
 
-def encode_planned_delta(plan: device.SenderPlan, version: int, base_version: int | None,
+def encode_planned_delta(plan: device.SenderPlan, version: int, base_version: int,
                          base_sums: list[Checksum], bucket_bytes: int, *,
                          restore: bool = False) -> tuple[WeightUpdate, dict[int, Checksum]]:
     """A delta of every piece of ``plan`` at once, against the last version its
@@ -252,7 +252,7 @@ def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
     stopped it with nothing of it written (an undecodable payload: a
     ChecksumError). What was written is on ``undo`` before this returns. The
     C path takes its pieces all at once on the pool (pieces are disjoint)."""
-    results: list[Any] = [None] * len(items)
+    results: list[tuple[Checksum, Checksum] | Exception | None] = [None] * len(items)
     jobs = []
     for i, (piece, blob) in enumerate(items):
         flat = piece.np_piece()
@@ -262,24 +262,24 @@ def apply_pieces(items: list[tuple[Piece, torch.Tensor]],
     for i, (piece, blob) in enumerate(items):
         if results[i] is None:
             results[i] = _apply_torch(piece, blob.to(piece.device), undo)
-    return results
+    return cast("list[tuple[Checksum, Checksum] | Exception]", results)  # every piece has its result by now
 
 
-def _undecodable(e: Any, exc: Exception) -> ChecksumError:
+def _undecodable(e: TensorEntry, exc: Exception) -> ChecksumError:
     err = ChecksumError(f"{e.name}: undecodable sparse payload: {exc}")
     err.__cause__ = exc
     return err
 
 
 def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.ndarray, np.ndarray]],
-             undo: list[Callable[[], None]], results: list[Any]) -> None:
+             undo: list[Callable[[], None]], results: list[tuple[Checksum, Checksum] | Exception | None]) -> None:
     entries = [items[i][0].entry for i, _, _ in jobs]
     out = pool.run_each([partial(native.apply_piece, flat, blob, e.parts, e.index_codec or "", e.value_codec or "",
                                  e.count, e.num_changed) for (_, flat, blob), e in zip(jobs, entries)],
                         [e.num_changed for e in entries])
     for (_, flat, blob), e, r in zip(jobs, entries, out):
         if not isinstance(r, Exception):
-            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec, e.count, r[0]))
+            undo.append(partial(native.restore_piece, flat, blob, e.parts, e.index_codec or "", e.count, r[0]))
     for (i, _, _), e, r in zip(jobs, entries, out):  # a malformed blob raised with its piece as it was
         if isinstance(r, ValueError):
             results[i] = _undecodable(e, r)
@@ -289,7 +289,8 @@ def _apply_c(items: list[tuple[Piece, torch.Tensor]], jobs: list[tuple[int, np.n
             results[i] = (cks.shift_sums(r[1], e.shard, e.start), cks.shift_sums(r[2], e.shard, e.start))
 
 
-def _apply_torch(piece: Piece, blob: torch.Tensor, undo: list[Callable[[], None]]) -> Any:
+def _apply_torch(piece: Piece, blob: torch.Tensor, undo: list[Callable[[], None]]
+                 ) -> tuple[Checksum, Checksum] | Exception:
     e = piece.entry
     try:
         idx, new, old = decode_sparse(blob, e.parts, e.index_codec or "", e.value_codec or "", e.count,
@@ -320,7 +321,7 @@ def apply_planned_delta(weights: dict[str, torch.Tensor], update: WeightUpdate) 
     itemsize = dtype_from_name(m.entries[0].dtype).itemsize
     blob_offsets = _blob_offsets(m, itemsize)
     found = None if blob_offsets is None else _delta_receiver(weights, m, region, itemsize)
-    if found is None:
+    if found is None or blob_offsets is None:
         return False
     plan, indices = found
     plan.apply(m, region, blob_offsets, indices)

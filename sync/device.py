@@ -32,13 +32,17 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
 
 from contracts.weights import Manifest, ShardSpec, TensorEntry, WeightUpdate, dtype_name
 from sync import checksum as cks
+
+if TYPE_CHECKING:
+    from sync.device_delta import DeltaPacker
+    from sync.piece import Piece
 
 BLOCK = 1024  # elements per checksum block; every planned piece starts on one
 MAX_PLANS = 4  # receiver plans kept per layout (one per receiver in a process), and delta layouts kept
@@ -81,7 +85,7 @@ def block_sums(x: torch.Tensor) -> torch.Tensor:
     (wrapping). One Triton kernel on a GPU; torch in chunks elsewhere."""
     rows = x.numel() // BLOCK
     out = torch.empty(rows, 2, dtype=torch.int64, device=x.device)
-    kernel = _triton_kernel() if x.is_cuda else False
+    kernel = _triton_kernel() if x.is_cuda else None
     if kernel:
         if rows:
             # 2 warps: 0.31 ms for a 0.5B model's 988 MB on an H200 (4 warps 0.42, 8 warps 0.74)
@@ -151,7 +155,8 @@ class SenderPlan:
         itemsize = items[0][3].itemsize
         block_bytes = BLOCK * itemsize
         piece_elems = max(1, bucket_bytes // itemsize)
-        pieces = []  # (entry fields, storage offset, source piece, last-sent piece, dtype)
+        pieces: list[tuple[TensorEntry, int, torch.Tensor, torch.Tensor, torch.dtype]] = []
+        # (entry, storage offset, source piece, last-sent piece, dtype)
         bucket_starts = [0]
         used = 0  # bytes of the storage laid out so far (block-aligned)
         for name, src, shard, dtype, prev, shape in items:
@@ -160,27 +165,27 @@ class SenderPlan:
                 nbytes = count * itemsize
                 if used > bucket_starts[-1] and used - bucket_starts[-1] + nbytes > bucket_bytes:
                     bucket_starts.append(used)
-                fields = dict(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start, count=count,
-                              encoding="raw", num_changed=count, bucket=len(bucket_starts) - 1,
-                              offset=used - bucket_starts[-1], nbytes=nbytes, checksum=(0, 0))
-                pieces.append((fields, used, src[start : start + count], prev[start : start + count], dtype))
+                entry = TensorEntry(name=name, dtype=dtype_name(dtype), shape=shape, shard=shard, start=start,
+                                    count=count, encoding="raw", num_changed=count, bucket=len(bucket_starts) - 1,
+                                    offset=used - bucket_starts[-1], nbytes=nbytes, checksum=(0, 0))
+                pieces.append((entry, used, src[start : start + count], prev[start : start + count], dtype))
                 used += -(-nbytes // block_bytes) * block_bytes
         self.storage = torch.zeros(max(used, block_bytes), dtype=torch.uint8, device=device)
         ends = bucket_starts[1:] + [self.storage.numel()]
         self.buckets = [self.storage[a:b] for a, b in zip(bucket_starts, ends)]
         self.bucket_sizes = [b - a for a, b in zip(bucket_starts, ends)]
-        self.entries = [TensorEntry(**fields) for fields, *_ in pieces]
-        self.dst = [self.storage[off : off + f["nbytes"]].view(dtype) for f, off, _, _, dtype in pieces]
+        self.entries = [e for e, *_ in pieces]
+        self.dst = [self.storage[off : off + e.nbytes].view(dtype) for e, off, _, _, dtype in pieces]
         self.src = [p[2] for p in pieces]
         self.prev = [p[3] for p in pieces]
         self.layout = layout_digest(self.entries, self.bucket_sizes)
         self.values = self.storage.view(cks.int_view(self.dst[0][:0]).dtype)
         self._sums = _PieceSums([off // block_bytes for _, off, *_ in pieces],
-                                [-(-f["nbytes"] // block_bytes) for f, *_ in pieces],
-                                [_piece_first(f["shard"], f["start"]) for f, *_ in pieces],
+                                [-(-e.nbytes // block_bytes) for e, *_ in pieces],
+                                [_piece_first(e.shard, e.start) for e, *_ in pieces],
                                 self.values.numel() // BLOCK, device)
         self.num_elements = sum(item[1].numel() for item in items)
-        self.delta: Any = None  # sync.device_delta.DeltaPacker, made by the first planned delta
+        self.delta: DeltaPacker | None = None  # made by the first planned delta
 
     def fill_prev(self) -> None:
         """Copy the last version sent from the storage into the sender's
@@ -230,16 +235,17 @@ class ReceiverPlan:
     rebuilt), and the buckets' views strongly (they are the sender's)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], manifest: Manifest, region: torch.Tensor,
-                 pieces: list[Any]) -> None:
+                 pieces: list[Piece]) -> None:
         entries = manifest.entries
         self.names = [e.name for e in entries]
         tensors = [weights[n] for n in self.names]
         self.refs = [weakref.ref(t) for t in tensors]
         self.ptrs = [t.data_ptr() for t in tensors]
         # a piece that is its whole tensor is copied into the tensor itself; others into a slice
-        self.slices = [None if p.region_view().numel() == t.numel() and p.entry.shard is None and p.entry.start == 0
-                       else (p.region_view().data_ptr() - t.data_ptr()) // t.element_size()
-                       for p, t in zip(pieces, tensors)]
+        views = cast("list[torch.Tensor]", [p.region_view() for p in pieces])  # every one there: _plan_receiver
+        self.slices = [None if v.numel() == t.numel() and p.entry.shard is None and p.entry.start == 0
+                       else (v.data_ptr() - t.data_ptr()) // t.element_size()
+                       for p, v, t in zip(pieces, views, tensors)]
         self.shapes = [tuple(t.shape) if sl is None else (e.count,) for t, sl, e in zip(tensors, self.slices, entries)]
         self.dtypes = [p.dtype for p in pieces]
         self.counts = [e.count for e in entries]
@@ -251,7 +257,7 @@ class ReceiverPlan:
                                 region.device)
         self._region_ptr = -1
         self._src: list[torch.Tensor] = []
-        self._checked: tuple[Any, ...] | None = None  # the update the last check() passed
+        self._checked: tuple[object, ...] | None = None  # the update the last check() passed
 
     def still_valid(self, weights: dict[str, torch.Tensor]) -> bool:
         """The receiver still holds the same tensors, at the same addresses."""
@@ -290,13 +296,14 @@ class ReceiverPlan:
         dst = []
         for ref, sl, count in zip(self.refs, self.slices, self.counts):
             t = ref()
+            assert t is not None, "a receiver weight went away under its plan"
             dst.append(t if sl is None else t.view(-1)[sl : sl + count])
         torch._foreach_copy_(dst, self._src)
         if region.is_cuda:  # the sender may refill its buckets as soon as this returns
             torch.cuda.current_stream(region.device).synchronize()
 
 
-def _checked_key(manifest: Manifest, region: torch.Tensor) -> tuple[Any, ...]:
+def _checked_key(manifest: Manifest, region: torch.Tensor) -> tuple[object, ...]:
     """What must be the same for a check to stand for an apply: the update's
     version and checksums, and where its bytes are."""
     return manifest.version, region.data_ptr(), region.numel(), tuple(tuple(e.checksum) for e in manifest.entries)
@@ -325,4 +332,4 @@ def contiguous_region(buckets: list[torch.Tensor], sizes: list[int]) -> torch.Te
     if first.storage_offset() + sum(sizes) > storage.nbytes():
         return None
     region = torch.empty(0, dtype=torch.uint8, device=first.device)
-    return region.set_(storage, first.storage_offset(), (sum(sizes),))
+    return region.set_(storage, first.storage_offset(), (sum(sizes),), (1,))

@@ -34,14 +34,17 @@ storage, cut into buckets at piece boundaries.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from contracts.weights import Manifest, TensorEntry, WeightUpdate
 from sync import checksum as cks
 from sync.streams import bitmask_encode
-from sync.device import BLOCK, _PieceSums, _piece_first
+from sync.device import BLOCK, SenderPlan, _PieceSums, _piece_first
+
+if TYPE_CHECKING:
+    from sync.piece import Piece
 
 MASK_BYTES = BLOCK // 8
 _CHUNK_WORDS = 1024  # 8-byte words of payload per program of the payload-sum kernel
@@ -243,7 +246,7 @@ class DeltaPacker:
     (``values``: its storage read as integers, which holds the last version
     sent, updated here at the changed elements)."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: SenderPlan) -> None:
         storage, entries = plan.storage, plan.entries
         self.itemsize = plan.dst[0].element_size()
         self.cur_storage = torch.zeros_like(storage)
@@ -355,7 +358,7 @@ class DeltaPacker:
         self.cur[pos] = self.old[: pos.numel()]
 
 
-def delta_update(plan: Any, packer: DeltaPacker, rows: list[list[int]], version: int, base_version: int,
+def delta_update(plan: SenderPlan, packer: DeltaPacker, rows: list[list[int]], version: int, base_version: int,
                  base_sums: list[cks.Checksum], bucket_bytes: int) -> tuple[WeightUpdate, dict[int, cks.Checksum]]:
     """The update the packed payload is, cut into buckets at piece boundaries;
     and the new checksum of every changed piece (by piece index)."""
@@ -401,14 +404,14 @@ class DeltaReceiverPlan:
     held by weak reference, as :class:`sync.device.ReceiverPlan` does.
     ``pieces``: the :class:`sync.piece.Piece` of every entry."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], entries: list[TensorEntry], pieces: list[Any]) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], entries: list[TensorEntry], pieces: list[Piece]) -> None:
         self.entries = entries
         self.index = {(e.name, e.shard, e.start, e.count): i for i, e in enumerate(entries)}
         tensors = [weights[e.name] for e in entries]
         self.names = [e.name for e in entries]
         self.refs = [weakref.ref(t) for t in tensors]
         self.ptrs = [t.data_ptr() for t in tensors]
-        views = [p.region_view() for p in pieces]
+        views = cast("list[torch.Tensor]", [p.region_view() for p in pieces])  # every one there: _delta_receiver
         itemsize = views[0].element_size()
         dev = views[0].device
         # the kernels' element type (the values as integers); not a view: the plan holds no receiver memory

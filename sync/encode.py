@@ -118,8 +118,8 @@ class WeightSender:
         if isinstance(dtype, str):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"WeightSender dtype {dtype!r} is not a torch dtype name")
-            dtype = getattr(torch, dtype)
-        return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=dtype,
+        resolved: torch.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return cls(mode=cfg.mode, bucket_bytes=cfg.bucket_bytes, full_every_k=cfg.full_every_k, dtype=resolved,
                    transport=transport)
 
     def force_full(self) -> None:
@@ -176,7 +176,7 @@ class WeightSender:
             src = tensor.detach().reshape(-1)
             prev = self._prev.get((name, shard))
             fresh = prev is None or prev.numel() != src.numel() or prev.dtype != dtype
-            if fresh:  # the receivers have no base of it: sent whole
+            if prev is None or fresh:  # the receivers have no base of it: sent whole
                 prev = self._prev[(name, shard)] = torch.empty(src.numel(), dtype=dtype, device=src.device)
             fresh_any |= fresh and src.numel() > 0
             num_elements += src.numel()
@@ -259,6 +259,7 @@ class WeightSender:
         """The last-sent copies, up to date (a planned full update leaves the
         last version in its storage until a delta needs them)."""
         if self._plan_holds_prev:
+            assert self._plan is not None
             self._plan.fill_prev()
             self._plan_holds_prev = False
 
@@ -293,6 +294,7 @@ class WeightSender:
 
     def _encode_planned(self, version: int, t0: float) -> WeightUpdate:
         """A full update through the plan: a few kernels, no per-tensor Python."""
+        assert self._plan is not None
         update, checksums = self._plan.encode(version)
         self._plan_holds_prev = True
         for e, checksum in zip(update.manifest.entries, checksums):
@@ -303,6 +305,7 @@ class WeightSender:
         """A delta against the last version sent, through the plan
         (:func:`sync.codec.encode_planned_delta`); ``restore``: to the version before it."""
         plan = self._plan
+        assert plan is not None and self.version is not None
         if not self._plan_holds_prev:  # the generic path sent last: its copies hold that version
             plan.load_prev()
             self._plan_holds_prev = True
@@ -318,10 +321,12 @@ class WeightSender:
         previous version and return the delta (base = the last version,
         version = the previous one) that takes receivers back there too.
         None when the last update was full (it cannot be undone cheaply)."""
-        if self._undo is None or self._undo[0] is None:
+        if self._undo is None:
             return None
         prev_version, undo = self._undo
-        if undo == "planned":  # the packer still holds what that delta replaced
+        if prev_version is None:
+            return None
+        if isinstance(undo, str):  # "planned": the packer still holds what that delta replaced
             update = self._encode_planned_delta(prev_version, restore=True)
             self.version, self._undo = prev_version, None
             return update

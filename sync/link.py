@@ -29,34 +29,36 @@ import datetime
 import functools
 import hashlib
 import socket
-from typing import Any, Literal
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
-import msgspec
-
+from contracts.handles import RolloutHandle, TrainerHandle
 from contracts.placement import Placement, node_address
 from contracts.rollout import InFlight
-from contracts.weights import WeightUpdate, merge_updates
+from contracts.weights import BroadcastPush, WeightHandle, WeightUpdate, merge_updates
 from sync.config import SyncConfig
+from sync.metrics import SyncResult
 from sync.sequence import sync_weights
-from sync.transport import make_transport, transport_class
+from sync.transport import Transport, TransportName, make_transport, transport_class
+from sync.transport.base import H
 
-__all__ = ["BroadcastPush", "EngineLink", "TrainerLink", "WeightGroupLost", "choose_transport", "digest_named",
-           "open_weight_link", "push_weights", "reform_weight_link", "weight_sync_fn"]
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
-Kind = Literal["inproc", "cuda_ipc", "broadcast", "ray"]
+    from sync.transport.broadcast import BroadcastTransport
+
+__all__ = ["BroadcastPush", "EngineLink", "TrainerLink", "WeightGroupLost", "WeightSync", "choose_transport",
+           "digest_named", "open_weight_link", "push_weights", "reform_weight_link", "weight_sync_fn"]
+
+Kind = TransportName
 _TIMEOUT = datetime.timedelta(seconds=120)  # a peer that died makes a broadcast fail, not hang
-
-
-class BroadcastPush(msgspec.Struct, frozen=True):
-    """Handle of one broadcast push: receivers take the update from the group."""
-
-    version: int
 
 
 def choose_transport(trainer: Placement, engines: list[Placement], forced: str = "auto") -> Kind:
     """The transport for this placement (``forced``, ``sync.transport``, when not ``auto``)."""
     if forced != "auto":
-        return forced  # type: ignore[return-value]
+        return cast(Kind, forced)
     if all(e.pid == trainer.pid for e in engines):
         return "inproc"
     on_gpu = trainer.device.startswith("cuda") and all(e.device.startswith("cuda") for e in engines)
@@ -67,7 +69,7 @@ def choose_transport(trainer: Placement, engines: list[Placement], forced: str =
     return "broadcast" if dist.is_available() else "ray"
 
 
-def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
+def digest_named(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """sha256 of each tensor's bytes, by name: equal digests mean bit-identical weights."""
     import torch
 
@@ -81,7 +83,7 @@ def digest_named(tensors: dict[str, Any]) -> dict[str, str]:
 _LISTENING: list[socket.socket] = []  # the stores' own sockets: closing one would end its store
 
 
-def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> Any:
+def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
     """The group's rendezvous store. Its master listens on ``host`` only: given a
     host, torch's store still binds every interface, so it gets a socket bound here."""
     import torch.distributed as dist
@@ -98,7 +100,7 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool) -> Any:
     return dist.TCPStore(host, port, world_size, True, timeout=_TIMEOUT, master_listen_fd=sock.fileno())
 
 
-def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> Any:
+def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> dist.ProcessGroupGloo | None:
     """Join the weight-sync process group (blocking: every member at once).
     Over gloo it is a group of its own, not the default one (data-parallel
     trainers have theirs); ``None`` means the default group (NCCL)."""
@@ -115,7 +117,7 @@ def _join_group(init_method: str, rank: int, world_size: int, backend: str) -> A
     return None
 
 
-def _broadcasts(group: Any, sources: int) -> list[Any]:
+def _broadcasts(group: dist.ProcessGroupGloo | None, sources: int) -> list[BroadcastTransport]:
     """One broadcast transport per sending rank (the trainer workers are ranks 0..sources-1)."""
     return [make_transport("broadcast", src=s, pg=group) for s in range(sources)]
 
@@ -130,13 +132,14 @@ class TrainerLink:
     """The trainer's end: publishes each encoded update and keeps its payload
     until :meth:`release` (every engine has applied it)."""
 
-    def __init__(self, kind: Kind, device: Any = "cpu") -> None:
+    def __init__(self, kind: Kind, device: str | torch.device = "cpu") -> None:
         self.kind = kind
-        self._group: Any = None
-        self._pending: WeightUpdate | None = None  # broadcast: the update waiting to be sent
-        self._published: list[Any] = []
-        # broadcast: the group's transports, made when it is joined
-        self._transport: Any = None if kind == "broadcast" else make_transport(kind, device=device)
+        self.collective = transport_class(kind).collective  # the payload goes in a broadcast to a group
+        self._group: list[BroadcastTransport] | None = None  # a collective's transports, one a sender: made when joined
+        self._pending: WeightUpdate | None = None  # a collective's update waiting to be sent
+        self._published: list[WeightUpdate] = []
+        self._transport: Transport[WeightUpdate] | None = None if self.collective else make_transport(
+            kind, device=device)
 
     @staticmethod
     def rendezvous() -> str:
@@ -151,10 +154,10 @@ class TrainerLink:
 
     def publish(self, update: WeightUpdate | None) -> WeightUpdate | None:
         """What the engines need to fetch ``update``: its manifest and references
-        to its buckets (for ``broadcast``, the manifest only: the payload is broadcast)."""
+        to its buckets (over a collective, the manifest only: the payload is broadcast)."""
         if update is None:
             return None
-        if self.kind == "broadcast":
+        if self._transport is None:
             self._pending = update
             return WeightUpdate(manifest=update.manifest, buckets=[])
         handle = self._transport.send(update)
@@ -166,6 +169,7 @@ class TrainerLink:
         if self._pending is None:
             raise RuntimeError("broadcast_pending() without an update published before it")
         update, self._pending = self._pending, None
+        assert self._group is not None, "broadcast_pending() before join()"
         for src, transport in enumerate(self._group):  # every worker takes part in every worker's broadcast
             if src == self._rank:
                 transport.send(update)
@@ -176,6 +180,7 @@ class TrainerLink:
     def release(self) -> None:
         published, self._published = self._published, []
         for handle in published:
+            assert self._transport is not None
             self._transport.release(handle)
 
 
@@ -184,15 +189,17 @@ class EngineLink:
 
     def __init__(self, kind: Kind) -> None:
         self.kind = kind
-        self._group: Any = None
+        # the payload comes in a broadcast to the group: received in step, never checked ahead
+        self.collective = transport_class(kind).collective
+        self._group: list[BroadcastTransport] | None = None
 
     def join(self, init_method: str, rank: int, world_size: int, backend: str, sources: int = 1) -> None:
         """``sources``: trainer workers (ranks 0..sources-1) that each broadcast their shards."""
         self._group = _broadcasts(_join_group(init_method, rank, world_size, backend), sources)
 
-    def receive(self, handle: Any) -> Any:
-        """Blocking for ``broadcast`` (takes part in the broadcast: every trainer
-        worker's shards, merged); the others' buckets are references that
+    def receive(self, handle: WeightHandle) -> WeightUpdate:
+        """Blocking for a :class:`BroadcastPush` (takes part in the broadcast: every
+        trainer worker's shards, merged); the others' buckets are references that
         ``apply_update`` reads as it goes."""
         if isinstance(handle, BroadcastPush):
             if self._group is None:
@@ -202,34 +209,36 @@ class EngineLink:
         return handle
 
 
-class _ActorPush:
+class _ActorPush(Transport[WeightHandle]):
     """The policy's side of a push (a :class:`~sync.transport.base.Transport` for
     :func:`sync.sequence.sync_weights`): the handle goes on to the engines as
-    it is; for ``broadcast`` it starts the trainer's broadcast beside their receives."""
+    it is; over a collective it starts the trainer's broadcast beside their receives."""
 
     name = "actor"
 
-    def __init__(self, trainer: Any, kind: Kind) -> None:
+    def __init__(self, trainer: TrainerHandle, kind: Kind) -> None:
         self.trainer, self.kind = trainer, kind
-        self.can_stage = transport_class(kind).can_stage  # the engines check ahead where that transport lets them
-        self._task: asyncio.Task[Any] | None = None
+        cls = transport_class(kind)
+        self.can_stage = cls.can_stage  # the engines check ahead where that transport lets them
+        self.collective = cls.collective
+        self._task: asyncio.Task[int] | None = None
 
-    def send(self, update: WeightUpdate) -> Any:
-        if self.kind != "broadcast":
+    def send(self, update: WeightUpdate) -> WeightHandle:
+        if not self.collective:
             return update
         if self._task is not None and not self._task.done():
             raise RuntimeError("a broadcast push is still running")
         self._task = asyncio.get_running_loop().create_task(self.trainer.broadcast_pending())
         return BroadcastPush(version=update.manifest.version)
 
-    def receive(self, handle: Any) -> Any:
+    def receive(self, handle: WeightHandle) -> WeightUpdate:
         raise RuntimeError("the engines receive, not the policy")
 
-    def release(self, handle: Any) -> None:
+    def release(self, handle: WeightHandle) -> None:
         task = self._task
-        if task is not None and task.done() and task.exception() is not None:
+        if task is not None and task.done() and (err := task.exception()) is not None:
             self._task = None
-            raise task.exception()  # type: ignore[misc]
+            raise err
 
     async def wait(self) -> None:
         task, self._task = self._task, None
@@ -241,7 +250,7 @@ class WeightGroupLost(RuntimeError):
     """A broadcast group that cannot be formed again without a member that died."""
 
 
-async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig,
+async def open_weight_link(trainer: TrainerHandle, engines: Sequence[RolloutHandle], cfg: SyncConfig,
                            sources: int = 1) -> tuple[Kind, Literal["full", "delta"]]:
     """Pick the weight transport from where the trainer and ``engines`` (rollout
     actor handles) run (``cfg.transport`` can force one), open it at both ends
@@ -259,7 +268,8 @@ async def open_weight_link(trainer: Any, engines: list[Any], cfg: SyncConfig,
     return kind, cfg.mode_for(kind, where[0].device)
 
 
-async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, str | None, int] | None) -> None:
+async def reform_weight_link(trainer: TrainerHandle, engines: Sequence[RolloutHandle],
+                             link: tuple[str, str | None, int] | None) -> None:
     """After a rollout actor died: a broadcast group of fixed members would wait
     for it at every push, so the trainer and ``engines`` (the live actors and
     those joining) form a new one. ``link``: how the actors were linked (a
@@ -269,39 +279,43 @@ async def reform_weight_link(trainer: Any, engines: list[Any], link: tuple[str, 
     if link is None:  # died before the first step asked: a live original still knows
         links = [x for x in await asyncio.gather(*(h.weight_link() for h in engines)) if x is not None]
         link = next((x for x in links if x[1] is not None), links[0] if links else None)
-    if link is None or link[0] != "broadcast":
+    if link is None or not transport_class(link[0]).collective:
         return
     kind, backend, sources = link
     if backend == "nccl":
         raise WeightGroupLost("an NCCL weight group cannot be re-formed without it in this process")
-    await _form_weight_link(trainer, engines, kind, backend, sources)  # type: ignore[arg-type]
+    assert backend is not None, "a collective link without its group's backend"
+    await _form_weight_link(trainer, engines, cast(Kind, kind), backend, sources)
 
 
-async def _form_weight_link(trainer: Any, engines: list[Any], kind: Kind, backend: str, sources: int) -> None:
+async def _form_weight_link(trainer: TrainerHandle, engines: Sequence[RolloutHandle], kind: Kind, backend: str,
+                            sources: int) -> None:
     """Open ``kind`` at the trainer and every engine; for ``broadcast``, form the
     broadcast group: the ``sources`` trainer workers are ranks 0..sources-1,
     engine i is rank sources + i, and every member joins at once (each join
     blocks until all have). The one place a weight group is formed."""
     init = await trainer.open_weight_link(kind)
     await asyncio.gather(*(h.open_weight_link(kind) for h in engines))
-    if kind == "broadcast":
+    if transport_class(kind).collective:
+        assert init is not None, "the trainer named no rendezvous for its weight group"
         world = sources + len(engines)
         await asyncio.gather(trainer.join_weight_group(init, world, backend),
                              *(h.join_weight_group(init, sources + i, world, backend, sources)
                                for i, h in enumerate(engines)))
 
 
-async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Event | None = None, *,
-                       kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> Any:
+async def push_weights(rollouts: Sequence[RolloutHandle], trainer: TrainerHandle,
+                       released: asyncio.Event | None = None, *,
+                       kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> SyncResult:
     """One weight sync, driven from the policy with control messages only
     (:func:`sync.sequence.sync_weights` over the actors' handles)."""
     transport = _ActorPush(trainer, kind)
     try:
-        # a broadcast cannot check ahead, and a dead member would hold it to the group's timeout:
+        # a collective cannot check ahead, and a dead member would hold it to the group's timeout:
         # its first round asks every engine its version instead, which finds a dead one at once
         return await sync_weights(rollouts, trainer, colocated=colocated, in_flight=in_flight, transport=transport,
-                                  released=None if kind == "broadcast" else released,
-                                  ask_versions=kind == "broadcast")
+                                  released=None if transport.collective else released,
+                                  ask_versions=transport.collective)
     finally:
         try:
             await transport.wait()
@@ -311,6 +325,14 @@ async def push_weights(rollouts: list[Any], trainer: Any, released: asyncio.Even
                 released.set()
 
 
-def weight_sync_fn(kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> Any:
+class WeightSync(Protocol):
+    """The policy's ``weight_sync``: one push to ``rollouts`` from ``trainer``;
+    sets ``released`` once the trainer may step again."""
+
+    def __call__(self, rollouts: Sequence[RolloutHandle], trainer: TrainerHandle,
+                 released: asyncio.Event | None = None) -> Awaitable[SyncResult]: ...
+
+
+def weight_sync_fn(kind: Kind, colocated: bool, in_flight: InFlight = "abort") -> WeightSync:
     """``push_weights`` bound to a transport kind: the policy's ``weight_sync``."""
     return functools.partial(push_weights, kind=kind, colocated=colocated, in_flight=in_flight)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import KeysView
+from typing import Literal
 
 import msgspec
+
+from contracts.rollout import GenerateOutput
 
 
 class SyncMetrics(msgspec.Struct, kw_only=True):
@@ -53,13 +56,13 @@ class SyncResult(msgspec.Struct, kw_only=True):
 
     version: int
     metrics: SyncMetrics
-    aborted: list[Any] = msgspec.field(default_factory=list)
+    aborted: list[list[GenerateOutput] | int] = msgspec.field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return msgspec.structs.asdict(self.metrics)
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self.as_dict().keys()
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> object:
         return self.as_dict()[key]

@@ -30,12 +30,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from sync import pool
+
+if TYPE_CHECKING:
+    from sync.streams import IndexCodec
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +47,17 @@ _MASK64 = (1 << 64) - 1
 
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
+
+
+def _clib() -> ctypes.CDLL:
+    """The kernels, once :func:`available` said they are."""
+    assert _lib is not None, "sync.native used before available() built it"
+    return _lib
 _lock = threading.Lock()
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ELEM = {2: ("u16", np.uint16), 4: ("u32", np.uint32)}
+_ELEM: dict[int, tuple[str, type[np.unsignedinteger]]] = {2: ("u16", np.uint16), 4: ("u32", np.uint32)}
 ESCAPE = -128
 
 
@@ -217,8 +226,8 @@ class NativeDelta(NamedTuple):
 
     num_changed: int
     num_escapes: int
-    index: dict[str, list[np.ndarray]]
-    index_size: dict[str, int]
+    index: dict[str, list[np.ndarray]]  # type: ignore[assignment]  # a field, not tuple.index
+    index_size: dict[IndexCodec, int]
     d8: list[np.ndarray]
     vals: list[np.ndarray]
     esc: list[np.ndarray]
@@ -239,7 +248,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
         fn, nan_bits, new_size = getattr(_lib, f"enc_{_ELEM[size][0]}"), 0, size
     else:
         assert fuses_cast(old, new), (old.dtype, new.dtype)
-        fn, nan_bits, new_size = _lib.enc_bf16_f32, _torch_nan_bits(), 4
+        fn, nan_bits, new_size = _clib().enc_bf16_f32, _torch_nan_bits() or 0, 4
     num_parts = max(1, min(pool.NUM_THREADS, n // pool.MIN_PART))
     # parts start on a bitmask byte (a multiple of 8 elements)
     step = ((n + num_parts - 1) // num_parts + 7) // 8 * 8 if num_parts > 1 else max(n, 1)
@@ -286,7 +295,7 @@ def encode_piece(old: torch.Tensor, new: torch.Tensor, write_old: bool, scratch:
             vsize += v.size
         last = a + int(o[9])
     index = {"bitmask": [s.bm[: (n + 7) // 8]]}
-    index_size = {"bitmask": (n + 7) // 8}
+    index_size: dict[IndexCodec, int] = {"bitmask": (n + 7) // 8}
     if not overflow:
         index["varint"], index_size["varint"] = vchunks, vsize
     return NativeDelta(k, nesc, index, index_size, d8, vals, esc, olds, (sums[0], sums[1]), (sums[2], sums[3]))
@@ -296,7 +305,7 @@ def bytes_sums(buf: np.ndarray) -> tuple[int, int]:
     """:func:`sync.checksum.bytes_checksum` of a 1-D contiguous uint8 array in one pass."""
     assert buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous
     out = np.empty(2, np.int64)
-    _lib.bytes_sums(_ptr(buf), buf.size, _ptr(out))
+    _clib().bytes_sums(_ptr(buf), buf.size, _ptr(out))
     return int(out[0]) & _MASK64, int(out[1]) & _MASK64
 
 
@@ -316,7 +325,7 @@ def bytes_sums_many(bufs: list[torch.Tensor]) -> list[tuple[int, int]]:
 
     def span(a: int, b: int) -> None:
         if b > a:
-            _lib.bytes_sums_many(_ptr(ptrs) + 8 * a, _ptr(lens) + 8 * a, b - a, _ptr(out) + 16 * a)
+            _clib().bytes_sums_many(_ptr(ptrs) + 8 * a, _ptr(lens) + 8 * a, b - a, _ptr(out) + 16 * a)
 
     pool.run([lambda a=a, b=b: span(a, b) for a, b in zip(cuts, cuts[1:])])
     return [(int(x) & _MASK64, int(y) & _MASK64) for x, y in out.tolist()]
@@ -331,7 +340,7 @@ def pack_bytes(dst: np.ndarray, chunks: list[np.ndarray]) -> tuple[int, int]:
     srcs = np.array([_ptr(c) for c in chunks], np.int64)
     lens = np.array([c.size for c in chunks], np.int64)
     out = np.empty(2, np.int64)
-    _lib.pack_bytes(_ptr(dst), _ptr(srcs), _ptr(lens), len(chunks), _ptr(out))
+    _clib().pack_bytes(_ptr(dst), _ptr(srcs), _ptr(lens), len(chunks), _ptr(out))
     return int(out[0]) & _MASK64, int(out[1]) & _MASK64
 
 
@@ -341,7 +350,7 @@ _ERRORS = {-1: "index stream ends early or has extra bytes", -2: "position out o
            -5: "varint value too long"}
 
 
-def _aligned(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def _aligned(a: np.ndarray, dtype: type[np.unsignedinteger]) -> np.ndarray:
     """``a`` (uint8) viewed as ``dtype``, copied when misaligned for it."""
     if _ptr(a) % np.dtype(dtype).itemsize or a.size % np.dtype(dtype).itemsize:
         a = a.copy()
@@ -349,7 +358,7 @@ def _aligned(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _streams(blob: np.ndarray, parts: tuple[int, ...], index_codec: str, value_codec: str, num_changed: int,
-             dtype: np.dtype):
+             dtype: type[np.unsignedinteger]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     if len(parts) != 3 or sum(parts) != blob.size:
         raise ValueError(f"sparse parts {parts} do not add up to {blob.size} bytes")
     if index_codec not in _CODEC:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
+
+R = TypeVar("R")
 
 NUM_THREADS = max(1, int(os.environ.get("ASYNCRL_SYNC_THREADS", "0")) or min(2, len(os.sched_getaffinity(0))))
 MIN_PART = 1 << 16  # elements: smaller pieces are not split, smaller thunks share a task
@@ -37,20 +40,25 @@ def run(fns: list) -> list:
     return [first] + [f.result() for f in futures]
 
 
-def _call(f) -> Any:
+def _call(f: Callable[[], R]) -> R | Exception:
     try:
         return f()
     except Exception as exc:  # noqa: BLE001 - handed back to the caller
         return exc
 
 
-def run_each(fns: list, sizes: list[int] | None = None) -> list:
+def _call_each(group: list[Callable[[], R]]) -> list[R | Exception]:
+    return [_call(f) for f in group]
+
+
+def run_each(fns: list[Callable[[], R]], sizes: list[int] | None = None) -> list[R | Exception]:
     """Call every thunk on the pool (this thread waits) and return, in order,
     each one's result or the exception it raised: independent pieces run at
     once, and one bad piece does not hide what the others did. ``sizes``
     (elements per thunk) groups consecutive small thunks into tasks of at
     least ``MIN_PART`` elements: a hand-off to the pool costs more than a small
     piece's work, so a small model's update runs on this thread."""
+    tasks: list[list[Callable[[], R]]]
     if sizes is None:
         tasks = [[f] for f in fns]
     else:
@@ -64,5 +72,5 @@ def run_each(fns: list, sizes: list[int] | None = None) -> list:
     if len(tasks) <= 1 or NUM_THREADS <= 1:
         return [_call(f) for f in fns]
     pool = _shared_pool()
-    futures = [pool.submit(lambda group=group: [_call(f) for f in group]) for group in tasks]
+    futures = [pool.submit(_call_each, group) for group in tasks]
     return [r for fut in futures for r in fut.result()]

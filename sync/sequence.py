@@ -24,15 +24,16 @@ version, and the source's weights are read only until the update is encoded
 colocated, the encode waits for ``sleep(1)`` so its payload never shares the
 device with the KV cache.
 
-An engine here is anything with the ``RolloutEngine`` surface
-(``swap_weights``, ``prepare_swap``, ``stage_weights``, and ``version`` or
-``async get_version()``; ``wake_up``, ``reset_prefix_cache``, ``resume`` for
-:func:`resume_engines`) — the engine itself or a rollout actor's handle.
+An engine here is a :class:`~contracts.handles.WeightReceiver` (``swap_weights``,
+``prepare_swap``, ``stage_weights``, ``get_version``; ``wake_up``,
+``reset_prefix_cache``, ``resume`` for :func:`resume_engines`) — the engine itself
+or a rollout actor's handle — that takes the handles the push's transport publishes.
 
 A source is a :class:`WeightUpdate` (fixed; no retry possible), a
-:class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or an
-object with ``weight_update()`` and optionally ``weights_refused()`` and
-``revert_update()`` (undo on a failed push), sync or async (the trainer actor).
+:class:`~sync.encode.WeightSender` with ``weights=`` and ``version=``, or a
+:class:`~contracts.handles.WeightSource`: ``weight_update()`` and optionally
+``weights_refused()`` and ``revert_update()`` (undo on a failed push), sync or
+async (the trainer's handle).
 """
 
 from __future__ import annotations
@@ -42,21 +43,31 @@ import functools
 import inspect
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Generic, Protocol, TypeVar, cast
 
 import msgspec
 
-from sync.apply import stageable
-from sync.encode import WeightSender
-from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
-from contracts.rollout import InFlight
+from contracts.handles import WeightReceiver, WeightSource
+from contracts.rollout import GenerateOutput, InFlight, SwapReport
 from contracts.weights import WeightUpdate
+from sync.apply import stageable
+from sync.encode import NamedTensors, WeightSender
+from sync.errors import BaseVersionMismatch, SyncFailed, WeightSyncError
 from sync.metrics import SyncMetrics, SyncResult
+from sync.resume import Resumable, resume_engine
 from sync.transport import Transport, make_transport
 
+H = TypeVar("H")  # the handle the push's transport publishes and its engines take
+R = TypeVar("R")
 
-async def _maybe_await(x: Any) -> Any:
+#: What a push sends from: a fixed update, a sender (with ``weights=``), or the trainer's handle.
+Source = WeightUpdate | WeightSender | WeightSource
+#: The weights a ``WeightSender`` source encodes, or a function that reads them when the encode runs.
+Weights = NamedTensors | Callable[[], NamedTensors]
+
+
+async def _maybe_await(x: Awaitable[R] | R) -> R:
     return await x if inspect.isawaitable(x) else x
 
 
@@ -64,33 +75,34 @@ async def _maybe_await(x: Any) -> Any:
 #: asks only the engines it has not heard from (a joining actor, a first push),
 #: so that it costs each engine at most two control rounds: the check of the
 #: published payload and the swap. Forgotten when a swap fails.
-_KNOWN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_KNOWN: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
 
 
-def _known(engine: Any, version: int) -> None:
+def _known(engine: object, version: int) -> None:
     try:
         _KNOWN[engine] = int(version)
     except TypeError:  # an engine that cannot be weakly referenced is asked every time
         pass
 
 
-async def engine_version(engine: Any, *, fresh: bool = False) -> int:
-    """The version an engine (``.version``) or actor handle (``get_version()``)
-    holds: as its last swap reported it, unless ``fresh`` or none is known."""
+async def engine_version(engine: WeightReceiver[H], *, fresh: bool = False) -> int:
+    """The version an engine or actor handle holds (``get_version()``; a
+    stand-in's ``.version``): as its last swap reported it, unless ``fresh`` or
+    none is known."""
     if not fresh:
         try:
             return _KNOWN[engine]
         except (KeyError, TypeError):
             pass
     if hasattr(engine, "get_version"):
-        return int(await _maybe_await(engine.get_version()))
-    return int(engine.version)
+        return int(await engine.get_version())
+    return int(getattr(engine, "version"))  # a stand-in with the property only
 
 
 class _Source:
     """Uniform view of the three kinds of source."""
 
-    def __init__(self, source: Any, weights: Any, version: int | None,
+    def __init__(self, source: Source, weights: Weights | None, version: int | None,
                  released: asyncio.Event | None = None) -> None:
         self.source, self.weights, self.version, self.released = source, weights, version, released
         self.encode_ms = 0.0
@@ -102,8 +114,10 @@ class _Source:
         # once released, the source's weights may already be a later version's
         return not isinstance(self.source, WeightUpdate) and not (self.released and self.released.is_set())
 
-    def _weights(self) -> Any:
-        return self.weights() if callable(self.weights) and not isinstance(self.weights, Mapping) else self.weights
+    def _weights(self) -> NamedTensors:
+        w = self.weights
+        assert w is not None
+        return w() if callable(w) and not isinstance(w, Mapping) else w
 
     async def update(self, full: bool = False) -> WeightUpdate:
         t0 = time.perf_counter()
@@ -113,28 +127,32 @@ class _Source:
         elif isinstance(s, WeightSender):
             if full:
                 s.force_full()
+            assert self.version is not None
             update = s.encode(self._weights(), self.version)
         else:
             if full and hasattr(s, "weights_refused"):
                 await _maybe_await(s.weights_refused())
-            update = await _maybe_await(s.weight_update())
+            published = await _maybe_await(s.weight_update())
+            assert published is not None, "a weight source published no update"
+            update = published
         self.encode_ms += (time.perf_counter() - t0) * 1e3
         return update
 
     async def revert(self) -> WeightUpdate | None:
-        fn: Callable[[], Any] | None = getattr(self.source, "revert_update", None)
+        fn: Callable[[], Awaitable[WeightUpdate | None] | WeightUpdate | None] | None = getattr(
+            self.source, "revert_update", None)
         return await _maybe_await(fn()) if fn is not None else None
 
 
 async def sync_weights(
-    engines: list[Any],
-    source: Any,
+    engines: Sequence[WeightReceiver[H]],
+    source: Source,
     *,
     colocated: bool,
     in_flight: InFlight = "abort",
-    weights: Any = None,
+    weights: Weights | None = None,
     version: int | None = None,
-    transport: Transport | None = None,
+    transport: Transport[H] | None = None,
     released: asyncio.Event | None = None,
     ask_versions: bool = False,
 ) -> SyncResult:
@@ -156,11 +174,11 @@ async def sync_weights(
     different version from the others when the source can revert (a
     ``WeightSender``), else ``versions`` says where each is.
     """
-    transport = transport or make_transport("inproc")
+    transport = transport or cast(Transport[H], make_transport("inproc"))
     src = _Source(source, weights, version, released)
     t0 = time.perf_counter()
-    staged: _Staged | None = None
-    aborted: list[Any] = [[] for _ in engines]
+    staged: _Staged[H] | None = None
+    aborted: list[list[GenerateOutput] | int] = [[] for _ in engines]
     if colocated:  # the KV cache is freed before the encode: the payload never shares the device with it
         aborted = list(await asyncio.gather(*(e.prepare_swap(in_flight) for e in engines)))
         try:
@@ -196,24 +214,12 @@ async def sync_weights(
     return SyncResult(version=target, metrics=metrics, aborted=aborted)
 
 
-async def resume_engines(engines: list[Any], *, colocated: bool) -> None:
-    """:func:`resume_engine` on every engine at once."""
+async def resume_engines(engines: Sequence[Resumable], *, colocated: bool) -> None:
+    """:func:`~sync.resume.resume_engine` on every engine at once."""
     await asyncio.gather(*(resume_engine(e, colocated=colocated) for e in engines))
 
 
-async def resume_engine(engine: Any, *, colocated: bool) -> None:
-    """The end of every push, whatever became of it, the one place it is written:
-    the engine runs again, and never on caches of other weights. ``wake_up(kv_cache)``
-    when ``colocated`` (the push freed it), ``reset_prefix_cache``, ``resume``. A
-    swap ends this way by itself (``RolloutEngine.swap_weights``); the driver calls
-    it for a push that stopped short of the swaps."""
-    if colocated:
-        await engine.wake_up(["kv_cache"])
-    await engine.reset_prefix_cache()
-    await engine.resume()
-
-
-async def _prepare(engines: list[Any], src: _Source, fresh: bool) -> tuple[list[int], WeightUpdate]:
+async def _prepare(engines: Sequence[WeightReceiver[H]], src: _Source, fresh: bool) -> tuple[list[int], WeightUpdate]:
     """The engines' versions and the update for them: a delta only when every
     engine holds its base (when the source can re-encode), else full for all."""
     before = list(await asyncio.gather(*(engine_version(e, fresh=fresh) for e in engines)))
@@ -225,10 +231,10 @@ async def _prepare(engines: list[Any], src: _Source, fresh: bool) -> tuple[list[
     return before, update
 
 
-class _Staged(msgspec.Struct):
-    handle: Any
+class _Staged(msgspec.Struct, Generic[H]):
+    handle: H
     send_ms: float
-    checks: Any  # the engines' stage_weights calls, running (asyncio.gather)
+    checks: asyncio.Future[list[bool | BaseException]]  # the engines' stage_weights calls, running (asyncio.gather)
     t0: float
     t1: float = 0.0  # when the last check replied
 
@@ -241,7 +247,7 @@ class _Staged(msgspec.Struct):
         metrics.stage_ms = (self.t1 - self.t0) * 1e3
 
 
-def _stage(engines: list[Any], update: WeightUpdate, transport: Transport) -> _Staged | None:
+def _stage(engines: Sequence[WeightReceiver[H]], update: WeightUpdate, transport: Transport[H]) -> _Staged[H] | None:
     """Publish ``update`` and let every engine that can check it now, while it
     still generates (``stage_weights``), so that the apply with the engines
     paused only copies. The checks are sent, not awaited: the swap goes out
@@ -262,9 +268,16 @@ def _stage(engines: list[Any], update: WeightUpdate, transport: Transport) -> _S
     return staged
 
 
-async def _swap(engines: list[Any], which: Any, update: WeightUpdate, *, transport: Transport, metrics: SyncMetrics,
-                in_flight: InFlight, aborted: list[Any], asleep: bool = False,
-                staged: _Staged | None = None) -> dict[int, BaseException]:
+class _SwapFn(Protocol):
+    async def __call__(self, which: Iterable[int], update: WeightUpdate, *,
+                       aborted: list[list[GenerateOutput] | int], asleep: bool = False,
+                       staged: _Staged[H] | None = None) -> dict[int, BaseException]: ...
+
+
+async def _swap(engines: Sequence[WeightReceiver[H]], which: Iterable[int], update: WeightUpdate, *,
+                transport: Transport[H], metrics: SyncMetrics, in_flight: InFlight,
+                aborted: list[list[GenerateOutput] | int], asleep: bool = False,
+                staged: _Staged[H] | None = None) -> dict[int, BaseException]:
     """Swap ``update`` into ``engines[i]`` for i in ``which`` (through the payload
     :func:`_stage` published, when it did): one ``swap_weights`` call each,
     which ends with the engine generating again; return the failures. What an
@@ -305,7 +318,8 @@ async def _swap(engines: list[Any], which: Any, update: WeightUpdate, *, transpo
     return errors
 
 
-async def _revert(engines: list[Any], before: list[int], target: int, src: _Source, swap: Any) -> None:
+async def _revert(engines: Sequence[WeightReceiver[H]], before: list[int], target: int, src: _Source,
+                  swap: _SwapFn) -> None:
     """Put engines that already moved to ``target`` back on their previous version."""
     now = await asyncio.gather(*(engine_version(e, fresh=True) for e in engines))
     moved = [i for i, v in enumerate(now) if v != before[i]]

@@ -155,7 +155,7 @@ def diff8_decode(old: torch.Tensor, d8: torch.Tensor, escapes: torch.Tensor) -> 
 # ---------------------------------------------------------------- one piece
 
 
-def pick_codecs(n: int, k: int, itemsize: int, index_sizes: dict[str, int],
+def pick_codecs(n: int, k: int, itemsize: int, index_sizes: dict[IndexCodec, int],
                 num_escapes: int | None) -> tuple[IndexCodec, ValueCodec] | None:
     """The smallest encoding of ``k`` changes in a piece of ``n`` elements:
     (index codec, value codec), or None when a raw copy is no larger.
@@ -164,11 +164,11 @@ def pick_codecs(n: int, k: int, itemsize: int, index_sizes: dict[str, int],
     sizes = dict(index_sizes)
     if not k * 8 < n:  # varint (>= 1 byte per change) cannot beat the bitmask
         sizes.pop("varint", None)
-    index_codec: IndexCodec = min(sizes, key=sizes.__getitem__)  # type: ignore[assignment]
-    values = {"raw": k * itemsize}
+    index_codec: IndexCodec = min(sizes, key=sizes.__getitem__)
+    values: dict[ValueCodec, int] = {"raw": k * itemsize}
     if num_escapes is not None and itemsize > 1:
         values["diff8"] = k + num_escapes * itemsize
-    value_codec: ValueCodec = min(values, key=values.__getitem__)  # type: ignore[assignment]
+    value_codec: ValueCodec = min(values, key=values.__getitem__)
     if k == 0 or sizes[index_codec] + values[value_codec] >= n * itemsize:
         return None
     return index_codec, value_codec
@@ -191,7 +191,7 @@ def encode_sparse(old: torch.Tensor, new: torch.Tensor, write_old: bool = False)
     old_c, new_c = oi[idx], ni[idx]
     if write_old:
         oi[idx] = new_c
-    index_sizes = {"varint": varint_size(idx)} if k * 8 < n else {}
+    index_sizes: dict[IndexCodec, int] = {"varint": varint_size(idx)} if k * 8 < n else {}
     index_sizes["bitmask"] = (n + 7) // 8
     codecs = pick_codecs(n, k, size, index_sizes, diff8_escapes(old_c, new_c) if size > 1 else None)
     new_vals, old_vals = new_c.view(old.dtype), old_c.view(old.dtype)

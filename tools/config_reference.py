@@ -20,7 +20,6 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -53,19 +52,19 @@ def markdown(text: str, indent: str = "") -> str:
                                      break_on_hyphens=False, break_long_words=False) for p in paragraphs)
 
 
-def bounds(t: Any) -> str:
+def bounds(t: object) -> str:
     marks = [(">", "gt"), (">=", "ge"), ("<", "lt"), ("<=", "le")]
     return ", ".join(f"{sign} {getattr(t, key)}" for sign, key in marks if getattr(t, key, None) is not None)
 
 
-def declared_order(tp: Any) -> list[Any]:
+def declared_order(tp: object) -> list[object]:
     """The values of every Literal in a type annotation, in the order they are declared."""
     if typing.get_origin(tp) is typing.Literal:
         return list(typing.get_args(tp))
     return [v for arg in typing.get_args(tp) for v in declared_order(arg)]
 
 
-def type_name(t: Any, order: list[Any]) -> str:
+def type_name(t: object, order: list[object]) -> str:
     """A field's type with its bounds; Literal values in ``order`` (msgspec sorts them)."""
     if isinstance(t, mi.LiteralType):
         values = sorted(t.values, key=lambda v: order.index(v) if v in order else len(order))
@@ -83,7 +82,7 @@ def type_name(t: Any, order: list[Any]) -> str:
     return f"{name} ({bounds(t)})" if bounds(t) else name
 
 
-def value(v: Any) -> str:
+def value(v: object) -> str:
     """A value as the YAML of a config file writes it."""
     v = msgspec.to_builtins(v)
     if v is None:
@@ -95,7 +94,7 @@ def value(v: Any) -> str:
     return "{}" if v == {} else str(v)
 
 
-def size_note(v: Any) -> str:
+def size_note(v: object) -> str:
     """`` (64 MiB)`` after a default that is a whole number of MiB or GiB."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 1 << 20 or v % (1 << 20):
         return ""

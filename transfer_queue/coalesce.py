@@ -19,7 +19,7 @@ every put of the group; their samples were dropped with reason "write_failed"
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 
 
 __all__ = ["PutCoalescer", "ReserveRefused"]
@@ -36,7 +36,7 @@ class ReserveRefused(Exception):
         return (ReserveRefused, (self.cause,))
 
 
-Write = Callable[[Hashable, list, list], Awaitable[None]]
+Write = Callable[[tuple, list, list], Awaitable[None]]
 
 
 class PutCoalescer:
@@ -44,11 +44,11 @@ class PutCoalescer:
 
     def __init__(self, write: Write) -> None:
         self._write = write
-        self._busy: set[Hashable] = set()
-        self._queued: dict[Hashable, list[tuple[list, list, asyncio.Future]]] = {}
+        self._busy: set[tuple] = set()
+        self._queued: dict[tuple, list[tuple[list, list, asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def put(self, key: Hashable, rows: list, tags: list) -> None:
+    async def put(self, key: tuple, rows: list, tags: list) -> None:
         fut = asyncio.get_running_loop().create_future()
         self._queued.setdefault(key, []).append((rows, tags, fut))
         if key not in self._busy:
@@ -58,18 +58,18 @@ class PutCoalescer:
             self._start(key)
         await fut
 
-    def _start(self, key: Hashable) -> None:
+    def _start(self, key: tuple) -> None:
         task = asyncio.get_running_loop().create_task(self._flush(key))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write_one(self, key: Hashable, rows: list, tags: list) -> None:
+    async def _write_one(self, key: tuple, rows: list, tags: list) -> None:
         try:
             await self._write(key, rows, tags)
         except ReserveRefused as e:
             raise e.cause from None
 
-    async def _flush(self, key: Hashable) -> None:
+    async def _flush(self, key: tuple) -> None:
         group = self._queued.pop(key)
         try:
             rows = [r for g in group for r in g[0]]

@@ -163,13 +163,14 @@ def _enc_hook(value: Any) -> Any:
     # A token array of a row (``sample_to_row`` made it contiguous, little-endian, in
     # the field's dtype) travels as its bytes: msgpack ``bin``, one memcpy.
     if isinstance(value, np.ndarray):
-        return memoryview(value)
+        return memoryview(value)  # type: ignore[arg-type]  # numpy's stub: no buffer protocol
     raise TypeError(f"a sample field of type {type(value).__name__} cannot be stored")
 
 
 # Token fields of a row decoded as they travelled: a msgpack array as a list, a ``bin`` as a
 # memoryview into the buffer (no copy). ``Sample`` has the same fields, token ones list-typed.
-_WIRE_TOKEN_TYPES = {name: list[float if dtype is np.float32 else int] | memoryview for name, dtype in TOKEN_FIELDS.items()}
+_WIRE_TOKEN_TYPES = {name: (list[float] if dtype is np.float32 else list[int]) | memoryview
+                     for name, dtype in TOKEN_FIELDS.items()}
 _SAMPLE_FIELDS = msgspec.structs.fields(Sample)
 
 
@@ -204,14 +205,15 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _raw_rows_decoder = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
 _raw_row_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _samples_decoder = msgspec.msgpack.Decoder(list[Sample])
-_wire_samples_decoder = msgspec.msgpack.Decoder(list[_WireSample])
+_wire_samples_decoder = msgspec.msgpack.Decoder(list[_WireSample])  # type: ignore[valid-type]  # made by defstruct
 _rows_decoder = msgspec.msgpack.Decoder(list[dict[str, Any]])
 _row_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _identities_decoder = msgspec.msgpack.Decoder(list[_Identity])
 
 
-def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
-    """One msgpack buffer for rows whose values are Python objects or ``msgspec.Raw``."""
+def encode_rows(rows: Sequence[dict[str, Any] | msgspec.Raw]) -> bytes:
+    """One msgpack buffer for rows (each a row's encoded bytes, or a dict whose
+    values are Python objects or ``msgspec.Raw``)."""
     return _encoder.encode(rows)
 
 
@@ -345,7 +347,7 @@ def decode_field(buf: bytes, name: str) -> list[np.ndarray]:
     dec = _field_decoders.get(name)
     if dec is None:
         row = msgspec.defstruct(f"_Only_{name}", [(name, _WIRE_TOKEN_TYPES[name], msgspec.field(default_factory=list))])
-        dec = _field_decoders[name] = msgspec.msgpack.Decoder(list[row])
+        dec = _field_decoders[name] = msgspec.msgpack.Decoder(list[row])  # type: ignore[valid-type]  # defstruct
     dtype, le = TOKEN_FIELDS[name], _LE_DTYPES[name]
     out = []
     for r in dec.decode(buf):

@@ -9,7 +9,7 @@ construction (``ValueError`` naming the field).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -18,6 +18,13 @@ __all__ = ["TransferQueueConfig"]
 
 Deployment = Literal["local", "ray"]
 Port = Annotated[int, Meta(ge=1, le=65535)]
+
+
+class RpcLimits(TypedDict, total=False):
+    """The socket transport's bounds, as ``RpcServer`` / ``RpcClient`` keywords (absent: their defaults)."""
+
+    max_frame_bytes: int
+    hello_timeout_s: float
 
 
 class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -54,7 +61,7 @@ class TransferQueueConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     handshake (each side proves it knows the deployment's secret) before it is dropped."""
 
     @property
-    def rpc_limits(self) -> dict[str, float]:
+    def rpc_limits(self) -> RpcLimits:
         """The socket transport's bounds, as ``RpcServer`` / ``RpcClient`` keywords."""
         return {"max_frame_bytes": self.max_frame_bytes, "hello_timeout_s": self.hello_timeout_s}
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -80,7 +80,7 @@ async def save(tq: TransferQueue, path: str) -> Snapshot:
     return snap
 
 
-def _arrays_as_lists(value: Any) -> Any:
+def _arrays_as_lists(value: object) -> list[object]:
     # Token fields put as numpy arrays are saved as lists (the format every version reads):
     # after load they are lists with the same values.
     if isinstance(value, np.ndarray):

@@ -27,7 +27,7 @@ import loop
 from contracts.placement import node_address
 from transfer_queue.coalesce import ReserveRefused
 from transfer_queue.codec import decode_raw_row, decode_raw_rows, decode_tags, encode_rows
-from transfer_queue.config import TransferQueueConfig
+from transfer_queue.config import RpcLimits, TransferQueueConfig
 from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
 from transfer_queue.rpc import RpcClient, RpcServer
@@ -66,9 +66,9 @@ class StorageActor:
 
     SERVED = ("put_new", "put_commit", "put", "get", "delete", "num_rows")
 
-    def __init__(self, unit_id: int, secret: bytes, limits: dict[str, float] | None = None) -> None:
+    def __init__(self, unit_id: int, secret: bytes, limits: RpcLimits | None = None) -> None:
         self._unit = StorageUnit(unit_id)
-        self._secret, self._limits = secret, dict(limits or {})
+        self._secret, self._limits = secret, RpcLimits(**(limits or {}))
         self._controller: RpcClient  # connect() makes it, once the controller serves
         self._unparsed: collections.deque[tuple[list[int], bytes]] = collections.deque()
         # Rows of new samples kept whole (a msgpack slice of their write, never parsed): a

@@ -60,7 +60,7 @@ import ray
 
 from transfer_queue.coalesce import ReserveRefused
 from transfer_queue.codec import encode_rows, encode_tags, fields_mask
-from transfer_queue.config import TransferQueueConfig
+from transfer_queue.config import RpcLimits, TransferQueueConfig
 from transfer_queue.deploy_local import _shard
 from transfer_queue.errors import StorageUnitLost
 from transfer_queue.ray_actors import REPLACE_TIMEOUT_S, Address, ControllerActor, StorageActor, UnitState, unwrap
@@ -84,9 +84,9 @@ class RayDeployment:
     encoded_put = True  # new samples travel as msgpack bodies (put_new), coalesced
 
     def __init__(self, controller: Any, units: list[Any], owner: bool, addresses: list[Address], secret: bytes,
-                 limits: dict[str, float] | None = None, generations: list[int] | None = None) -> None:
+                 limits: RpcLimits | None = None, generations: list[int] | None = None) -> None:
         self._controller, self.units, self._owner = controller, list(units), owner
-        self._addresses, self._secret, self._limits = list(addresses), secret, dict(limits or {})
+        self._addresses, self._secret, self._limits = list(addresses), secret, RpcLimits(**(limits or {}))
         self._rpc = RpcClient(addresses[0], secret, "the TransferQueue controller", **self._limits)
         self._unit_rpc = [RpcClient(a, secret, f"TransferQueue storage unit {i}", **self._limits)
                           for i, a in enumerate(addresses[1:])]

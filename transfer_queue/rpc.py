@@ -57,7 +57,7 @@ import secrets
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "DEFAULT_HELLO_TIMEOUT_S",
@@ -124,7 +124,7 @@ def oob(buf: bytes | bytearray | memoryview) -> pickle.PickleBuffer:
     return pickle.PickleBuffer(buf)
 
 
-def _frame(obj: Any, max_bytes: int) -> list[Any]:
+def _frame(obj: object, max_bytes: int) -> list[bytes | memoryview]:
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
@@ -167,7 +167,7 @@ class PendingReplies:
         """Forget ``call_id`` (its caller stopped waiting, or the call was never sent)."""
         self._futures.pop(call_id, None)
 
-    def settle(self, call_id: int, ok: bool, value: Any) -> None:
+    def settle(self, call_id: int, ok: bool, value: object) -> None:
         """The reply to ``call_id``: its result when ``ok``, else the exception it raised."""
         fut = self._futures.pop(call_id, None)
         if fut is None or fut.done():
@@ -175,7 +175,7 @@ class PendingReplies:
         if ok:
             fut.set_result(value)
         else:
-            fut.set_exception(value)
+            fut.set_exception(cast(BaseException, value))  # what the peer's call raised
 
     def fail_all(self, error: Callable[[], BaseException]) -> None:
         """The connection is gone: every call still waiting raises ``error()``."""
@@ -201,7 +201,7 @@ class RpcServer:
     (closed during the handshake: a client that refused our proof does this),
     ``frame_too_large`` (after the handshake)."""
 
-    def __init__(self, target: Any, methods: Iterable[str], secret: bytes, *,
+    def __init__(self, target: object, methods: Iterable[str], secret: bytes, *,
                  hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         _check_limits(secret, hello_timeout_s, max_frame_bytes)
@@ -222,6 +222,7 @@ class RpcServer:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or not ports:
                     raise
+        assert ports is not None  # without a range, port 0 was taken or its error raised
         raise OSError(errno.EADDRINUSE, f"no free port in {ports[0]}-{ports[1]} on {host}")
 
     async def close(self, timeout_s: float = 5.0) -> None:
@@ -342,7 +343,8 @@ class RpcClient:
                  hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         _check_limits(secret, hello_timeout_s, max_frame_bytes)
-        self._address, self._secret, self._name = tuple(address), secret, name
+        self._address: tuple[str, int] = (address[0], address[1])  # a list when it came through msgpack
+        self._secret, self._name = secret, name
         self._hello_timeout_s, self._max_frame_bytes = hello_timeout_s, max_frame_bytes
         self._conn: _Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -406,7 +408,7 @@ class RpcClient:
             raise AuthenticationFailed(f"{self._name} at {self._where()} refused this client's proof "
                                        "(it holds another secret)")
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: object) -> Any:
         """``method(*args)`` on the actor; its result, or its exception raised here."""
         conn = await self._connection()
         rid = self._ids()
@@ -418,7 +420,7 @@ class RpcClient:
         finally:
             conn.pending.discard(rid)
 
-    async def send(self, method: str, *args: Any) -> None:
+    async def send(self, method: str, *args: object) -> None:
         """``method(*args)`` on the actor without waiting for (or getting) its answer."""
         await self._write(await self._connection(), (_NO_REPLY, method, args))
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from contracts.placement import node_address
 from transfer_queue.codec import decode_new_rows
-from transfer_queue.config import TransferQueueConfig
+from transfer_queue.config import RpcLimits, TransferQueueConfig
 from transfer_queue.deploy_local import LocalDeployment
 from transfer_queue.rows import InProcessRows
 from transfer_queue.rpc import RpcClient, RpcServer
@@ -45,7 +45,7 @@ class QueueHost:
 
     def __init__(self, cfg: TransferQueueConfig, secret: bytes, host: str | None = None) -> None:
         self._cfg, self._secret, self._host = cfg, secret, host
-        self._d: LocalDeployment | None = None
+        self._d: LocalDeployment = None  # type: ignore[assignment]  # made in setup()
         self._server: RpcServer | None = None
         self._address: Address | None = None
 
@@ -87,8 +87,9 @@ class ServedDeployment:
 
     encoded_put = True  # new samples travel as one msgpack body, in one call (put_new)
 
-    def __init__(self, address: Address, secret: bytes, limits: dict[str, float] | None = None) -> None:
-        self._address, self._secret, self._limits = tuple(address), secret, dict(limits or {})
+    def __init__(self, address: Address, secret: bytes, limits: RpcLimits | None = None) -> None:
+        self._address: Address = (address[0], address[1])
+        self._secret, self._limits = secret, RpcLimits(**(limits or {}))
         self._rpc = RpcClient(self._address, secret, "the TransferQueue host", **self._limits)
 
     def __reduce__(self) -> tuple:

@@ -51,7 +51,7 @@ class Loss(Protocol):
 
     def __call__(self, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, *, proximal_logprobs: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, dict[str, float]]: ...
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]: ...
 
 
 class TrainerBackend(abc.ABC):

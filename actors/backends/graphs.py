@@ -48,9 +48,9 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from actors.backends.packing import PackedBatch, packed_batch, varlen_available
 from contracts.sample import Sample
@@ -151,13 +151,13 @@ class _Replay(torch.autograd.Function):
     (which adds into the attached grad buffers itself: no gradient flows out of it)."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, graph: _Graph) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, anchor: torch.Tensor, graph: _Graph) -> torch.Tensor:
         graph.forward.replay()
         ctx.graph = graph
         return graph.out.clone()  # the next micro-batch's replay overwrites graph.out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None]:
         graph = ctx.graph
         graph.grad.copy_(grad)
         graph.backward.replay()
@@ -180,7 +180,7 @@ class GraphedPasses:
         self.capture_s = 0.0  # seconds spent warming up and capturing, all buckets
         self.reuses = 0  # micro-batches run in a bigger bucket than their own (pick_bucket)
         self._wasted: Counter[Bucket] = Counter()
-        self._pool: Any = None
+        self._pool: tuple[int, int] | None = None  # the captured graphs' memory pool handle
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
     def attach_grads(self) -> None:

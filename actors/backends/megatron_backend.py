@@ -110,8 +110,8 @@ class MegatronBackend(MegatronState, TrainerBackend):
         self.use_distributed_optimizer = distributed_optimizer
         self._version = 0
         self._adam_steps = 0  # optimizer steps the Adam state has taken (its bias correction's t)
-        self.model: Any = None  # the Megatron GPTModel (unwrapped)
-        self.ddp: Any = None  # its DistributedDataParallel wrapper (distributed optimizer only)
+        self.model: torch.nn.Module | None = None  # the Megatron GPTModel (unwrapped)
+        self.ddp: torch.nn.Module | None = None  # its DistributedDataParallel wrapper (distributed optimizer only)
         self.optimizer: Any = None
         self.shape: mc.GptShape | None = None
         self.world_size, self.rank = 1, 0
@@ -187,7 +187,7 @@ class MegatronBackend(MegatronState, TrainerBackend):
         torch.manual_seed(self.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
 
-    def _build_model(self) -> Any:
+    def _build_model(self) -> torch.nn.Module:
         # optional dependency (extra megatron)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
@@ -326,7 +326,7 @@ class MegatronBackend(MegatronState, TrainerBackend):
         group's members' in rank order, and where this rank's rows start. TP = 1: as is."""
         if self.tp_size == 1:
             return (*columns, 0)
-        gathered: list[Any] = [None] * self.tp_size
+        gathered: list[tuple[list[object], ...]] = [()] * self.tp_size  # filled by all_gather_object
         dist.all_gather_object(gathered, columns, group=self.tp_group)
         start = sum(len(g[0]) for g in gathered[: self.tp_rank])
         merged = []

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -72,7 +71,7 @@ class GptShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> GptShape:
+    def from_hf_config(cls, cfg: object) -> GptShape:
         """Read an HF ``PretrainedConfig`` (or any object with its attributes).
         Raises ``ValueError`` naming a model type or feature the map does not cover."""
         model_type = getattr(cfg, "model_type", None)
@@ -367,7 +366,7 @@ def tp_unshard(name: str, parts: Sequence[torch.Tensor], shape: GptShape) -> tor
 # name: ``{name: {"exp_avg", "exp_avg_sq", "step", and "param" (the main param) when mixed}}``.
 
 
-def optimizer_state_from_torch(saved: Mapping[str, Any], param_names: Sequence[str], *,
+def optimizer_state_from_torch(saved: Mapping[str, object], param_names: Sequence[str], *,
                                mixed: bool) -> dict[str, dict[str, torch.Tensor]]:
     """Per HF parameter name, the Adam state (and main param when ``mixed``) of a torch
     backend ``optimizer.pt``; ``param_names``: the HF model's ``named_parameters()``
@@ -394,7 +393,7 @@ def optimizer_state_from_torch(saved: Mapping[str, Any], param_names: Sequence[s
 
 
 def optimizer_state_to_torch(states: Mapping[str, Mapping[str, torch.Tensor]], param_names: Sequence[str],
-                             param_groups: list[dict[str, Any]], *, mixed: bool) -> dict[str, Any]:
+                             param_groups: list[dict[str, object]], *, mixed: bool) -> dict[str, object]:
     """Inverse of :func:`optimizer_state_from_torch`: the torch backend's ``optimizer.pt``.
     ``param_groups``: one AdamW ``state_dict()["param_groups"]`` entry's hyperparameters
     (its ``params`` are set here); ``states[name]["param"]`` is required when ``mixed``."""

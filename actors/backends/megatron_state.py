@@ -45,8 +45,8 @@ ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which the torch backend uses
 class MegatronState:
     """Weights and optimizer state in HF names, for a :class:`MegatronBackend`."""
 
-    model: Any  # the Megatron GPTModel (unwrapped)
-    ddp: Any  # its DistributedDataParallel wrapper (distributed optimizer only)
+    model: torch.nn.Module  # the Megatron GPTModel (unwrapped)
+    ddp: torch.nn.Module | None  # its DistributedDataParallel wrapper (distributed optimizer only)
     optimizer: Any
     shape: mc.GptShape
     hf_config: transformers.PretrainedConfig

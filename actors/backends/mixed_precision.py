@@ -20,7 +20,6 @@ per-param cast held).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 
@@ -47,7 +46,7 @@ class MainParamsOptimizer:
         self.optimizer = make_optimizer(self.main)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, object]]:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -88,11 +87,11 @@ class MainParamsOptimizer:
             for m, g in zip(main, grads):
                 m.grad = g
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"optimizer": self.optimizer.state_dict(), "main_params": [m.detach() for m in self.main]}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         if set(state) != {"optimizer", "main_params"} or len(state["main_params"]) != len(self.main):
             raise ValueError("optimizer state is not a mixed-precision checkpoint of this model")
         for p, m, saved in zip(self.params, self.main, state["main_params"]):

@@ -19,7 +19,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -116,13 +116,13 @@ class AdaptedEngine(RolloutEngine, Generic[S]):
                 await self.resume()
         return self._version
 
-    def named_weights(self) -> dict[str, Any]:
+    def named_weights(self) -> dict[str, object]:
         """The weights last loaded into the engine, by Hugging Face name (the host copy
         updates are applied to, with checks). A tied ``lm_head.weight`` is listed
         too, as the embedding, like ``state_dict()``."""
         return with_tied_head(self._weights, self._tied)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> dict[str, object]:
         return {"num_running": len(self._streams), "version": self._version}
 
     # ---- streams across submissions --------------------------------------------------------------

@@ -24,13 +24,19 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TypeAlias
 
+from actors.engines.weights import FullWeights
 from contracts.rollout import IN_FLIGHT_MODES, GenerateOutput, GenerateRequest, InFlight, SamplingParams, SwapReport
-from sync.sequence import resume_engine
+from contracts.weights import WeightUpdate
+from sync.resume import resume_engine
 
-__all__ = ["MEMORY_TAGS", "EngineAsleepError", "GenerateOutput", "GenerateRequest", "RolloutEngine",
+__all__ = ["MEMORY_TAGS", "EngineAsleepError", "EngineUpdate", "GenerateOutput", "GenerateRequest", "RolloutEngine",
            "SamplingParams", "SwapReport", "check_in_flight", "copy_output"]
+
+#: What an engine applies: a ``sync`` update (full or delta; its buckets may be a
+#: transport's references, read as the apply goes), or a full set of named weights.
+EngineUpdate: TypeAlias = WeightUpdate | FullWeights
 
 #: What ``sleep`` frees and ``wake_up`` restores, by name (``wake_up(None)``: both).
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -72,7 +78,7 @@ class RolloutEngine(abc.ABC):
         outputs with ``finish_reason='abort'``. Their streams end with the same."""
 
     @abc.abstractmethod
-    async def update_weights(self, update: object) -> int:
+    async def update_weights(self, update: EngineUpdate) -> int:
         """Apply a ``sync`` weight update (full or delta); return the new version.
         Invalidates every cache computed with the old weights."""
 
@@ -128,7 +134,7 @@ class RolloutEngine(abc.ABC):
         await self.sleep(1)
         return aborted
 
-    async def swap_weights(self, update: object, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+    async def swap_weights(self, update: EngineUpdate, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
         """The whole weight swap, run by the engine: stop generating, deal with
         the running generations as ``in_flight`` says, apply ``update``
         (:meth:`update_weights`), [``asleep``: after :meth:`prepare_swap`, wake
@@ -155,7 +161,7 @@ class RolloutEngine(abc.ABC):
         return SwapReport(version=version, aborted=aborted, paused_ms=(time.perf_counter() - t0) * 1e3,
                           apply_ms=apply_ms)
 
-    async def stage_weights(self, update: object) -> bool:
+    async def stage_weights(self, update: EngineUpdate) -> bool:
         """Check ``update`` ahead of :meth:`update_weights`, writing nothing,
         while requests still run, so that the apply with the engine paused
         only copies. True when checked; False (the default) when
@@ -170,12 +176,16 @@ class RolloutEngine(abc.ABC):
         """The weight version the engine holds now."""
         return self._version
 
+    async def get_version(self) -> int:
+        """:attr:`version`, as a rollout actor's handle gives it (``contracts.handles.WeightReceiver``)."""
+        return self._version
+
     def named_weights(self) -> dict[str, object]:
         """The weights the engine holds, by Hugging Face name (read-only views;
         for bit-exactness checks against the trainer). Optional for adapters."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its weights")
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> dict[str, object]:
         """Counters for monitoring (read without locking; approximate while running).
         The default: none."""
         return {}

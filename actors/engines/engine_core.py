@@ -27,9 +27,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from actors.engines.base import EngineUpdate
+
+R = TypeVar("R")
 
 from actors.engines.config import CUDA_MAX_NUM_SEQS
 from actors.engines.cuda_graphs import DecodeGraphs
@@ -212,7 +216,7 @@ class EngineCore(Scheduler):
         seq.version_marks.append((0, self.version))
         self.waiting.append(seq)
 
-    def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[Any]]:
+    def _cmd_abort(self, request_ids: list[str] | None) -> tuple[list[Event], list[object]]:
         wanted = None if request_ids is None else set(request_ids)
         hit = [s for s in (*self.running, *self.waiting)
                if s.finish is None and (wanted is None or s.request_id in wanted)]  # not idle rows: ended
@@ -252,7 +256,7 @@ class EngineCore(Scheduler):
     def _cmd_update(self, update: object) -> int:
         return self._on_update_tensors(self._apply_update, update)
 
-    def _cmd_swap(self, update: object, in_flight: str, asleep: bool) -> tuple[int, list[Any], float, float]:
+    def _cmd_swap(self, update: object, in_flight: str, asleep: bool) -> tuple[int, list[object], float, float]:
         """The whole swap as one command, between two decode steps (the step in
         flight was drained before it): ``abort`` ends every request with its
         partial tokens (posted before the apply, so they end even if it fails);
@@ -263,7 +267,7 @@ class EngineCore(Scheduler):
         after it, apply failed or not. Returns (version, the aborted streams,
         the command's and the apply's milliseconds)."""
         t0 = time.perf_counter()
-        streams: list[Any] = []
+        streams: list[object] = []
         if in_flight == "abort":
             events, streams = self._cmd_abort(None)
             self._post(events, [])
@@ -288,7 +292,8 @@ class EngineCore(Scheduler):
         return self._on_update_tensors(lambda u: stage_update(self._update_targets(u), u), update,
                                        self._stage_stream)
 
-    def _on_update_tensors(self, fn: Callable[[Any], Any], update: Any, stream: Any = None) -> Any:
+    def _on_update_tensors(self, fn: Callable[[EngineUpdate], R], update: EngineUpdate,
+                           stream: torch.cuda.Stream | None = None) -> R:
         """``fn(update)`` on the engine's stream, or on ``stream`` (which then waits for nothing
         of the engine's: a decode step in flight runs on beside it)."""
         if self.opts.device.type != "cuda":
@@ -322,7 +327,7 @@ class EngineCore(Scheduler):
             return int(update.version)
         return apply_update(self._update_targets(update), update, self.version)
 
-    def _update_targets(self, update: Any) -> dict[str, torch.Tensor]:
+    def _update_targets(self, update: EngineUpdate) -> dict[str, torch.Tensor]:
         """The HF-named tensors ``sync.apply`` writes into (a tied head: see ``update_targets``)."""
         return update_targets(self.weights.params, update, tied=self.cfg.tie_word_embeddings)
 

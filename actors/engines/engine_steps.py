@@ -37,7 +37,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -59,7 +58,7 @@ IDLE_ROWS_DIVISOR = 8
 # What a stream gets: (stream, token ids, logprobs, raw logprobs, versions, finish_reason | None,
 # error | None); the lists extend its output (all the request's tokens when it ends, one
 # step's when it is streamed), then it ends with the finish reason or fails with the error.
-Event = tuple[Any, list[int], list[float], list[float], list[int], str | None, BaseException | None]
+Event = tuple[object, list[int], list[float], list[float], list[int], str | None, BaseException | None]
 
 
 @dataclass(eq=False)
@@ -69,7 +68,7 @@ class Seq:
     take it in when it is preempted."""
 
     request_id: str
-    stream: Any  # loop-side sink, opaque here
+    stream: object  # loop-side sink, opaque here
     tokens: list[int]  # prompt + generated before its last admission (what a prefill reads)
     max_tokens: int
     sampling: SamplingParams
@@ -110,7 +109,7 @@ class _Step:
     batch: _Batch
     index: int  # among the batch's steps: at >= batch.first_end some row ends by length
     host: torch.Tensor  # [3, n] float32 (float64 past 2**24 ids): token, logprob, raw logprob
-    done: Any  # torch.cuda.Event | None (CPU: already there)
+    done: torch.cuda.Event | None  # CPU: already there
 
 
 @dataclass

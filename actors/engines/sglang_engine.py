@@ -67,7 +67,7 @@ import msgspec
 from safetensors.torch import save_file
 
 from actors.engines.adapted import AdaptedEngine, AdaptedStream
-from actors.engines.base import MEMORY_TAGS, GenerateOutput, GenerateRequest, copy_output
+from actors.engines.base import MEMORY_TAGS, EngineUpdate, GenerateOutput, GenerateRequest, copy_output
 from actors.engines.config import EngineConfig
 from actors.engines.sglang_http import SglangHttp, SglangResponse, SglangServerError
 from actors.engines.weights import LM_HEAD
@@ -189,10 +189,10 @@ class SglangEngine(AdaptedEngine[_Stream]):
                 self._dir = None
 
     # ---- generation ----------------------------------------------------------------------------
-    def _body(self, st: _Stream) -> dict[str, Any]:
+    def _body(self, st: _Stream) -> dict[str, object]:
         req, done = st.request, st.out.token_ids
         s = req.sampling
-        sampling: dict[str, Any] = {"max_new_tokens": req.max_tokens - len(done), "temperature": s.temperature,
+        sampling: dict[str, object] = {"max_new_tokens": req.max_tokens - len(done), "temperature": s.temperature,
                                     "ignore_eos": True}
         if s.stop_token_ids:
             sampling["stop_token_ids"] = list(s.stop_token_ids)
@@ -313,7 +313,7 @@ class SglangEngine(AdaptedEngine[_Stream]):
         await self._http.call("POST", "/flush_cache")
 
     # ---- weights and memory --------------------------------------------------------------------
-    async def update_weights(self, update: object) -> int:
+    async def update_weights(self, update: EngineUpdate) -> int:
         version = await self._apply_to_host(update, require_all=True)
         if "weights" in self._freed:  # SGLang's weight memory is released: wake_up() loads them
             self._version = version

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 import msgspec
 
@@ -39,7 +42,7 @@ class SglangResponse:
         self._ended = False
         self._buffer = b""
 
-    async def _io(self, aw: Any) -> Any:
+    async def _io(self, aw: Awaitable[T]) -> T:
         return await self.http.io(aw, self.what, self.timeout_s)
 
     async def read_head(self) -> None:
@@ -118,7 +121,7 @@ class SglangHttp:
         self.host, self.port, self.timeout_s = u.hostname, u.port, timeout_s
         self.url = f"http://{self.host}:{self.port}"
 
-    async def io(self, aw: Any, what: str, timeout_s: float) -> Any:
+    async def io(self, aw: Awaitable[T], what: str, timeout_s: float) -> T:
         try:
             async with asyncio.timeout(timeout_s):
                 return await aw
@@ -129,7 +132,7 @@ class SglangHttp:
             raise SglangServerError(f"the connection to the SGLang server at {self.url} broke during "
                                     f"{what}: {err!r}") from None
 
-    async def send(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> SglangResponse:
+    async def send(self, method: str, path: str, body: object = None, timeout_s: float | None = None) -> SglangResponse:
         """Connect and send a request; the response's head is not read yet."""
         what, timeout_s = f"{method} {path}", timeout_s or self.timeout_s
         try:
@@ -144,7 +147,7 @@ class SglangHttp:
                      f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
         return SglangResponse(self, what, timeout_s, reader, writer)
 
-    async def open(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> SglangResponse:
+    async def open(self, method: str, path: str, body: object = None, timeout_s: float | None = None) -> SglangResponse:
         """Send a request; return the response with its head read."""
         resp = await self.send(method, path, body, timeout_s)
         try:
@@ -154,7 +157,7 @@ class SglangHttp:
             raise
         return resp
 
-    async def call(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> bytes:
+    async def call(self, method: str, path: str, body: object = None, timeout_s: float | None = None) -> bytes:
         """One request; its body. Raises :class:`SglangServerError` unless HTTP 200."""
         resp = await self.open(method, path, body, timeout_s)
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import EngineAsleepError, RolloutEngine, check_in_flight, copy_output
+from actors.engines.base import EngineAsleepError, EngineUpdate, RolloutEngine, check_in_flight, copy_output
 from actors.engines.config import CPU_MAX_NUM_SEQS, EngineConfig
 from actors.engines.engine_core import EngineCore
 from actors.engines.engine_steps import EngineOptions, Event, Seq
@@ -160,14 +160,14 @@ class TorchEngine(RolloutEngine):
         for cb in callbacks:
             cb()
 
-    async def _call(self, name: str, *args: Any) -> Any:
+    async def _call(self, name: str, *args: object) -> Any:
         if self._core is None:
             raise RuntimeError("TorchEngine.setup() was not awaited")
         if self._core.closed:
             raise RuntimeError(f"TorchEngine is closed ({name} not run)")
         fut = self._loop.create_future()
 
-        def done(result: Any, exc: BaseException | None) -> None:
+        def done(result: object, exc: BaseException | None) -> None:
             if fut.done():
                 return
             if exc is not None:
@@ -256,11 +256,11 @@ class TorchEngine(RolloutEngine):
         self._asleep = True
         await self._call("sleep", 2 if "weights" in tags else 1)
 
-    async def update_weights(self, update: object) -> int:
+    async def update_weights(self, update: EngineUpdate) -> int:
         self._version = await self._call("update", update)
         return self._version
 
-    async def swap_weights(self, update: object, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
+    async def swap_weights(self, update: EngineUpdate, in_flight: InFlight = "abort", asleep: bool = False) -> SwapReport:
         """The whole swap in one step of the engine's thread, between two decode
         steps (see ``EngineCore._cmd_swap``): no pause/resume round trips."""
         check_in_flight(in_flight)
@@ -273,7 +273,7 @@ class TorchEngine(RolloutEngine):
         return SwapReport(version=version, aborted=[st.out for st in streams], paused_ms=paused_ms,
                           apply_ms=apply_ms)
 
-    async def stage_weights(self, update: object) -> bool:
+    async def stage_weights(self, update: EngineUpdate) -> bool:
         return bool(await self._call("stage", update))
 
     async def reset_prefix_cache(self) -> None:

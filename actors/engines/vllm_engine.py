@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from actors.engines.adapted import AdaptedEngine, AdaptedStream
-from actors.engines.base import GenerateOutput, GenerateRequest, SamplingParams, copy_output
+from actors.engines.base import EngineUpdate, GenerateOutput, GenerateRequest, SamplingParams, copy_output
 from actors.engines.config import EngineConfig
 from actors.engines.weights import LM_HEAD
 
@@ -169,7 +169,7 @@ class VllmEngine(AdaptedEngine[_Stream]):
         await self._llm.reset_prefix_cache()
 
     # ---- weights and memory --------------------------------------------------------------------
-    async def update_weights(self, update: object) -> int:
+    async def update_weights(self, update: EngineUpdate) -> int:
         version = await self._apply_to_host(update, require_all=False)
         return await self._load_paused(self._load_into_workers, version)
 
@@ -192,7 +192,7 @@ class VllmEngine(AdaptedEngine[_Stream]):
             self._freed |= set(tags)
 
 
-def _wire(name: str, t: Any) -> tuple[str, str, list[int], bytes]:
+def _wire(name: str, t: torch.Tensor) -> tuple[str, str, list[int], bytes]:
     """A tensor as vLLM's RPC carries it (see ``vllm_worker.WeightLoader``)."""
     t = t.detach().contiguous().cpu()
     return name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from actors.engines.model import ModelConfig
+from contracts.weights import WeightUpdate
 
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -33,7 +33,7 @@ class FullWeights:
     tensors: dict[str, torch.Tensor]
 
 
-def with_tied_head(named: dict[str, Any], tied: bool) -> dict[str, Any]:
+def with_tied_head(named: dict[str, object], tied: bool) -> dict[str, object]:
     """``named`` (Hugging Face names), with a tied ``lm_head.weight`` listed too,
     as the embedding, like ``state_dict()`` lists it."""
     out = dict(named)
@@ -42,7 +42,7 @@ def with_tied_head(named: dict[str, Any], tied: bool) -> dict[str, Any]:
     return out
 
 
-def update_targets(named: dict[str, Any], update: Any, *, tied: bool) -> dict[str, Any]:
+def update_targets(named: dict[str, object], update: WeightUpdate, *, tied: bool) -> dict[str, object]:
     """The HF-named tensors ``sync.apply`` writes ``update`` into: ``named``. A tied
     model holds no ``lm_head.weight``; if an update names it anyway (a sender that
     did not tie them), it goes to the embedding, or, when the embedding comes in the

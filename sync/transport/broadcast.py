@@ -9,26 +9,25 @@ source rank (``src=r``) and merge the updates (:func:`sync.merge_updates`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import torch
 import torch.distributed as dist
 
-from contracts.weights import Manifest, WeightUpdate, bucket_tensor
+from contracts.weights import Bucket, Manifest, WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
 
-class BroadcastTransport(Transport):
+class BroadcastTransport(Transport[None]):
     """``src``: the sending rank; ``group``: process group (None = world);
     ``pg``: instead, a gloo group made on its own (``sync.link``), not
     registered with torch.distributed; ``device``: where buckets travel
     (``cpu`` for gloo, ``cuda`` for NCCL; default: cuda when the backend is nccl)."""
 
     name = "broadcast"
+    collective = True
 
-    def __init__(self, src: int = 0, group: Any = None, device: str | torch.device | None = None,
-                 pg: Any = None) -> None:
+    def __init__(self, src: int = 0, group: dist.ProcessGroup | None = None,
+                 device: str | torch.device | None = None, pg: dist.ProcessGroupGloo | None = None) -> None:
         if pg is None and not dist.is_initialized():
             raise RuntimeError("BroadcastTransport needs torch.distributed to be initialised first")
         self.src, self.group, self.pg = src, group, pg
@@ -42,7 +41,7 @@ class BroadcastTransport(Transport):
             return
         opts = dist.BroadcastOptions()  # a gloo group of its own (sync.link): called on directly
         opts.rootRank = self.src
-        self.pg.broadcast([t], opts).wait()
+        self.pg.broadcast([t], opts).wait()  # type: ignore[attr-defined]  # missing from torch's stub of Backend
 
     def send(self, update: WeightUpdate) -> None:
         wire = msgspec.msgpack.encode(update.manifest)
@@ -55,13 +54,13 @@ class BroadcastTransport(Transport):
             self._bcast(t)
         return None
 
-    def receive(self, handle: Any = None) -> WeightUpdate:
+    def receive(self, handle: None = None) -> WeightUpdate:
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._bcast(length)
         wire = torch.empty(int(length), dtype=torch.uint8, device=self.device)
         self._bcast(wire)
         manifest = msgspec.msgpack.decode(wire.cpu().numpy().tobytes(), type=Manifest)
-        buckets = []
+        buckets: list[Bucket] = []
         for size in manifest.bucket_sizes:
             t = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._bcast(t)

@@ -16,15 +16,16 @@ The sender must keep the buckets alive until every receiver has applied:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from contracts.weights import WeightUpdate, bucket_tensor
+from contracts.weights import Bucket, WeightUpdate, bucket_tensor
 from sync.transport.base import Transport
 
-_KEPT: dict[Any, torch.Tensor] = {}  # receiver side: storages of planned updates, by IPC handle
+_KEPT: dict[tuple[object, object], torch.Tensor] = {}  # receiver side: storages of planned updates, by IPC handle
 _MAX_KEPT = 2  # the current plan's storage and its delta payload; those a new plan replaced are let go
 
 
@@ -34,7 +35,7 @@ class SharedStorage:
 
     __slots__ = ("rebuild", "args", "keep", "_tensor")
 
-    def __init__(self, rebuild: Any, args: tuple, keep: bool) -> None:
+    def __init__(self, rebuild: Callable[..., torch.Tensor], args: tuple[object, ...], keep: bool) -> None:
         self.rebuild, self.args, self.keep = rebuild, args, keep
         self._tensor: torch.Tensor | None = None
 
@@ -76,7 +77,7 @@ class CudaIpcBucket:
         return self.storage.materialize()[self.offset : self.offset + self.nbytes]
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(Transport[WeightUpdate]):
     """``device``: the GPU the buckets live on (they are moved there if not)."""
 
     name = "cuda_ipc"
@@ -95,8 +96,9 @@ class CudaIpcTransport(Transport):
         cached = self._shared.get(base) if keep else None
         if cached is not None and cached[0].untyped_storage().nbytes() == storage.nbytes():
             return cached[1], base
-        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
-        ref = SharedStorage(*reduce_tensor(whole), keep=keep)
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+        rebuild, args = reduce_tensor(whole)
+        ref = SharedStorage(rebuild, args, keep=keep)
         if keep:  # held here, so the address cannot be reused by another allocation while cached
             self._shared[base] = (whole, ref)
             while len(self._shared) > _MAX_KEPT:
@@ -107,7 +109,7 @@ class CudaIpcTransport(Transport):
         tensors = [bucket_tensor(b).to(self.device) for b in update.buckets]
         keep = bool(update.manifest.layout)
         shared: dict[int, tuple[SharedStorage, int]] = {}  # storage address -> (reference, its base address)
-        buckets = []
+        buckets: list[Bucket] = []
         for t in tensors:
             key = t.untyped_storage().data_ptr()
             if key not in shared:
@@ -119,7 +121,8 @@ class CudaIpcTransport(Transport):
         return handle
 
     def receive(self, handle: WeightUpdate) -> WeightUpdate:
-        return WeightUpdate(manifest=handle.manifest, buckets=[b.materialize() for b in handle.buckets])
+        return WeightUpdate(manifest=handle.manifest,
+                            buckets=[cast(CudaIpcBucket, b).materialize() for b in handle.buckets])
 
     def release(self, handle: WeightUpdate) -> None:
         self._alive.pop(id(handle), None)

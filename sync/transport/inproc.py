@@ -9,12 +9,12 @@ A receiver in the same process reads the sender's buckets without a copy.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import cast
 
-from contracts.weights import WeightUpdate
+from contracts.weights import Bucket, WeightUpdate
 from sync.transport.base import Transport
 
-_registry: dict[int, Any] = {}
+_registry: dict[int, Bucket] = {}
 _keys = itertools.count()
 
 
@@ -26,7 +26,7 @@ class LocalBucket:
     def __init__(self, key: int) -> None:
         self.key = key
 
-    def materialize(self) -> Any:
+    def materialize(self) -> Bucket:
         try:
             return _registry[self.key]
         except KeyError:
@@ -34,14 +34,14 @@ class LocalBucket:
                                "or in another process (use another transport there)") from None
 
 
-class InProcessTransport(Transport):
+class InProcessTransport(Transport[WeightUpdate]):
     """For a trainer and engines in one process (the ``local`` runtime, tests)."""
 
     name = "inproc"
     can_stage = True
 
     def send(self, update: WeightUpdate) -> WeightUpdate:
-        refs = []
+        refs: list[Bucket] = []
         for bucket in update.buckets:
             key = next(_keys)
             _registry[key] = bucket
@@ -51,8 +51,9 @@ class InProcessTransport(Transport):
     def receive(self, handle: WeightUpdate) -> WeightUpdate:
         if not isinstance(handle, WeightUpdate):
             raise TypeError(f"in-process transport expects a WeightUpdate handle, got {type(handle).__name__}")
-        return WeightUpdate(manifest=handle.manifest, buckets=[b.materialize() for b in handle.buckets])
+        return WeightUpdate(manifest=handle.manifest, buckets=[cast(LocalBucket, b).materialize() for b in handle.buckets])
 
     def release(self, handle: WeightUpdate) -> None:
         for b in handle.buckets:
-            _registry.pop(b.key, None)
+            _registry.pop(cast(LocalBucket, b).key, None)
+

@@ -9,12 +9,15 @@ a bucket costs no private copy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from contracts.weights import WeightUpdate, bucket_tensor
+from contracts.weights import Bucket, WeightUpdate, bucket_tensor
+
+if TYPE_CHECKING:
+    import ray
 from sync.transport.base import Transport
 
 
@@ -23,7 +26,7 @@ class RayBucket:
 
     __slots__ = ("ref",)
 
-    def __init__(self, ref: Any) -> None:
+    def __init__(self, ref: ray.ObjectRef[np.ndarray]) -> None:
         self.ref = ref
 
     def materialize(self) -> np.ndarray:
@@ -32,12 +35,12 @@ class RayBucket:
         return ray.get(self.ref)
 
 
-def _to_numpy(buf: Any) -> np.ndarray:
+def _to_numpy(buf: Bucket) -> np.ndarray:
     t = bucket_tensor(buf)
     return t.cpu().numpy() if t.is_cuda else t.numpy()
 
 
-class RayObjectStoreTransport(Transport):
+class RayObjectStoreTransport(Transport[WeightUpdate]):
     """Publishes buckets with ``ray.put`` (Ray must be initialised)."""
 
     name = "ray"
@@ -45,13 +48,13 @@ class RayObjectStoreTransport(Transport):
     def send(self, update: WeightUpdate) -> WeightUpdate:
         import ray
 
-        refs = [RayBucket(ray.put(_to_numpy(b))) for b in update.buckets]
+        refs: list[Bucket] = [RayBucket(ray.put(_to_numpy(b))) for b in update.buckets]
         return WeightUpdate(manifest=update.manifest, buckets=refs)
 
     def receive(self, handle: WeightUpdate) -> WeightUpdate:
         import ray
 
-        arrays = ray.get([b.ref for b in handle.buckets])
+        arrays = ray.get([cast(RayBucket, b).ref for b in handle.buckets])
         return WeightUpdate(manifest=handle.manifest, buckets=list(arrays))
 
     def release(self, handle: WeightUpdate) -> None:
