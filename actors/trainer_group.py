@@ -35,6 +35,7 @@ from sync.link import digest_named
 __all__ = ["FAN_OUT", "Fan", "TrainerGroup", "assemble_shards", "merge_reports"]
 
 C = TypeVar("C", bound=type)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,11 @@ def _merged(updates: list[WeightUpdate | None]) -> WeightUpdate | None:
     return None if updates[0] is None else merge_updates(updates)
 
 
-def _first(answers: list[Any]) -> Any:
+def _first(answers: list[T]) -> T:
     return answers[0]
 
 
-def _digest_assembled(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, str]:
+def _digest_assembled(parts: list[tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]]) -> dict[str, str]:
     """sha256 of every full weight (the workers' shards assembled), by HF name."""
     return digest_named(assemble_shards(parts))
 
@@ -73,15 +74,15 @@ FAN_OUT: dict[str, Fan] = {
 }
 
 
-def _endpoint(name: str, declared: Callable[..., Any], fan: Fan) -> Callable[..., Awaitable[Any]]:
+def _endpoint(name: str, declared: Callable[..., object], fan: Fan) -> Callable[..., Awaitable[object]]:
     """The group's endpoint ``name``: asks its workers as ``fan`` says; looks like ``declared``
     (the protocol's) to ``inspect`` and ``typing.get_type_hints``."""
     method = fan.method or name
     if fan.first:
-        async def endpoint(self: TrainerGroup, *args: Any, **kwargs: Any) -> Any:
+        async def endpoint(self: TrainerGroup, *args: object, **kwargs: object) -> object:
             return await getattr(self.workers[0], method)(*args, **kwargs)
     else:
-        async def endpoint(self: TrainerGroup, *args: Any, **kwargs: Any) -> Any:
+        async def endpoint(self: TrainerGroup, *args: object, **kwargs: object) -> object:
             answers = await self._all(method, *args, **kwargs)
             return None if fan.merge is None else fan.merge(answers)
     functools.update_wrapper(endpoint, declared)
@@ -166,7 +167,8 @@ def merge_reports(reports: list[StepReport]) -> StepReport:
                       dropped=dropped, metrics=metrics, examples=[e for r in reports for e in r.examples])
 
 
-def assemble_shards(parts: list[tuple[dict[str, Any], dict[str, ShardSpec] | None]]) -> dict[str, Any]:
+def assemble_shards(parts: list[tuple[dict[str, torch.Tensor], dict[str, ShardSpec] | None]]
+                    ) -> dict[str, torch.Tensor]:
     """Full tensors from every worker's ``(named local tensors, shard specs)``."""
     first, specs = parts[0]
     if specs is None:

@@ -34,7 +34,9 @@ storage, cut into buckets at piece boundaries.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -55,21 +57,27 @@ WARPS = {"scan": 4, "pack": 4, "words": 4, "count": 4, "apply": 4}
 # ---------------------------------------------------------------- kernels
 
 
-def _kernels() -> Any:
+class _Kernel(Protocol):
+    """A ``triton.jit`` kernel, launched as ``kernel[grid](*args, **constexprs)``."""
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]: ...
+
+
+def _kernels() -> dict[str, _Kernel]:
     global _K
     if _K is None:
         try:
             import triton
             import triton.language as tl
         except ImportError:
-            _K = False
+            _K = {}  # no Triton: none (falsy, as kernels_available says)
             return _K
         _K = {name: build(triton, tl) for name, build in (("scan", _scan_kernel), ("pack", _pack_kernel),
               ("words", _words_kernel), ("count", _count_kernel), ("apply", _apply_kernel))}
     return _K
 
 
-def _words_kernel(triton: Any, tl: Any) -> Any:
+def _words_kernel(triton: ModuleType, tl: Any) -> _Kernel:
     @triton.jit
     def words_kernel(words_ptr, bytes_ptr, chunk_ptr, piece_ptr, out_ptr, CHUNK: tl.constexpr):
         # sync.checksum.bytes_checksum of a chunk of a blob: its 8-byte words (little-endian, word
@@ -93,7 +101,7 @@ def _words_kernel(triton: Any, tl: Any) -> Any:
     return words_kernel
 
 
-def _scan_kernel(triton: Any, tl: Any) -> Any:
+def _scan_kernel(triton: ModuleType, tl: Any) -> _Kernel:
     @triton.jit
     def scan_kernel(cur_ptr, last_ptr, mask_ptr, stats_ptr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -115,7 +123,7 @@ def _scan_kernel(triton: Any, tl: Any) -> Any:
     return scan_kernel
 
 
-def _pack_kernel(triton: Any, tl: Any) -> Any:
+def _pack_kernel(triton: ModuleType, tl: Any) -> _Kernel:
     @triton.jit
     def pack_kernel(cur_ptr, last_ptr, mask_ptr, prefix_ptr, blk_ptr, piece_ptr, payload_ptr, old_ptr,
                     ITEM: tl.constexpr, BLOCK: tl.constexpr):
@@ -150,7 +158,7 @@ def _pack_kernel(triton: Any, tl: Any) -> Any:
     return pack_kernel
 
 
-def _count_kernel(triton: Any, tl: Any) -> Any:
+def _count_kernel(triton: ModuleType, tl: Any) -> _Kernel:
     @triton.jit
     def count_kernel(payload_ptr, blk_ptr, piece_ptr, cnt_ptr, num_blocks, BLOCK: tl.constexpr,
                      PER: tl.constexpr):
@@ -171,7 +179,7 @@ def _count_kernel(triton: Any, tl: Any) -> Any:
     return count_kernel
 
 
-def _apply_kernel(triton: Any, tl: Any) -> Any:
+def _apply_kernel(triton: ModuleType, tl: Any) -> _Kernel:
     @triton.jit
     def apply_kernel(payload_ptr, blk_ptr, piece_ptr, prefix_ptr, sums_ptr, undo_ptr, undo_cap, like_ptr,
                      ITEM: tl.constexpr, BLOCK: tl.constexpr, UNDO: tl.constexpr):
@@ -219,7 +227,7 @@ def _apply_kernel(triton: Any, tl: Any) -> Any:
     return apply_kernel
 
 
-_K: Any = None
+_K: dict[str, _Kernel] | None = None
 
 
 def kernels_available() -> bool:

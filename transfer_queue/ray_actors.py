@@ -17,7 +17,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -32,10 +32,12 @@ from transfer_queue.controller import Controller
 from transfer_queue.deploy_local import _shard
 from transfer_queue.rpc import RpcClient, RpcServer
 from transfer_queue.storage import StorageUnit
+from transfer_queue.wire import SampleTags
 
 __all__ = ["REPLACE_TIMEOUT_S", "Address", "ControllerActor", "StorageActor", "UnitState", "unwrap"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Address = tuple[str, int]
 
@@ -49,7 +51,7 @@ class UnitState(msgspec.Struct, frozen=True, kw_only=True):
     generation: int  # actors that served it before this one (replacements so far)
     first_slot: int  # its slots below this were on an actor that died: their rows are gone
     live: bool  # an actor serves it now; False: lost, a replacement starting or given up
-    actor: Any  # the Ray actor of this generation
+    actor: object  # the Ray actor of this generation
     address: Address  # where that actor listens
     gone: str | None = None  # why no replacement is coming; None: it is live, or one is starting
 
@@ -137,7 +139,8 @@ class StorageActor:
             self.delete(dead)
         return placed
 
-    async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[Any], buf: bytes) -> None:
+    async def put_commit(self, indices: list[int], all_indices: list[int], tags: list[SampleTags], buf: bytes
+                         ) -> None:
         """Store the rows, then commit them at the controller: one client message per write."""
         self.put(indices, buf)
         await self._controller.call("call", "commit", all_indices, tags)
@@ -176,14 +179,14 @@ class ControllerActor:
         self._cfg, self._secret = cfg, secret
         self._controller: Controller  # setup() makes it, on the actor's loop
         self._units: list[RpcClient] = []
-        self._actors: list[Any] = []  # each storage unit's current actor
+        self._actors: list[object] = []  # each storage unit's current actor
         self._unit_addresses: list[Address] = []
-        self._unit_options: list[dict[str, Any]] = []  # what placed each: a replacement is placed alike
+        self._unit_options: list[dict[str, object]] = []  # what placed each: a replacement is placed alike
         self._replace_timeout_s = REPLACE_TIMEOUT_S
         self._replacing: dict[int, asyncio.Task[None]] = {}
         self._gone: dict[int, str] = {}  # units no replacement is coming for: why
 
-    async def setup(self, units: list[Address], actors: list[Any], unit_options: list[dict[str, Any]],
+    async def setup(self, units: list[Address], actors: list[object], unit_options: list[dict[str, object]],
                     replace_timeout_s: float) -> Address:
         loop.adopt()  # Ray's loop (uvloop, see loop/) is this process's one loop; the RPC server runs on it
         limits = self._cfg.rpc_limits
@@ -277,7 +280,7 @@ class ControllerActor:
                 pass  # that unit is gone, and its rows with it
 
 
-async def unwrap(awaitable: Awaitable[Any]) -> Any:
+async def unwrap(awaitable: Awaitable[T]) -> T:
     """Await a Ray call; an error raised in the actor surfaces as itself, not wrapped."""
     try:
         return await awaitable

@@ -66,7 +66,7 @@ from transfer_queue.errors import StorageUnitLost
 from transfer_queue.ray_actors import REPLACE_TIMEOUT_S, Address, ControllerActor, StorageActor, UnitState, unwrap
 from transfer_queue.rows import EncodedRows
 from transfer_queue.rpc import PeerLost, RpcClient, oob
-from transfer_queue.wire import QueueStats
+from transfer_queue.wire import QueueStats, SampleTags
 
 __all__ = ["RayDeployment", "UnitState"]
 
@@ -100,8 +100,8 @@ class RayDeployment:
         self._blocks: dict[int, tuple[int, int]] = {}  # unit -> [next, end) of this client's slots
 
     @classmethod
-    async def create(cls, cfg: TransferQueueConfig, unit_options: Sequence[dict[str, Any] | None] = (),
-                     controller_options: dict[str, Any] | None = None,
+    async def create(cls, cfg: TransferQueueConfig, unit_options: Sequence[dict[str, object] | None] = (),
+                     controller_options: dict[str, object] | None = None,
                      replace_timeout_s: float = REPLACE_TIMEOUT_S) -> RayDeployment:
         """Start the actors. ``unit_options`` (one per storage unit) and ``controller_options``:
         Ray actor options that place them (resources, a placement-group bundle, a node),
@@ -111,7 +111,7 @@ class RayDeployment:
         if not ray.is_initialized():
             raise RuntimeError("deployment='ray' joins a running Ray; call ray.init(...) first")
         secret = secrets.token_bytes(32)
-        default = {"num_cpus": cfg.ray_num_cpus}
+        default: dict[str, object] = {"num_cpus": cfg.ray_num_cpus}
         options = [o or default for o in [*unit_options, *[None] * (cfg.num_storage_units - len(unit_options))]]
         # No runtime_env: Ray makes each actor's loop with uvloop already (the loop module says
         # where), and a per-actor runtime_env would cost each one a fresh worker process.
@@ -132,7 +132,8 @@ class RayDeployment:
         return await self._rpc.call("call", method, *args)
 
     async def put_new(
-        self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[Any], wait: bool, timeout_s: float | None
+        self, partition: str, bodies: list[tuple[bytearray, list[int]]], tags: list[SampleTags], wait: bool,
+        timeout_s: float | None
     ) -> list[int]:
         """A put of new samples: one call to the next storage unit (round robin), which
         stores the rows and has the controller register and commit them, at indices
@@ -256,7 +257,7 @@ class RayDeployment:
         return [slot * num_units + unit for slot in range(start, start + n)]
 
     async def write_commit(
-        self, indices: Sequence[int], rows: Sequence[dict[str, Any]], all_indices: list[int], tags: list[Any]
+        self, indices: Sequence[int], rows: Sequence[dict[str, object]], all_indices: list[int], tags: list[SampleTags]
     ) -> None:
         shards = _shard(indices, rows, len(self.units))
         if len(shards) == 1:  # the usual case: a put's new samples share one unit

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -81,7 +81,7 @@ class ShardedMuon(_MuonBase):
     worker count (on the tiny model's gradients, 60-80% of the update apart)."""
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def step(self, closure: Callable[[], object] | None = None) -> None:
         assert closure is None, "ShardedMuon takes no closure"
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's, as its Muon runs them
 
@@ -131,7 +131,7 @@ class MuonAdamW:
         return parts + ([(self.adamw, self._indices[1])] if self.adamw is not None else [])
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, object]]:
         return [g for opt, _ in self._parts for g in opt.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -142,9 +142,9 @@ class MuonAdamW:
         for opt, _ in self._parts:
             opt.step()
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[int, Any] = {}
-        groups: list[dict[str, Any]] = []
+    def state_dict(self) -> dict[str, object]:
+        state: dict[int, object] = {}
+        groups: list[dict[str, object]] = []
         for opt, indices in self._parts:
             own = opt.state_dict()
             state.update({indices[k]: v for k, v in own["state"].items()})
@@ -169,7 +169,15 @@ class MuonAdamW:
                                  "param_groups": mine})
 
 
-def _muon_group(muon: MuonConfig, lr: float, betas: tuple[float, float], weight_decay: float) -> dict[str, Any]:
+class _MuonGroup(TypedDict):
+    """torch.optim.Muon's keywords that ``muon.adjust_lr`` sets."""
+
+    lr: float
+    weight_decay: float
+    adjust_lr_fn: str
+
+
+def _muon_group(muon: MuonConfig, lr: float, betas: tuple[float, float], weight_decay: float) -> _MuonGroup:
     """torch.optim.Muon's lr, weight decay and ``adjust_lr_fn`` for ``muon.adjust_lr`` (module docstring)."""
     lr = muon.lr if muon.lr is not None else lr
     if muon.adjust_lr != "match_adamw_update_rms":
@@ -180,7 +188,7 @@ def _muon_group(muon: MuonConfig, lr: float, betas: tuple[float, float], weight_
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                     muon: MuonConfig | None, fused: bool, sharded: bool,
-                    master_dtype: torch.dtype | None) -> Any:
+                    master_dtype: torch.dtype | None) -> torch.optim.Optimizer | MuonAdamW | MainParamsOptimizer:
     """The optimizer over ``model.parameters()``: AdamW (``muon`` None) or :class:`MuonAdamW`;
     ``fused``: AdamW's one-kernel CUDA step; ``sharded``: FSDP2's DTensors (:class:`ShardedMuon`);
     ``master_dtype``: wrapped in :class:`MainParamsOptimizer` over copies in that dtype."""
@@ -188,7 +196,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, fl
     def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
 
-    make: Callable[[list[torch.Tensor]], Any] = adamw
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer | MuonAdamW] = adamw
     if muon is not None:
         if (reason := muon_unavailable()) is not None:
             raise ValueError(f"trainer.optimizer: muon is not available here: {reason}")

@@ -42,7 +42,7 @@ class Actor:
     # imports and the modules'; the rest its ``setup`` records): the run logs them
     startup_parts: dict[str, float]
 
-    async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def blocking(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run ``fn`` on this actor's worker thread (one per actor, made once)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -96,8 +96,8 @@ class Runtime(abc.ABC):
     type: str
 
     @abc.abstractmethod
-    async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
+    async def spawn(self, cls: type[Actor], *args: object, name: str, num_cpus: float = 1,
+                    num_gpus: float = 0, ray_options: dict[str, object] | None = None, **kwargs: object) -> Handle:
         """Create ``cls(*args, **kwargs)`` as an actor and ``await setup()`` on it.
         ``ray_options``: Ray's actor options (resources, a placement-group bundle:
         ``actors/placement.py``), used by the Ray runtime only."""
@@ -105,7 +105,7 @@ class Runtime(abc.ABC):
     def connect(self) -> None:
         """Join the cluster this runtime places actors on, if it has one (Ray)."""
 
-    async def call_all(self, handles: list[Handle], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    async def call_all(self, handles: list[Handle], method: str, *args: object, **kwargs: object) -> list[object]:
         """Call ``method`` on every handle concurrently; the first error propagates."""
         return list(await asyncio.gather(*(h.call(method, *args, **kwargs) for h in handles)))
 

@@ -31,8 +31,8 @@ class LocalRuntime(Runtime):
     def __init__(self) -> None:
         self._actors: list[Actor] = []
 
-    async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
+    async def spawn(self, cls: type[Actor], *args: object, name: str, num_cpus: float = 1,
+                    num_gpus: float = 0, ray_options: dict[str, object] | None = None, **kwargs: object) -> Handle:
         actor = cls(*args, **kwargs)
         self._actors.append(actor)
         await actor.setup()

@@ -26,6 +26,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import Any
 
 import loop as global_loop
@@ -47,7 +50,7 @@ def _leave_signals_to_the_driver() -> None:
         signal.signal(sig, _ignore_signal)
 
 
-def _ignore_signal(signum: int, frame: Any) -> None:
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     pass
 
 
@@ -94,7 +97,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
             restore_environ(saved)
 
 
-def _serve(conn: Any, imports: tuple[str, ...], t_launch: float) -> None:
+def _serve(conn: Connection, imports: tuple[str, ...], t_launch: float) -> None:
     """A ``process`` actor's process, launched at ``t_launch`` (``time.time()``): import
     ``imports`` (its class's module and what its setup will need), then take its actor
     from the pipe and serve it."""
@@ -121,10 +124,10 @@ _live_handles: weakref.WeakSet[_ProcessHandle] = weakref.WeakSet()
 _DIED_REPORT_S = 5.0  # a broken pipe's reader thread reports its process's end within ~1 s (join)
 
 
-_idle_procs: weakref.WeakSet[Any] = weakref.WeakSet()  # processes started ahead, no actor yet
+_idle_procs: weakref.WeakSet[BaseProcess] = weakref.WeakSet()  # processes started ahead, no actor yet
 
 
-def _end_idle(procs: list[Any]) -> None:
+def _end_idle(procs: list[BaseProcess]) -> None:
     """End processes that hold no actor (nothing to close: killed, even mid-import)."""
     for proc in procs:
         _idle_procs.discard(proc)
@@ -147,7 +150,7 @@ class _ProcessHandle(Handle):
     """Client of an actor in a child process: calls are pickles over a pipe,
     answered in any order; a reader thread resolves the waiting futures."""
 
-    def __init__(self, name: str, cls: type, proc: Any, conn: Any) -> None:
+    def __init__(self, name: str, cls: type, proc: BaseProcess, conn: Connection) -> None:
         self.name, self.cls, self.proc, self._conn = name, cls, proc, conn
         self._loop = asyncio.get_running_loop()
         self._pending = PendingReplies()
@@ -175,7 +178,7 @@ class _ProcessHandle(Handle):
             code = self.proc.exitcode
         self._post(self._fail_all, "its process ended" + (f" (exit code {code})" if code else ""))
 
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the driver's loop is closed (interpreter exit): nobody is waiting
@@ -208,7 +211,7 @@ class _ProcessHandle(Handle):
             raise
         return await fut
 
-    async def _died_sending(self, call_id: int, fut: asyncio.Future, exc: OSError) -> Any:
+    async def _died_sending(self, call_id: int, fut: asyncio.Future, exc: OSError) -> object:
         """The reader thread fails every pending call (``fut`` too) with an
         :class:`ActorDiedError` naming the exit code once it sees the pipe's end;
         if it does not in time, this call fails with one naming the broken pipe."""
@@ -250,7 +253,8 @@ class ProcessRuntime(Runtime):
     def __init__(self) -> None:
         self._handles: list[_ProcessHandle] = []
         self._ctx = multiprocessing.get_context("spawn")
-        self._idle: dict[type, list[tuple[Any, Any]]] = {}  # started ahead (prestart): class -> (process, pipe)
+        # started ahead (prestart): class -> (process, pipe)
+        self._idle: dict[type, list[tuple[BaseProcess, Connection]]] = {}
         self.env: dict[type, dict[str, str]] = {}  # what each class's processes add to the environment
 
     def prestart(self, counts: dict[type, int]) -> None:
@@ -261,7 +265,7 @@ class ProcessRuntime(Runtime):
         for cls, n in counts.items():
             self._idle.setdefault(cls, []).extend(self._start(cls, f"{cls.__name__}-{i}") for i in range(n))
 
-    def _start(self, cls: type, name: str) -> tuple[Any, Any]:
+    def _start(self, cls: type, name: str) -> tuple[BaseProcess, Connection]:
         parent, child = self._ctx.Pipe(duplex=True)
         imports = (cls.__module__, *getattr(cls, "preload", ()))
         # not daemonic: an actor may start processes of its own (compile workers, a gloo group)
@@ -272,8 +276,8 @@ class ProcessRuntime(Runtime):
         _idle_procs.add(proc)
         return proc, parent
 
-    async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
+    async def spawn(self, cls: type[Actor], *args: object, name: str, num_cpus: float = 1,
+                    num_gpus: float = 0, ray_options: dict[str, object] | None = None, **kwargs: object) -> Handle:
         t_start = time.time()
         idle = self._idle.get(cls)
         if idle:

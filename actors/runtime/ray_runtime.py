@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import loop as global_loop
 from actors import gc_clock
 from actors.ray_address import join_ray_cluster
 from actors.runtime.base import Actor, Handle, Runtime, actor_process_settings
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from actors.placement import Placer
+
 __all__ = ["RayRuntime"]
 
 
 class _RayHandle(Handle):
-    def __init__(self, name: str, actor: Any, cls: type) -> None:
+    def __init__(self, name: str, actor: ActorHandle, cls: type) -> None:
         self.name, self.actor, self.cls = name, actor, cls
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -54,10 +60,10 @@ class RayRuntime(Runtime):
                  connect_timeout_s: float = 30.0) -> None:
         self.address, self.num_cpus, self.connect_timeout_s = address, num_cpus, connect_timeout_s
         self._started_cluster = False
-        self._actors: list[Any] = []
-        self.placer: Any = None  # the run's placement groups (actors/placement.py), removed at shutdown
+        self._actors: list[ActorHandle] = []
+        self.placer: Placer | None = None  # the run's placement groups (actors/placement.py), removed at shutdown
 
-    def _ensure_ray(self) -> Any:
+    def _ensure_ray(self) -> ModuleType:
         import ray  # ~0.75 s to import: only Ray runs pay it
 
         if not ray.is_initialized():
@@ -90,8 +96,8 @@ class RayRuntime(Runtime):
     def connect(self) -> None:
         self._ensure_ray()
 
-    async def spawn(self, cls: type[Actor], *args: Any, name: str, num_cpus: float = 1,
-                    num_gpus: float = 0, ray_options: dict[str, Any] | None = None, **kwargs: Any) -> Handle:
+    async def spawn(self, cls: type[Actor], *args: object, name: str, num_cpus: float = 1,
+                    num_gpus: float = 0, ray_options: dict[str, object] | None = None, **kwargs: object) -> Handle:
         ray = self._ensure_ray()
         # No runtime_env: Ray already makes the actor's loop with uvloop, in our cluster or one
         # we joined; a per-actor runtime_env would cost a fresh worker process (~1 s) per actor.
