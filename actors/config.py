@@ -175,6 +175,13 @@ class ModelConfig(_Section):
     path: str = "actors/assets/tiny-qwen2"
     """A Hugging Face causal-LM directory (config.json, safetensors, tokenizer).
     Relative paths resolve against the config file's directory."""
+    mtp_layers: NonNegInt = 0
+    """Multi-token prediction modules (``docs/mtp.md``): 0 none. K > 0: module k (an
+    embedding-and-hidden projection, one decoder layer, the shared head) predicts the
+    token k + 2 ahead; loaded from the checkpoint where it has them (``mtp.{k}.*``),
+    else added, initialised from the last decoder layer. The trainer trains them
+    (``trainer.mtp_loss_weight``), every push carries them, and the built-in engine
+    drafts with them (``rollout.engine.speculative: mtp``)."""
 
 
 class Config(_Section):
