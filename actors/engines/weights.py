@@ -154,6 +154,17 @@ class WeightStore:
         if shape != self.shapes[name]:
             raise ValueError(f"weight {name!r} has shape {list(shape)}, expected {list(self.shapes[name])}")
 
+    def check_update(self, update: object) -> None:
+        """Refuse ``update`` before it is written, when the store cannot take it (here: never)."""
+
+    def refit(self, update: object) -> None:
+        """Bring what the forward reads besides these views up to date after ``update`` was written
+        (here: nothing; :class:`~actors.engines.fp8_store.Fp8WeightStore` re-quantizes)."""
+
+    def statistics(self) -> dict[str, object]:
+        """The store's own counters for the engine's ``statistics()`` (here: none)."""
+        return {}
+
     def to(self, device: torch.device) -> None:
         """Move the buffer (offload / restore) and rebind the views."""
         if self.buffer.device == torch.device(device):
