@@ -37,6 +37,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Weights and compute dtype of the engine. ``auto`` (resolved when the config is
     read, so the run's saved config holds the dtype chosen): ``bfloat16`` when ``device``
     is ``cuda[:i]``, ``float32`` elsewhere."""
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """Built-in engine on CUDA (Hopper), ``dtype: bfloat16``: ``fp8`` keeps every layer's linears
+    as ``float8_e4m3fn`` with one scale per 128x128 block and runs them as FP8 GEMMs; the
+    embedding, norms and head stay in ``dtype``, and a bf16 master copy stays for the pushes,
+    each of which re-quantizes what it changed (``docs/fp8.md``). The rollout's log-probs are
+    the FP8 model's own. ``auto``: every weight in ``dtype``."""
     max_num_seqs: PosInt | None = None
     """Concurrent sequences the engine batches (its KV cache holds this many of
     ``max_model_len`` tokens). ``null`` (auto): the built-in engine on CUDA sizes it at
@@ -61,6 +67,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         self._resolve_auto()
+        self._check_weight_dtype()
         if self.url is None:
             return
         if self.type != "sglang":
@@ -72,6 +79,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             port = None
         if u.scheme != "http" or not u.hostname or port is None or u.path not in ("", "/") or u.query:
             raise ValueError(f"url must be http://host:port (an SGLang server), got {self.url!r}")
+
+    def _check_weight_dtype(self) -> None:
+        if self.weight_dtype != "fp8":
+            return
+        if self.type != "torch":
+            raise ValueError(f"weight_dtype 'fp8' is the built-in engine's (type: torch), not type {self.type!r}'s")
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"weight_dtype 'fp8' needs device cuda[:i] (FP8 GEMMs), got device {self.device!r}")
+        if self.dtype != "bfloat16":
+            raise ValueError(f"weight_dtype 'fp8' needs dtype bfloat16, got dtype {self.dtype!r}")
 
     def _resolve_auto(self) -> None:
         """Replace ``auto`` / ``null`` once, when the section is built, so that every reader

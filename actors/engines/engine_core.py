@@ -38,6 +38,7 @@ R = TypeVar("R")
 from actors.engines.config import CUDA_MAX_NUM_SEQS
 from actors.engines.cuda_graphs import DecodeGraphs
 from actors.engines.engine_steps import EngineOptions, Event, Scheduler, Seq
+from actors.engines.fp8_store import Fp8WeightStore
 from actors.engines.kv_cache import KVCache, SlotTable, slots_that_fit
 from actors.engines.model import Model, ModelConfig
 from actors.engines.weights import FullWeights, WeightStore, update_targets
@@ -171,10 +172,11 @@ class EngineCore(Scheduler):
         cuda = o.device.type == "cuda"
         torch.manual_seed(o.seed)
         self.cfg = ModelConfig.from_dir(o.model_path)
-        self.weights = WeightStore(self.cfg, o.device, o.dtype)
+        fp8 = o.weight_dtype == "fp8"  # FP8 copies of the linears beside the master (actors.engines.fp8_store)
+        self.weights = (Fp8WeightStore if fp8 else WeightStore)(self.cfg, o.device, o.dtype)
         self.weights.load_dir(o.model_path)
         self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
-                           compile_decode=o.compile_decode if cuda else False)
+                           compile_decode=o.compile_decode if cuda else False, fp8_weights=fp8)
         if o.max_num_seqs is None:  # rollout.engine.max_num_seqs: null, on CUDA (a CPU config has 128)
             o.max_num_seqs = self._fitting_num_seqs()
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
@@ -321,11 +323,17 @@ class EngineCore(Scheduler):
         self.version = version
 
     def _apply_weights(self, update: object) -> int:
-        """Write ``update`` into the weights; the version it brings."""
+        """Write ``update`` into the weights; the version it brings. The store may refuse it
+        before, or refit what the forward reads after (FP8: ``actors.engines.fp8_store``); a
+        refusal raises, and the version stays."""
+        self.weights.check_update(update)
         if isinstance(update, FullWeights):
             self.weights.load_full(update.tensors)
-            return int(update.version)
-        return apply_update(self._update_targets(update), update, self.version)
+            version = int(update.version)
+        else:
+            version = apply_update(self._update_targets(update), update, self.version)
+        self.weights.refit(update)
+        return version
 
     def _update_targets(self, update: EngineUpdate) -> dict[str, torch.Tensor]:
         """The HF-named tensors ``sync.apply`` writes into (a tied head: see ``update_targets``)."""

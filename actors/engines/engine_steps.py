@@ -124,6 +124,7 @@ class EngineOptions:
     max_prefill_tokens: int
     compile_decode: bool | str
     overlap_steps: bool | None = None  # None: on for CUDA (see Scheduler._decode)
+    weight_dtype: str = "auto"  # "fp8": FP8 linears (actors.engines.fp8_store); "auto": ``dtype``
 
     def __post_init__(self) -> None:
         if self.overlap_steps is None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.engines import triton_kernels, triton_layers
+from actors.engines import fp8, triton_kernels, triton_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -162,6 +162,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the FP8 block-scaled GEMM when ``w`` is an :class:`~actors.engines.fp8.Fp8Linear`
+    (``rollout.engine.weight_dtype: fp8``): the one place the forward's linears branch."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    return fp8.linear(x, w, b)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -173,7 +181,7 @@ def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
     ``cos`` / ``sin`` None: q and k come back without RoPE (the decode
     attention kernel applies it)."""
     x = _rms_norm(h, norm_w, eps)
-    qkv = F.linear(x, qkv_w, qkv_b)
+    qkv = linear(x, qkv_w, qkv_b)
     nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
     v = qkv[..., nq + nkv :].unflatten(-1, (num_kv_heads, head_dim))
     if q_norm is not None:
@@ -190,10 +198,10 @@ def attention_inputs(h, norm_w, qkv_w, qkv_b, q_norm, k_norm, cos, sin,
 
 def attention_output_and_mlp(h, attn, o_w, norm_w, gate_up_w, down_w, eps: float):
     """Post-attention half of a layer: o_proj, residual, norm, SwiGLU MLP, residual."""
-    h = h + F.linear(attn, o_w)
+    h = h + linear(attn, o_w)
     x = _rms_norm(h, norm_w, eps)
-    gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
+    gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, down_w)
 
 
 class Model:
@@ -201,7 +209,7 @@ class Model:
     and a :class:`~actors.engines.kv_cache.KVCache`."""
 
     def __init__(self, cfg: ModelConfig, max_model_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_decode: bool | str = False):
+                 compile_decode: bool | str = False, fp8_weights: bool = False):
         self.cfg = cfg
         # Decode is ~40 small kernels a layer, each a few microseconds even inside a CUDA
         # graph; compiled, the elementwise work (norms, RoPE, SwiGLU, residuals) fuses.
@@ -225,8 +233,10 @@ class Model:
         # decode attention (cache write + attention) as one Triton kernel on CUDA; SDPA elsewhere
         self.fused_attention = triton_kernels.attention_supported(device, cfg.head_dim)
         # decode steps of <= 64 rows: Triton matmuls with the norms, SwiGLU and residuals fused
-        # (six launches a layer); ASYNCRL_TRITON_LAYERS=0 keeps the cuBLAS path
+        # (six launches a layer); ASYNCRL_TRITON_LAYERS=0 keeps the cuBLAS path; they read bf16
+        # weights, so FP8 linears (``fp8_weights``) take the FP8 GEMM instead
         self.triton_layers = (self.fused_attention and triton_layers.supported(device, dtype) and not cfg.qk_norm
+                              and not fp8_weights
                               and os.environ.get("ASYNCRL_TRITON_LAYERS", "1") != "0")
 
     def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=None):

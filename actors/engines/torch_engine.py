@@ -29,6 +29,15 @@ _DEFAULTS = EngineConfig()  # the one set of defaults: the config's
 _CLOSE_TIMEOUT_S = 30.0
 
 
+def _check_weight_dtype(weight_dtype: str, dtype: str, cuda: bool, reference_for_tests: bool) -> None:
+    if weight_dtype not in ("auto", "fp8"):
+        raise ValueError(f"weight_dtype={weight_dtype!r} is not 'auto' or 'fp8'")
+    if weight_dtype == "fp8" and not cuda and not reference_for_tests:
+        raise ValueError("weight_dtype='fp8' needs a CUDA device (its GEMMs run on FP8 tensor cores)")
+    if weight_dtype == "fp8" and cuda and dtype != "bfloat16":
+        raise ValueError(f"weight_dtype='fp8' needs dtype='bfloat16', got {dtype!r}")
+
+
 class _Stream:
     """Loop-side sink of one request."""
 
@@ -62,17 +71,22 @@ class TorchEngine(RolloutEngine):
     a string is a ``torch.compile`` mode, e.g. ``"max-autotune-no-cudagraphs"``.
     ``overlap_steps``: launch decode step k+1 before reading step k's tokens
     back (None: on for CUDA, off for CPU, where launching *is* computing).
+    ``weight_dtype``: "fp8" for FP8 linears (CUDA, bfloat16; :mod:`actors.engines.fp8_store`),
+    "auto" for weights in ``dtype``. ``fp8_reference_for_tests``: let "fp8" run on a CPU through
+    the slow reference GEMM, for tests only.
     """
 
     def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = _DEFAULTS.dtype,
                  max_num_seqs: int | None = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
                  seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
-                 compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None):
+                 compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None,
+                 weight_dtype: str = _DEFAULTS.weight_dtype, fp8_reference_for_tests: bool = False):
         cuda = str(device).startswith("cuda")
         if dtype in (None, "auto"):
             dtype = "bfloat16" if cuda else "float32"
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+        _check_weight_dtype(weight_dtype, dtype, cuda, fp8_reference_for_tests)
         if max_num_seqs is None and not cuda:
             max_num_seqs = CPU_MAX_NUM_SEQS
         if max_num_seqs is not None and max_num_seqs < 1:
@@ -88,6 +102,7 @@ class TorchEngine(RolloutEngine):
         self._cuda_graphs = cuda_graphs
         self._compile_decode = compile_decode
         self._overlap_steps = overlap_steps
+        self._weight_dtype = weight_dtype
         self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
         self._core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,7 +115,7 @@ class TorchEngine(RolloutEngine):
         """The engine ``rollout.engine`` describes (``type: torch``: :mod:`actors.engines.registry`)."""
         return cls(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                    max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
-                   compile_decode=cfg.compile_decode)
+                   compile_decode=cfg.compile_decode, weight_dtype=cfg.weight_dtype)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -115,7 +130,7 @@ class TorchEngine(RolloutEngine):
         self._loop = asyncio.get_running_loop()
         opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
                              self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode,
-                             self._overlap_steps)
+                             self._overlap_steps, weight_dtype=self._weight_dtype)
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")
@@ -288,7 +303,7 @@ class TorchEngine(RolloutEngine):
         store = self._core.weights
         return with_tied_head(store.params, store.cfg.tie_word_embeddings)
 
-    def statistics(self) -> dict[str, float]:
+    def statistics(self) -> dict[str, object]:
         """Counts for monitoring (read without locking; approximate while running)."""
         core = self._core
         return {
@@ -298,6 +313,7 @@ class TorchEngine(RolloutEngine):
             "max_num_seqs": self.max_num_seqs or 0,  # 0: not sized yet (before setup, on CUDA)
             "kv_cache_bytes": core.kv.nbytes if core and hasattr(core, "kv") else 0,
             "weights_bytes": core.weights.nbytes if core and hasattr(core, "weights") else 0,
+            **(core.weights.statistics() if core and hasattr(core, "weights") else {}),  # fp8: kernel, refusals
             "num_generated_tokens": core.num_generated_tokens if core else 0,
             "graph_capture_s": core.graph_capture_s if core else 0.0,
             **(core.timing if core else {}),
