@@ -53,6 +53,7 @@ class SpeculativeScheduler(Scheduler):
             hidden = h0
             for k in range(self.kv.num_modules):  # token i + k + 1 at column i (the tail is redrafted)
                 shifted = torch.cat([tokens[:, k + 1:], tokens.new_zeros(tokens.shape[0], k + 1)], dim=1)
+                shifted = shifted[:, : tokens.shape[1]]
                 hidden = module_forward(self.model, self.weights, self.kv, k, shifted, hidden, None, None, slots)
             W = self.kv.window
             at = last[:, None] - W + 1 + torch.arange(W, device=tokens.device)  # positions p-2K .. p-1
