@@ -8,6 +8,7 @@ speculation on too."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from scipy import stats
 import loop
 from actors.config import ConfigError, load_config
 from actors.engines import EngineConfig, FullWeights, make_engine
-from actors.engines import spec_sampling
+from actors.engines import spec_sampling, speculative
 from actors.engines.model import ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
@@ -194,3 +195,182 @@ def test_the_chi_square_test_catches_an_acceptance_rule_that_keeps_every_draft(s
     draws, _ = _draws(path, sampling)
     p_first, p_later = _joint_pvalues(draws, _exact_joint(hf, warp))
     assert min(p_first, p_later) < 1e-6, (p_first, p_later)
+
+
+# ---- stops, lengths, aborts and weight updates ------------------------------------------------
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(tiny_models, monkeypatch):
+    path = tiny_models["qwen2"][0]  # spec-init drafts: long accepted runs
+    runs: list[int] = []  # one row at a time: a + 1 tokens a step
+
+    def recording(*args):
+        out = real(*args)
+        runs.append(int(out.num_accepted[0]) + 1)
+        return out
+
+    real = speculative.speculative_sample
+    monkeypatch.setattr(speculative, "speculative_sample", recording)
+    inside = 0
+    for prompt in (PROMPTS[0], PROMPTS[1], PROMPTS[3]):
+        runs.clear()
+        (full,), _ = generate(spec_engine(path, 3), [req("f", prompt, 24)])
+        ends = set(itertools.accumulate([1, *runs]))  # the prefill's token, then each step's run
+        stops = list(dict.fromkeys(full.token_ids))  # each token once, at its first place
+        requests = [req(f"s{i}", prompt, 24, SamplingParams(temperature=0, stop_token_ids=(stop,)))
+                    for i, stop in enumerate(stops)]
+        outs, _ = generate(spec_engine(path, 3), requests)
+        for stop, out in zip(stops, outs):
+            cut = full.token_ids.index(stop) + 1
+            assert out.token_ids == full.token_ids[:cut] and out.finish_reason == "stop"
+            assert len(out.logprobs) == len(out.raw_logprobs) == len(out.token_versions) == cut
+            inside += cut not in ends  # the run it fell in went on past it
+    assert inside >= 2
+
+
+def test_speculation_never_emits_past_max_tokens_or_max_model_len(tiny_models):
+    path = tiny_models["qwen2"][0]
+    requests = [req(f"m{n}", PROMPTS[0], n) for n in range(1, 9)] + [req("edge", list(range(10)), 50)]
+    base, _ = generate(plain_engine(path, max_model_len=16), requests)
+    spec, _ = generate(spec_engine(path, 3, max_model_len=16), requests)  # drafts would run past the cache
+    for a, b in zip(base, spec):
+        assert b.token_ids == a.token_ids and b.finish_reason == "length"
+    assert [len(o.token_ids) for o in spec] == [*range(1, 9), 6]
+
+
+async def _stream_until(engine, request, num_tokens: int, then) -> GenerateOutput:
+    """Stream ``request``; once it has ``num_tokens`` tokens, await ``then()`` (gated on an
+    event, the stream consumed by a task of its own); its last output."""
+    seen: list[GenerateOutput] = []
+    reached = asyncio.Event()
+
+    async def consume():
+        async for out in engine.stream(request):
+            seen.append(out)
+            if len(out.token_ids) >= num_tokens:
+                reached.set()
+
+    task = asyncio.create_task(consume())
+    await reached.wait()
+    await then()
+    await task
+    return seen[-1]
+
+
+def test_a_weight_update_mid_speculation_leaves_no_stale_draft_state(tiny_models, drafted):
+    """After the update the request goes on as a fresh engine on the new weights
+    continues it: its drafts (and so its seeded draws) see no KV or hidden state of the
+    old weights."""
+    path = drafted[2]
+    state_b = {k: v.detach().clone() for k, v in tiny_models["qwen2-b"][1].state_dict().items()}
+    sampled = SamplingParams(temperature=1.0, seed=3)
+
+    async def crossing(request):
+        engine = spec_engine(path, 2)
+        await engine.setup()
+        try:
+            out = await _stream_until(engine, request, 4,
+                                      lambda: engine.update_weights(FullWeights(version=1, tensors=state_b)))
+            after = await engine.generate(req("after", PROMPTS[0], 12, request.sampling))
+            return out, after
+        finally:
+            await engine.close()
+
+    for sampling in (sampled, GREEDY):
+        out, after = loop.run(crossing(req("x", PROMPTS[1], 30, sampling)))
+        k = out.token_versions.count(0)
+        assert 4 <= k < 30 and out.token_versions == [0] * k + [1] * (30 - k)
+        fresh_path = str(Path(path).parent / "fresh_b")
+        if not Path(fresh_path).exists():  # the new weights as a checkpoint: MTP modules from the spec init
+            tiny_models["qwen2-b"][1].save_pretrained(fresh_path)
+        (rest, again), _ = generate(spec_engine(fresh_path, 2), [
+            req("x", PROMPTS[1] + out.token_ids[:k], 30 - k, sampling), req("after", PROMPTS[0], 12, sampling)])
+        assert out.token_ids[k:] == rest.token_ids
+        assert after.token_ids == again.token_ids
+
+
+def test_an_abort_mid_speculation_leaves_no_stale_draft_state(drafted):
+    path = drafted[2]
+    sampling = SamplingParams(temperature=1.0, seed=5)
+
+    async def body():
+        engine = spec_engine(path, 2, max_num_seqs=1)  # the next request takes the aborted one's slot
+        await engine.setup()
+        try:
+            partial = await _stream_until(engine, req("long", PROMPTS[2], 100), 5, lambda: engine.abort(["long"]))
+            return partial, await engine.generate(req("next", PROMPTS[1], 20, sampling))
+        finally:
+            await engine.close()
+
+    partial, after = loop.run(body())
+    (fresh,), _ = generate(spec_engine(path, 2, max_num_seqs=1), [req("next", PROMPTS[1], 20, sampling)])
+    assert partial.finish_reason == "abort" and 5 <= len(partial.token_ids) < 100
+    assert after.token_ids == fresh.token_ids and after.logprobs == fresh.logprobs
+
+
+# ---- weights and configuration -----------------------------------------------------------------
+def test_the_mtp_weights_are_initialised_as_the_spec_says_and_listed_for_pushes(tiny_models):
+    path = tiny_models["qwen2"][0]
+
+    async def body():
+        engine = TorchEngine(path, mtp_layers=2)  # speculation off: the modules are held all the same
+        await engine.setup()
+        try:
+            return {k: v.clone() for k, v in engine.named_weights().items()}
+        finally:
+            await engine.close()
+
+    named = loop.run(body())
+    h = named["model.norm.weight"].shape[0]
+    for k in range(2):
+        p = f"mtp.{k}."
+        assert torch.equal(named[p + "eh_proj.weight"], torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1))
+        assert torch.equal(named[p + "enorm.weight"], torch.ones(h)) and torch.equal(named[p + "hnorm.weight"],
+                                                                                     torch.ones(h))
+        assert torch.equal(named[p + "norm.weight"], named["model.norm.weight"])
+        assert torch.equal(named[p + "layer.mlp.down_proj.weight"], named["model.layers.1.mlp.down_proj.weight"])
+        assert torch.equal(named[p + "layer.self_attn.q_proj.bias"], named["model.layers.1.self_attn.q_proj.bias"])
+
+
+def test_checkpoint_mtp_weights_load_are_skipped_without_modules_and_too_many_is_an_error(drafted):
+    path = drafted[2]
+    cfg = ModelConfig.from_dir(path)
+    store = WeightStore(cfg, torch.device("cpu"), torch.float32, mtp_layers=2)
+    store.load_dir(path)
+    from safetensors.torch import load_file
+    saved = load_file(str(Path(path) / "mtp.safetensors"))
+    assert all(torch.equal(store.params[n], t) for n, t in saved.items())
+    WeightStore(cfg, torch.device("cpu"), torch.float32).load_dir(path)  # mtp_layers 0: skipped
+    one = WeightStore(cfg, torch.device("cpu"), torch.float32, mtp_layers=1)
+    with pytest.raises(ValueError, match=r"has 2 MTP modules \(mtp\.\*\), more than model\.mtp_layers=1$"):
+        one.load_dir(path)
+    three = WeightStore(cfg, torch.device("cpu"), torch.float32, mtp_layers=3)
+    three.load_dir(path)  # the third module is initialised, the first two loaded
+    assert torch.equal(three.params["mtp.1.eh_proj.weight"], saved["mtp.1.eh_proj.weight"])
+    assert torch.equal(three.params["mtp.2.norm.weight"], three.params["model.norm.weight"])
+
+
+def test_speculation_needs_mtp_modules_and_the_torch_engine(tiny_models):
+    path = tiny_models["qwen2"][0]
+    with pytest.raises(ConfigError, match=r"^rollout\.engine\.speculative: 'mtp' drafts with the MTP modules"):
+        load_config(None, ["rollout.engine.speculative=mtp"])
+    load_config(None, ["rollout.engine.speculative=mtp", "model.mtp_layers=2"])
+    with pytest.raises(ValueError, match=r"^speculative must be 'off' unless type is 'torch' \(type is 'vllm'\)$"):
+        EngineConfig(type="vllm", speculative="mtp")
+    with pytest.raises(ValueError, match=r"needs model\.mtp_layers > 0$"):
+        make_engine(EngineConfig(speculative="mtp"), path, seed=0)
+    engine = make_engine(EngineConfig(speculative="mtp"), path, seed=0, mtp_layers=2)
+    assert (engine._mtp_layers, engine._speculative) == (2, True)
+    with pytest.raises(ValueError, match=r"^rollout\.engine\.type: 'tests\.test_engine_speculative:no_mtp' "
+                                         r"does not take model\.mtp_layers"):
+        make_engine(EngineConfig(type="tests.test_engine_speculative:no_mtp"), path, seed=0, mtp_layers=1)
+
+
+def no_mtp(cfg, model_path, *, seed):
+    """An engine factory that does not take ``mtp_layers``."""
+    return TorchEngine(model_path, seed=seed)
+
+
+# ---- the engine contract, speculating --------------------------------------------------------
+class TestSpeculativeEngineContract(EngineContract):
+    @pytest.fixture
+    def engine_factory(self):
+        return lambda model_dir, **options: spec_engine(model_dir, 2, **options)
