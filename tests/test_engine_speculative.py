@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import shutil
 from pathlib import Path
 
@@ -374,3 +375,17 @@ class TestSpeculativeEngineContract(EngineContract):
     @pytest.fixture
     def engine_factory(self):
         return lambda model_dir, **options: spec_engine(model_dir, 2, **options)
+
+
+def test_the_benchmark_smoke_run_prints_its_keys(capsys):
+    from bench import speculative as bench_speculative
+
+    result = bench_speculative.main(["--smoke"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == result and printed["mtp_layers"] == 2 and printed["bench"] == "speculative"
+    (run,) = printed["runs"]
+    assert {"batch", "off", "mtp", "speedup", "acceptance_rate", "mean_tokens_per_spec_step"} <= set(run)
+    for mode in ("off", "mtp"):
+        assert {"tokens_per_s", "decode_tokens_per_s", "num_tokens", "num_spec_steps"} <= set(run[mode])
+    assert run["off"]["num_spec_steps"] == 0 < run["mtp"]["num_spec_steps"]
+    assert 0 <= run["acceptance_rate"] <= 1
