@@ -205,7 +205,8 @@ class EngineCore(SpeculativeScheduler):
         a colocated trainer's, decode graphs and activations take from the rest). Logged once."""
         o = self.opts
         free_bytes, _ = torch.cuda.mem_get_info(o.device)
-        n = slots_that_fit(int(free_bytes * _KV_SHARE_OF_FREE), self.cfg.num_layers, self.cfg.num_kv_heads,
+        num_layers = self.cfg.num_layers + (o.mtp_layers if o.speculative else 0)  # the drafts' KV too
+        n = slots_that_fit(int(free_bytes * _KV_SHARE_OF_FREE), num_layers, self.cfg.num_kv_heads,
                            -(-o.max_model_len // 16) * 16, self.cfg.head_dim, o.dtype, CUDA_MAX_NUM_SEQS)
         _log.info("rollout.engine.max_num_seqs: %d (KV cache of %d tokens each within %.0f%% of %.1f GiB free on %s)",
                   n, o.max_model_len, 100 * _KV_SHARE_OF_FREE, free_bytes / 2**30, o.device)
