@@ -221,6 +221,8 @@ def _check_consistency(cfg: Config) -> None:
             f"rollout.max_response_tokens: {cfg.rollout.max_response_tokens} leaves no room for "
             f"the prompt in rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}"
         )
+    if cfg.rollout.engine.speculative == "mtp" and cfg.model.mtp_layers == 0:
+        raise ConfigError("rollout.engine.speculative: 'mtp' drafts with the MTP modules; set model.mtp_layers > 0")
     _check_task(cfg.task, cfg.base_dir)
     _check_progress(cfg)
     p = cfg.policy

@@ -104,8 +104,10 @@ class RolloutActor(Actor):
     def __init__(self, *, engine: EngineConfig, model_path: str, seed: int, make_task: Callable[[], object],
                  sampling: SamplingParams, max_response_tokens: int, partial_rollout: bool,
                  next_request: Callable[..., object], absorb: Callable[..., bool], queue: TransferQueue,
-                 reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None) -> None:
+                 reward_timeout_s: float = 30.0, reward_workers: int = 8, torch_threads: int | None = None,
+                 mtp_layers: int = 0) -> None:
         self.engine_cfg, self.model_path, self.seed = engine, model_path, seed
+        self.mtp_layers = mtp_layers  # model.mtp_layers: the MTP modules the engine holds (and drafts with)
         self.make_task, self.sampling, self.max_response_tokens = make_task, sampling, max_response_tokens
         self.partial_rollout, self.reward_timeout_s = partial_rollout, reward_timeout_s
         self._next_request, self._absorb, self.queue = next_request, absorb, queue
@@ -144,7 +146,7 @@ class RolloutActor(Actor):
         self.task = self.make_task()
         self.note_startup("task_s", t0)
         t0 = time.perf_counter()
-        self.engine = make_engine(self.engine_cfg, self.model_path, seed=self.seed)
+        self.engine = make_engine(self.engine_cfg, self.model_path, seed=self.seed, mtp_layers=self.mtp_layers)
         await self.engine.setup()
         self.note_startup("engine_s", t0)  # weights loaded, KV cache allocated (CUDA graphs come lazily)
 

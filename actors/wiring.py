@@ -147,7 +147,7 @@ class Wiring:
                 max_response_tokens=r.max_response_tokens, partial_rollout=r.partial_rollout,
                 next_request=next_request, absorb=absorb, queue=self.queue,
                 reward_timeout_s=cfg.policy.reward_timeout_s, reward_workers=cfg.policy.reward_workers,
-                torch_threads=1)
+                torch_threads=1, mtp_layers=cfg.model.mtp_layers)
 
         trainer, rollouts = await self._start_actors(spawn_rollout)
         lap("actors_s")

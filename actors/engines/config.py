@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-__all__ = ["CPU_MAX_NUM_SEQS", "CUDA_MAX_NUM_SEQS", "EngineConfig"]
+__all__ = ["CPU_MAX_NUM_SEQS", "CUDA_MAX_NUM_SEQS", "EngineConfig", "check_speculative"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 #: ``max_num_seqs: null``: the sequences batched on a CPU, and on CUDA by vLLM / SGLang (which
@@ -58,6 +58,15 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     with torch.compile (compiles once per batch-size bucket: pays off in long runs).
     Batches of up to 64 rows run the fused Triton decode layers where those apply
     (Triton installed; Llama / Qwen2, not Qwen3's q/k norms)."""
+    speculative: Literal["off", "mtp"] = "off"
+    """Built-in engine only: ``mtp`` drafts ``model.mtp_layers`` (K) tokens a decode step with
+    the model's MTP modules and verifies them with the full model in one forward, by exact
+    speculative sampling: tokens and log-probs are the full model's, and a request advances
+    by 1 to K + 1 tokens a step (``docs/mtp.md``, "Speculative decoding"). It costs K module
+    forwards and a (K + 1)-token verify per step, the modules' KV cache (one layer each) and
+    eager steps (no CUDA graphs, no overlap). It pays where decode is bound by reading the
+    weights (small batches, long responses) and the drafts are often accepted; not with
+    untrained modules or compute-bound batches. Needs ``model.mtp_layers`` > 0."""
     url: str | None = None
     """``sglang`` only: base URL of a running SGLang server (``http://host:port``) serving
     the run's model; the adapter then needs no SGLang package, only HTTP. Weight updates
@@ -68,6 +77,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         self._resolve_auto()
         self._check_weight_dtype()
+        if self.speculative != "off" and self.type != "torch":
+            raise ValueError(f"speculative must be 'off' unless type is 'torch' (type is {self.type!r})")
         if self.url is None:
             return
         if self.type != "sglang":
@@ -101,3 +112,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.max_num_seqs is None and not (cuda and self.type == "torch"):
             self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
 
+
+
+def check_speculative(speculative: str, mtp_layers: int) -> None:
+    """``speculative`` (``rollout.engine.speculative``) against ``mtp_layers``
+    (``model.mtp_layers``): a one-line ``ValueError`` where they do not go together."""
+    if speculative not in ("off", "mtp"):
+        raise ValueError(f"speculative={speculative!r} is not one of 'off', 'mtp'")
+    if mtp_layers < 0:
+        raise ValueError(f"mtp_layers={mtp_layers} must be >= 0")
+    if speculative == "mtp" and mtp_layers == 0:
+        raise ValueError("speculative='mtp' drafts with the MTP modules: it needs model.mtp_layers > 0")

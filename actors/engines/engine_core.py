@@ -37,10 +37,12 @@ R = TypeVar("R")
 
 from actors.engines.config import CUDA_MAX_NUM_SEQS
 from actors.engines.cuda_graphs import DecodeGraphs
-from actors.engines.engine_steps import EngineOptions, Event, Scheduler, Seq
+from actors.engines.engine_steps import EngineOptions, Event, Seq
 from actors.engines.fp8_store import Fp8WeightStore
 from actors.engines.kv_cache import KVCache, SlotTable, slots_that_fit
 from actors.engines.model import Model, ModelConfig
+from actors.engines.mtp_model import DraftKVCache
+from actors.engines.speculative import SpeculativeScheduler
 from actors.engines.weights import FullWeights, WeightStore, update_targets
 from sync.apply import apply_update, stage_update
 
@@ -55,7 +57,7 @@ _KV_SHARE_OF_FREE = 0.5
 _log = logging.getLogger(__name__)
 
 
-class EngineCore(Scheduler):
+class EngineCore(SpeculativeScheduler):
     """Owns model, weights, KV cache and scheduling; lives on its thread. This
     half takes the loop's commands; :class:`Scheduler` runs the steps."""
 
@@ -89,7 +91,8 @@ class EngineCore(Scheduler):
         self.graph_capture_s = 0.0  # CUDA graphs: capturing every batch-size bucket at start
         self.timing = {"num_chain_breaks": 0, "num_decode_steps": 0, "decode_launch_s": 0.0, "decode_wait_s": 0.0,
                        "decode_post_s": 0.0, "prefill_s": 0.0, "num_prefills": 0, "num_prefill_seqs": 0,
-                       "num_turns": 0, "turn_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "device_wait_s": 0.0}
+                       "num_turns": 0, "turn_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "device_wait_s": 0.0,
+                       "num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0}
 
     # ---- called from the event loop ----------------------------------------------------------
     def start(self) -> None:
@@ -173,22 +176,25 @@ class EngineCore(Scheduler):
         torch.manual_seed(o.seed)
         self.cfg = ModelConfig.from_dir(o.model_path)
         fp8 = o.weight_dtype == "fp8"  # FP8 copies of the linears beside the master (actors.engines.fp8_store)
-        self.weights = (Fp8WeightStore if fp8 else WeightStore)(self.cfg, o.device, o.dtype)
+        self.weights = (Fp8WeightStore if fp8 else WeightStore)(self.cfg, o.device, o.dtype, mtp_layers=o.mtp_layers)
         self.weights.load_dir(o.model_path)
         self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
                            compile_decode=o.compile_decode if cuda else False, fp8_weights=fp8)
         if o.max_num_seqs is None:  # rollout.engine.max_num_seqs: null, on CUDA (a CPU config has 128)
             o.max_num_seqs = self._fitting_num_seqs()
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
-        self.kv = KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, -(-o.max_model_len // 16) * 16,
-                          self.cfg.head_dim, o.device, o.dtype)
+        cache_len = -(-o.max_model_len // 16) * 16
+        self.kv = (DraftKVCache(self.cfg, o.mtp_layers, o.max_num_seqs, cache_len, o.device, o.dtype) if o.speculative
+                   else KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, cache_len,
+                                self.cfg.head_dim, o.device, o.dtype))
         self._readback_dtype = torch.float32 if self.cfg.vocab_size <= 1 << 24 else torch.float64  # exact ids
         self.table = SlotTable(o.max_num_seqs, o.max_model_len, self._readback_dtype)
         self._noise = torch.Generator(device=o.device)
         self._noise.manual_seed(o.seed)
         self._pinned = [torch.empty(3 * o.max_num_seqs, dtype=torch.float64, pin_memory=True)
                         for _ in range(2)] if cuda else []
-        self.graphs = DecodeGraphs(self.model, o.max_num_seqs, o.device) if o.cuda_graphs and cuda else None
+        graphs = o.cuda_graphs and cuda and not o.speculative  # speculative steps run eager
+        self.graphs = DecodeGraphs(self.model, o.max_num_seqs, o.device) if graphs else None
         if self.graphs is not None:  # at start, not in the first steps of a run: each bucket once
             t0 = time.perf_counter()
             self.graphs.capture_all(self.weights, self.kv)
@@ -201,7 +207,8 @@ class EngineCore(Scheduler):
         a colocated trainer's, decode graphs and activations take from the rest). Logged once."""
         o = self.opts
         free_bytes, _ = torch.cuda.mem_get_info(o.device)
-        n = slots_that_fit(int(free_bytes * _KV_SHARE_OF_FREE), self.cfg.num_layers, self.cfg.num_kv_heads,
+        num_layers = self.cfg.num_layers + (o.mtp_layers if o.speculative else 0)  # the drafts' KV too
+        n = slots_that_fit(int(free_bytes * _KV_SHARE_OF_FREE), num_layers, self.cfg.num_kv_heads,
                            -(-o.max_model_len // 16) * 16, self.cfg.head_dim, o.dtype, CUDA_MAX_NUM_SEQS)
         _log.info("rollout.engine.max_num_seqs: %d (KV cache of %d tokens each within %.0f%% of %.1f GiB free on %s)",
                   n, o.max_model_len, 100 * _KV_SHARE_OF_FREE, free_bytes / 2**30, o.device)

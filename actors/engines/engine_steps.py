@@ -124,6 +124,8 @@ class EngineOptions:
     max_prefill_tokens: int
     compile_decode: bool | str
     overlap_steps: bool | None = None  # None: on for CUDA (see Scheduler._decode)
+    mtp_layers: int = 0  # MTP modules the weights hold (model.mtp_layers)
+    speculative: bool = False  # decode turns draft with them (actors/engines/speculative.py)
     weight_dtype: str = "auto"  # "fp8": FP8 linears (actors.engines.fp8_store); "auto": ``dtype``
 
     def __post_init__(self) -> None:
@@ -313,13 +315,16 @@ class Scheduler:
         batch = self._make_batch(seqs, meta[0])  # its copy is queued ahead of the forward
         meta = meta.to(device, non_blocking=True)
         t0 = time.perf_counter()
-        logits = self.model.prefill(self.weights, self.kv, tokens, meta[0], meta[1])
+        logits = self._prefill_logits(tokens, meta[0], meta[1])
         t1 = time.perf_counter()
         token, lp, raw = sample(logits, batch.params, meta[1] + 1)
         timing = self.timing
         timing["forward_s"] += t1 - t0
         timing["sample_s"] += time.perf_counter() - t1
         self._finish_decode(self._readback(batch, token, lp, raw), events, timed=False)
+
+    def _prefill_logits(self, tokens: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return self.model.prefill(self.weights, self.kv, tokens, slots, last)
 
     def _drain(self, events: list[Event]) -> None:
         """Finish the decode step in flight, if any (before anything that

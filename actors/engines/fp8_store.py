@@ -77,7 +77,7 @@ class Fp8WeightStore(WeightStore):
     :class:`~actors.engines.fp8.Fp8Linear` views of FP8 buffers kept in step with the master.
     Off CUDA it runs the reference GEMM (tests); on CUDA the kernel :func:`fp8.choose_kernel` picked."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, mtp_layers: int = 0):
         self.kernel = fp8.choose_kernel(device)
         self.num_refits_refused = 0
         self.stale = False  # a refit was refused: the master is ahead of the FP8 copies
@@ -100,7 +100,7 @@ class Fp8WeightStore(WeightStore):
         self._q = torch.zeros(q_total, dtype=fp8.FP8, device=device)
         self._s = torch.ones(s_total, dtype=torch.float32, device=device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        super().__init__(cfg, device, dtype)
+        super().__init__(cfg, device, dtype, mtp_layers=mtp_layers)  # MTP modules stay in dtype
 
     # ---- layout ------------------------------------------------------------------------------
     def _views(self, lin: _Linear, q_flat: torch.Tensor, s_flat: torch.Tensor,

@@ -80,6 +80,22 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(mask, float("-inf"))
 
 
+def log_probs(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, lp) [B, V] fp32 from logits [B, V]: the log-softmax of the logits as they are,
+    and of the distribution :func:`sample` draws from (temperature, then top-k and top-p;
+    greedy rows at temperature 1). ``lp`` is ``raw`` itself when nothing changes it."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    if params.unit_temperature and not params.any_greedy and not params.needs_filter:
+        return raw, raw
+    greedy = params.temperature <= 0
+    t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / t[:, None]
+    if params.needs_filter:
+        scaled = filter_logits(scaled, params.top_k, params.top_p)
+    return raw, torch.log_softmax(scaled, dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype; computed in fp32) -> (token [B] int64,
@@ -93,16 +109,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch, positions: torch.Tensor
         if params.unit_temperature:  # no greedy row: each sets a temperature other than 1
             return _sample_unit_temperature(logits.float(), params.generator)
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    if params.unit_temperature and not params.any_greedy and not params.needs_filter:
-        lp = raw
-    else:
-        greedy = params.temperature <= 0
-        t = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-        scaled = logits / t[:, None]
-        if params.needs_filter:
-            scaled = filter_logits(scaled, params.top_k, params.top_p)
-        lp = torch.log_softmax(scaled, dim=-1)
+    raw, lp = log_probs(logits, params)
     if params.generator is not None:
         noise = torch.rand(logits.shape, device=logits.device, generator=params.generator)
         noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # Gumbel(0, 1), in place

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from actors.engines.base import EngineAsleepError, EngineUpdate, RolloutEngine, check_in_flight, copy_output
-from actors.engines.config import CPU_MAX_NUM_SEQS, EngineConfig
+from actors.engines.config import CPU_MAX_NUM_SEQS, EngineConfig, check_speculative
 from actors.engines.engine_core import EngineCore
 from actors.engines.engine_steps import EngineOptions, Event, Seq
 from actors.engines.weights import with_tied_head
@@ -74,13 +74,17 @@ class TorchEngine(RolloutEngine):
     ``weight_dtype``: "fp8" for FP8 linears (CUDA, bfloat16; :mod:`actors.engines.fp8_store`),
     "auto" for weights in ``dtype``. ``fp8_reference_for_tests``: let "fp8" run on a CPU through
     the slow reference GEMM, for tests only.
+    ``mtp_layers``: MTP modules the weights hold (``model.mtp_layers``; ``docs/mtp.md``).
+    ``speculative``: ``"mtp"`` drafts ``mtp_layers`` tokens a step with them and verifies
+    them with the full model (``actors/engines/speculative.py``); ``"off"``.
     """
 
     def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = _DEFAULTS.dtype,
                  max_num_seqs: int | None = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
                  seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
                  compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None,
-                 weight_dtype: str = _DEFAULTS.weight_dtype, fp8_reference_for_tests: bool = False):
+                 weight_dtype: str = _DEFAULTS.weight_dtype, fp8_reference_for_tests: bool = False,
+                 mtp_layers: int = 0, speculative: str = _DEFAULTS.speculative):
         cuda = str(device).startswith("cuda")
         if dtype in (None, "auto"):
             dtype = "bfloat16" if cuda else "float32"
@@ -93,6 +97,7 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if max_model_len < 2:
             raise ValueError(f"max_model_len={max_model_len} must be >= 2")
+        check_speculative(speculative, mtp_layers)
         self.model_path = str(model_path)
         self._device_name = str(device)
         self._dtype = _DTYPES[dtype]
@@ -103,6 +108,7 @@ class TorchEngine(RolloutEngine):
         self._compile_decode = compile_decode
         self._overlap_steps = overlap_steps
         self._weight_dtype = weight_dtype
+        self._mtp_layers, self._speculative = mtp_layers, speculative == "mtp"
         self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
         self._core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -111,11 +117,13 @@ class TorchEngine(RolloutEngine):
         self._asleep = False
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, model_path: str, *, seed: int) -> TorchEngine:
-        """The engine ``rollout.engine`` describes (``type: torch``: :mod:`actors.engines.registry`)."""
+    def from_config(cls, cfg: EngineConfig, model_path: str, *, seed: int, mtp_layers: int = 0) -> TorchEngine:
+        """The engine ``rollout.engine`` describes (``type: torch``: :mod:`actors.engines.registry`),
+        holding ``mtp_layers`` MTP modules (``model.mtp_layers``)."""
         return cls(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                    max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
-                   compile_decode=cfg.compile_decode, weight_dtype=cfg.weight_dtype)
+                   compile_decode=cfg.compile_decode, weight_dtype=cfg.weight_dtype, mtp_layers=mtp_layers,
+                   speculative=cfg.speculative)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -130,7 +138,8 @@ class TorchEngine(RolloutEngine):
         self._loop = asyncio.get_running_loop()
         opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
                              self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode,
-                             self._overlap_steps, weight_dtype=self._weight_dtype)
+                             self._overlap_steps, self._mtp_layers, self._speculative,
+                             weight_dtype=self._weight_dtype)
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")

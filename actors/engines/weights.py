@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from actors.engines.model import ModelConfig
+from actors.engines.mtp_model import fresh_modules, init_modules, module_views, module_weight_names, mtp_shapes
 from contracts.weights import WeightUpdate
 
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -58,12 +59,17 @@ def update_targets(named: dict[str, object], update: WeightUpdate, *, tied: bool
 
 
 class WeightStore:
-    """HF-named views over one flat buffer, plus fused views for the forward."""
+    """HF-named views over one flat buffer, plus fused views for the forward.
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    ``mtp_layers`` = K > 0: the buffer holds the K MTP modules' ``mtp.{k}.*`` weights
+    too (``actors/engines/mtp_model.py``), written by name like every other weight;
+    K = 0: ``mtp.*`` weights of a checkpoint or an update are skipped."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, mtp_layers: int = 0):
         self.cfg = cfg
         self.dtype = dtype
-        self.shapes = cfg.param_shapes()
+        self.mtp_layers = mtp_layers
+        self.shapes = {**cfg.param_shapes(), **mtp_shapes(cfg, mtp_layers)}
         total = sum(_numel(s) for s in self.shapes.values())
         self.buffer: torch.Tensor | None = torch.empty(total, device=device, dtype=dtype)
         self._bind()
@@ -95,11 +101,9 @@ class WeightStore:
             flat = self.buffer[start : start + n]
             return flat.view(-1, cols) if cols else flat
 
-        self.layers = []
-        for i in range(cfg.num_layers):
-            pre = f"model.layers.{i}."
+        def layer(pre: str) -> SimpleNamespace:
             a, m = pre + "self_attn.", pre + "mlp."
-            self.layers.append(SimpleNamespace(
+            return SimpleNamespace(
                 input_norm=p[pre + "input_layernorm.weight"],
                 post_norm=p[pre + "post_attention_layernorm.weight"],
                 qkv_w=fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], cfg.hidden_size),
@@ -109,7 +113,10 @@ class WeightStore:
                 o_w=p[a + "o_proj.weight"],
                 gate_up_w=fused([m + "gate_proj.weight", m + "up_proj.weight"], cfg.hidden_size),
                 down_w=p[m + "down_proj.weight"],
-            ))
+            )
+
+        self.layers = [layer(f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.mtp = module_views(p, layer, self.mtp_layers)
         self.embed = p[EMBED]
         self.final_norm = p["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else p[LM_HEAD]
@@ -120,7 +127,12 @@ class WeightStore:
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"model_path={str(model_path)!r} has no *.safetensors files")
-        seen: set[str] = set()
+        names: list[str] = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                names += [n for n in sf.keys() if not self._skip(n)]
+        fresh = fresh_modules(names, self.mtp_layers, f"model_path={str(model_path)!r}")
+        seen = module_weight_names(self.shapes, fresh)  # initialised below, once the model's are in
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
@@ -132,21 +144,24 @@ class WeightStore:
         missing = sorted(set(self.shapes) - seen)
         if missing:
             raise ValueError(f"model_path={str(model_path)!r} lacks weights: {missing[:5]}")
+        init_modules(self.params, self.cfg, fresh)
 
     @torch.no_grad()
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a full HF-named state in place; checks everything before writing."""
         names = [n for n in tensors if not self._skip(n)]
+        fresh = fresh_modules(names, self.mtp_layers, "the full weight update")  # none: from the new weights
         for n in names:
             self._check(n, tuple(tensors[n].shape))
-        missing = sorted(set(self.shapes) - set(names))
+        missing = sorted(set(self.shapes) - set(names) - module_weight_names(self.shapes, fresh))
         if missing:
             raise ValueError(f"full weight update lacks weights: {missing[:5]}")
         for n in names:
             self.params[n].copy_(tensors[n])
+        init_modules(self.params, self.cfg, fresh)
 
     def _skip(self, name: str) -> bool:
-        return self.cfg.tie_word_embeddings and name == LM_HEAD
+        return (self.cfg.tie_word_embeddings and name == LM_HEAD) or (self.mtp_layers == 0 and name.startswith("mtp."))
 
     def _check(self, name: str, shape: tuple[int, ...]) -> None:
         if name not in self.shapes:
