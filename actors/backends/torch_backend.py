@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from actors.backends.activation_checkpointing import enable_activation_checkpointing
 from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_trainer_version, write_trainer_state
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.chunked_logprobs import chunked_logprobs
@@ -171,7 +172,7 @@ class TorchBackend(TrainerBackend):
             self._enable_packing()
         apply_kernels(self.model, self.kernels)
         if self.activation_checkpointing:
-            self._enable_activation_checkpointing()
+            enable_activation_checkpointing(self.model)
         if self.compile:
             compile_model(self.model)
         if self.cuda_graphs and self.padded_reason is not None:  # graphs need packing, which fell back as it does
@@ -367,23 +368,6 @@ class TorchBackend(TrainerBackend):
             return {**sums, "grad_norm": float(grad_norm), **counts}
         # the step's one device-to-host transfer, once everything is launched
         return {**metrics.read(grad_norm=grad_norm), **counts}
-
-    def _enable_activation_checkpointing(self) -> None:
-        """Hugging Face's per-layer checkpointing, which runs only in training mode:
-        the model is put in it, refused if that would turn on dropout."""
-        dropout = {k: v for k, v in self.model.config.to_dict().items()
-                   if "dropout" in k and isinstance(v, (int, float)) and v > 0}
-        if dropout or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
-            raise ValueError(f"trainer.activation_checkpointing: this model has dropout "
-                             f"({dropout or 'a Dropout module'}), which checkpointing's training mode would turn on")
-        if not getattr(self.model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"trainer.activation_checkpointing: {type(self.model).__name__} does not support it")
-        kwargs = {"use_reentrant": False}
-        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5's name
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.model.train()
 
     def _plan_passes(self, samples: list[Sample], advantages: list[float],
                      proximal_logprobs: list[list[float]] | None) -> tuple[list[list[int] | None], int]:
