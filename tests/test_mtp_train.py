@@ -172,6 +172,26 @@ def test_resume_keeps_mtp_weights_and_their_optimizer_state(tmp_path):
         plain.load(tmp_path / "ckpt")
 
 
+def test_an_export_carries_the_modules_and_starts_a_backend_with_them(tmp_path):
+    import safetensors.torch
+    import transformers
+
+    from actors.config import Config, ModelConfig
+    from actors.export import write_hf_dir
+
+    b = _backend()
+    b.train_step(_samples(), [0.0] * 6)
+    b.save(tmp_path / "trainer")
+    cfg = Config(model=ModelConfig(path=str(BUILTIN_MODEL_DIR), mtp_layers=2))
+    out = write_hf_dir(tmp_path / "trainer", cfg, tmp_path / "export", dtype="bfloat16")
+    saved = safetensors.torch.load_file(str(out / "model.safetensors"))
+    for name, t in _mtp(b).items():
+        assert torch.equal(saved[name], t.to(torch.bfloat16)), name
+    transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)  # HF skips mtp.*
+    again = _backend(out)
+    assert torch.equal(again.named_weights()["mtp.1.norm.weight"], saved["mtp.1.norm.weight"].float())
+
+
 def test_muon_steps_the_mtp_matrices():
     from actors.backends.config import MuonConfig
 
