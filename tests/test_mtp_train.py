@@ -96,18 +96,21 @@ def test_the_aux_loss_raises_next_next_token_accuracy_on_a_fixed_batch():
     assert first["loss"] == 0.0
 
 
-def test_packed_and_padded_batches_give_the_same_aux_loss_and_step():
+def test_packed_padded_and_checkpointed_batches_give_the_same_aux_loss_and_step():
+    """The MTP layers attend within each packed sequence as over a padded row, and
+    activation checkpointing (which recomputes the copied layer too) changes nothing."""
     samples = _samples()
     runs = {}
-    for packed in (True, False):
-        b = _backend(packed=packed)
-        assert b.packed == packed
-        runs[packed] = ([b.train_step(samples, [0.5, -0.5] * 3) for _ in range(2)], _mtp(b))
-    for got, want in zip(runs[True][0], runs[False][0]):
-        for key in ("mtp/loss_0", "mtp/loss_1", "mtp/acc_0", "mtp/acc_1", "loss"):
-            assert got[key] == pytest.approx(want[key], abs=1e-5), key
-    for name, t in runs[True][1].items():  # Adam's step turns 1e-9 grads' fp32 noise into ~1e-5 (lr 1e-3)
-        torch.testing.assert_close(t, runs[False][1][name], atol=5e-5, rtol=1e-4)
+    for name, kw in {"packed": {}, "padded": {"packed": False}, "checkpointed": {"activation_checkpointing": True}}.items():
+        b = _backend(**kw)
+        assert b.packed == (name != "padded")
+        runs[name] = ([b.train_step(samples, [0.5, -0.5] * 3) for _ in range(2)], _mtp(b))
+    for other in ("padded", "checkpointed"):
+        for got, want in zip(runs[other][0], runs["packed"][0]):
+            for key in ("mtp/loss_0", "mtp/loss_1", "mtp/acc_0", "mtp/acc_1", "loss"):
+                assert got[key] == pytest.approx(want[key], abs=1e-5), (other, key)
+        for name, t in runs[other][1].items():  # Adam's step turns 1e-9 grads' fp32 noise into ~1e-5 (lr 1e-3)
+            torch.testing.assert_close(t, runs["packed"][1][name], atol=5e-5, rtol=1e-4)
 
 
 def test_scored_positions_are_the_response_targets_two_and_three_ahead_within_each_sequence():
