@@ -14,7 +14,10 @@ own architecture (the torch backend saves the HF model it trains, whatever the
 number of workers; the megatron backend converts back to HF names), so an export
 copies it without the optimizer state and RNG files and adds what serving needs
 from the run's ``model.path`` directory: the tokenizer and the generation
-config. The built-in tiny-qwen2 is a plain ``Qwen2ForCausalLM``, so its exports
+config. The multi-token prediction modules of a run with ``model.mtp_layers`` are in the
+trainer checkpoint under their spec names (``mtp.{k}.*``, docs/mtp.md) and so in the
+export too: transformers skips them, a run or engine with ``model.mtp_layers`` reads them.
+The built-in tiny-qwen2 is a plain ``Qwen2ForCausalLM``, so its exports
 are too. The directory loads with ``transformers.AutoModelForCausalLM`` and is a
 ``model.path`` for a new run (the built-in engine, vLLM). A model directory
 without tokenizer files (a run on a built-in symbol task builds its tokenizer)

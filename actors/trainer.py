@@ -50,17 +50,17 @@ class TrainerActor(Actor):
     ``trainer``: the backend's config section; ``sync``: the weight-sync
     section; ``loss``: the loss object and ``advantages(rewards, groups)`` the
     advantage estimator (policy math, injected); ``queue``: the TransferQueue
-    client batches come from."""
+    client batches come from; ``mtp_layers``: ``model.mtp_layers``, the MTP modules the backend trains."""
 
     preload = ("actors.backends.torch_backend", "transformers.modeling_utils")  # ProcessRuntime.prestart
 
     def __init__(self, *, trainer: TrainerConfig, sync: SyncConfig, model_path: str, seed: int, loss: Loss,
                  advantages: Callable[..., torch.Tensor], queue: TransferQueue, engine_dtype: str,
                  torch_threads: int | None = None, rank: int = 0, world_size: int = 1,
-                 group_init: str | None = None) -> None:
+                 group_init: str | None = None, mtp_layers: int = 0) -> None:
         self.trainer_cfg, self.sync_cfg, self.model_path, self.seed = trainer, sync, model_path, seed
         self.loss, self.advantages, self.queue, self.engine_dtype = loss, advantages, queue, engine_dtype
-        self.torch_threads = torch_threads
+        self.torch_threads, self.mtp_layers = torch_threads, mtp_layers
         # data parallel (trainer.num_workers > 1): this worker's rank in the trainers' group
         self.rank, self.world_size, self.group_init = rank, world_size, group_init
         self.backend: TrainerBackend | None = None
@@ -87,7 +87,8 @@ class TrainerActor(Actor):
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(minutes=10))
         t0 = time.perf_counter()
-        self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss)
+        self.backend = make_backend(self.trainer_cfg, self.model_path, seed=self.seed, loss=self.loss,
+                                    mtp_layers=self.mtp_layers)
         self.backend.setup()
         self.note_startup("model_s", t0)  # model loaded to its device, optimizer built
         if self.world_size > 1 and self.backend.shard_specs() is None:

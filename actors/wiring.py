@@ -200,7 +200,8 @@ class Wiring:
             trainer=msgspec.structs.replace(cfg.trainer, device=trainer_device), sync=cfg.sync,
             model_path=self.model_path, seed=cfg.run.seed, loss=policies.losses.make_loss_from_config(cfg.trainer),
             advantages=grpo_advantages, queue=self.queue, engine_dtype=cfg.rollout.engine.dtype,
-            torch_threads=1, rank=rank, world_size=n, group_init=group_init, ray_options=self._where("trainer", rank))
+            torch_threads=1, rank=rank, world_size=n, group_init=group_init, mtp_layers=cfg.model.mtp_layers,
+            ray_options=self._where("trainer", rank))
             for rank in range(n)), *(spawn_rollout(i) for i in range(cfg.rollout.num_actors)),
             return_exceptions=True)
         failed = [x for x in spawned if isinstance(x, BaseException)]

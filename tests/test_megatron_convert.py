@@ -5,6 +5,8 @@ backend itself (megatron-core's modules on CPU, then on a GPU) is in tests/test_
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -68,12 +70,50 @@ def test_fused_fc1_is_gate_rows_then_up_rows():
     assert torch.equal(first, gate) and torch.equal(second, up)
 
 
+def _with_mtp(model: transformers.PreTrainedModel, num_mtp: int, tmp_path) -> mc.GptShape:
+    """``model`` with ``num_mtp`` MTP modules (``model.mtp``), their weights random so that a
+    map that mixes two of them up shows; the shape with ``mtp_layers`` set."""
+    from actors.backends.mtp import attach_mtp
+
+    attach_mtp(model, num_mtp, tmp_path)  # a directory without weights: every module initialised
+    with torch.no_grad():
+        for p in model.mtp.parameters():
+            p.copy_(torch.randn_like(p))
+    return dataclasses.replace(mc.GptShape.from_hf_config(model.config), mtp_layers=num_mtp)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_tensor_parallel_slices_of_two_ranks_assemble_every_hf_tensor(kind):
-    """Each rank's local Megatron tensors give contiguous HF slices; together they tile each
-    HF tensor exactly once (norms: whole on each rank); the padded vocabulary row is dropped."""
+def test_mtp_modules_map_to_megatrons_names_and_back_exactly(kind, tmp_path):
     model = hf_model(kind)
-    hf, shape = model.state_dict(), mc.GptShape.from_hf_config(model.config)
+    shape = _with_mtp(model, 2, tmp_path)
+    hf = model.state_dict()
+    meg = mc.hf_to_megatron(hf, shape)
+    assert list(meg) == mc.megatron_names(shape)
+    p = "mtp.layers.1."
+    assert {p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight", p + "final_layernorm.weight",
+            p + "transformer_layer.mlp.linear_fc1.weight"} <= set(meg)
+    assert torch.equal(meg[p + "final_layernorm.weight"], hf["mtp.1.norm.weight"])
+    assert torch.equal(meg[p + "transformer_layer.self_attention.linear_qkv.weight"],
+                       mc.fuse_qkv(*(hf[f"mtp.1.layer.self_attn.{x}_proj.weight"] for x in "qkv"), 2))
+    assert tuple(meg[p + "eh_proj.weight"].shape) == (64, 128)
+    back = mc.megatron_to_hf(meg, shape)
+    assert list(back) == list(hf)  # the torch backend's state_dict order, mtp.* last
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+    names = [n for n in mc.hf_full_shapes(shape) if not (shape.tied and n == "lm_head.weight")]
+    assert names == [n for n, _ in model.named_parameters()]  # the optimizer state's order
+    assert {n: tuple(t.shape) for n, t in hf.items()} == {n: s for n, s in mc.hf_full_shapes(shape).items()
+                                                         if n in hf}
+
+
+@pytest.mark.parametrize("kind,num_mtp", [("qwen2", 0), ("llama", 0), ("qwen2", 1)])
+def test_tensor_parallel_slices_of_two_ranks_assemble_every_hf_tensor(kind, num_mtp, tmp_path):
+    """Each rank's local Megatron tensors give contiguous HF slices; together they tile each
+    HF tensor exactly once (norms: whole on each rank); the padded vocabulary row is dropped.
+    An MTP module's eh_proj is split by rows (column parallel), its layer as the others."""
+    model = hf_model(kind)
+    shape = _with_mtp(model, num_mtp, tmp_path) if num_mtp else mc.GptShape.from_hf_config(model.config)
+    hf = model.state_dict()
     full = mc.hf_to_megatron(hf, shape)
     tp = 2
     assert shape.padded_vocab_size(tp) == 38

@@ -3,7 +3,8 @@
     samples ─► padded_batch: right-padded [B, L] ids, response positions [B, T], mask [B, T]
             ─► the backend's forward: logits [B, L, V]
             ─► response_logprobs: log-probs and entropy of the response tokens [B, T] (temperature 1)
-            ─► loss(logprobs, rollout_logprobs, advantages, mask) x the micro-batch's token share
+            ─► loss(logprobs, rollout_logprobs, advantages, mask) (+ an auxiliary loss the same
+               forward computed: model.mtp_layers) x the micro-batch's token share
             ─► backward (gradients add up over the micro-batches)
 
 A micro-batch's loss is a token mean over it; scaled by its share of the
@@ -28,11 +29,14 @@ from actors.backends.base import Loss
 from actors.backends.batching import pad_values, to_device
 from contracts.sample import Sample
 
-__all__ = ["Forward", "PassMetrics", "accumulate", "accumulate_passes", "padded_batch", "response_logprobs",
+__all__ = ["Aux", "Forward", "PassMetrics", "accumulate", "accumulate_passes", "padded_batch", "response_logprobs",
            "run_passes"]
 
 #: A backend's forward over samples: (log-probs ``[B, T]``, entropy ``[B, T]``, mask ``[B, T]``).
 Forward = Callable[[list[Sample]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: What the last training forward computed besides the log-probs: an auxiliary loss (0-d, in
+#: the graph, added to the policy loss before the backward) and its metrics (the MTP loss).
+Aux = Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
 
 
 def padded_batch(samples: list[Sample], pad_id: int, device: torch.device,
@@ -77,9 +81,10 @@ def response_logprobs(logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
 
 
 def accumulate(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
-               proximal_logprobs: list[list[float]] | None, weight: float) -> dict[str, torch.Tensor | float]:
+               proximal_logprobs: list[list[float]] | None, weight: float,
+               aux: Aux | None = None) -> dict[str, torch.Tensor | float]:
     """Forward + backward of one micro-batch; its loss (a token mean over the
-    micro-batch) is scaled by ``weight``, its share of the batch's tokens.
+    micro-batch, plus ``aux()``'s loss when given) is scaled by ``weight``, its share of the batch's tokens.
     Returns the micro-batch's loss, entropy and the loss's metrics, unread: 0-d
     device tensors (a loss's metric may be a float already)."""
     width = max(max(len(s.response_ids) for s in samples), 1)  # the [B, T] of every forward
@@ -98,7 +103,11 @@ def accumulate(loss: Loss, forward: Forward, samples: list[Sample], advantages: 
     if proximal:
         extra["proximal_logprobs"] = proximal[0]
     value, metrics = loss(logprobs, rollout, adv, mask, **extra)
-    (value * weight).backward()
+    total = value
+    if aux is not None:
+        aux_loss, aux_metrics = aux()
+        total, metrics = value + aux_loss, {**metrics, **aux_metrics}
+    (total * weight).backward()
     num_tokens = float(sum(len(s.response_ids) for s in samples))  # mask.sum(), known here
     return {
         "loss": value.detach(),
@@ -154,28 +163,30 @@ class PassMetrics:
 
 def run_passes(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
                proximal_logprobs: list[list[float]] | None, passes: list[list[int] | None],
-               total_tokens: float, filler: Sample | None = None) -> PassMetrics:
+               total_tokens: float, filler: Sample | None = None, aux: Aux | None = None) -> PassMetrics:
     """:func:`accumulate` over ``passes`` (index lists into ``samples``; ``None``: a
     weight-0 pass on ``filler``, whose collectives match a busier rank's), each
-    weighted by its share of ``total_tokens``. The metrics come back unread
-    (a weight-0 pass only names its keys)."""
+    weighted by its share of ``total_tokens``, ``aux`` read after each forward. The
+    metrics come back unread (a weight-0 pass only names its keys)."""
     out = PassMetrics()
     for idx in passes:
         if idx is None:
             assert filler is not None, "a weight-0 pass needs a filler sample"
             prox = None if proximal_logprobs is None else [[0.0]]
-            out.name(accumulate(loss, forward, [filler], [0.0], prox, 0.0))
+            out.name(accumulate(loss, forward, [filler], [0.0], prox, 0.0, aux))
             continue
         part = [samples[i] for i in idx]
         prox = None if proximal_logprobs is None else [proximal_logprobs[i] for i in idx]
         weight = sum(len(s.response_ids) for s in part) / max(total_tokens, 1)
-        out.add(accumulate(loss, forward, part, [advantages[i] for i in idx], prox, weight), weight)
+        out.add(accumulate(loss, forward, part, [advantages[i] for i in idx], prox, weight, aux), weight)
     return out
 
 
 def accumulate_passes(loss: Loss, forward: Forward, samples: list[Sample], advantages: list[float],
                       proximal_logprobs: list[list[float]] | None, passes: list[list[int] | None],
-                      total_tokens: float, sums: dict[str, float], filler: Sample | None = None) -> dict[str, float]:
+                      total_tokens: float, sums: dict[str, float], filler: Sample | None = None,
+                      aux: Aux | None = None) -> dict[str, float]:
     """:func:`run_passes`, its token-weighted metrics read (one transfer) and added
     into ``sums``, which it returns."""
-    return run_passes(loss, forward, samples, advantages, proximal_logprobs, passes, total_tokens, filler).read(sums)
+    return run_passes(loss, forward, samples, advantages, proximal_logprobs, passes, total_tokens, filler,
+                      aux).read(sums)

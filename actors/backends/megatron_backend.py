@@ -10,6 +10,8 @@ Llama / Qwen2 checkpoint, Megatron's distributed optimizer, an injected loss.
             ─► finish_grad_sync (DP sum) ─► clip + Adam on fp32 main params ─► version += 1
     push:   named_weights(): Megatron params ─► HF names (this rank's slices, shard_specs();
             actors.backends.megatron_state, with save / load)
+    MTP:    model.mtp_layers 1: megatron-core's own MTP block, its loss injected into the same
+            backward, its weights under the spec's mtp.0.* names (actors.backends.megatron_mtp)
 
 Megatron-core's models need CUDA (its rotary embedding, default masks and
 optimizer allocate on ``torch.cuda.current_device()``), so this backend runs on
@@ -33,6 +35,7 @@ Checkpoints are the torch backend's files: an HF directory (``config.json`` +
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -48,8 +51,10 @@ from actors.backends.base import Loss, TrainerBackend
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.config import TrainerConfig
 from actors.backends.loss_pass import accumulate_passes, padded_batch, response_logprobs
+from actors.backends.megatron_mtp import MegatronMtp, mtp_block_spec, mtp_unsupported
 from actors.backends.megatron_state import ADAM_EPS, DTYPES, MegatronState
 from actors.backends.mixed_precision import MainParamsOptimizer
+from actors.backends.mtp_weights import mtp_state
 from actors.models import load_causal_lm, resolve_model_path
 from contracts.sample import Sample
 from contracts.weights import ShardSpec
@@ -86,6 +91,8 @@ class MegatronBackend(MegatronState, TrainerBackend):
         master_dtype: str | None = _DEFAULTS.master_dtype,
         tensor_parallel_size: int = _DEFAULTS.tensor_parallel_size,
         distributed_optimizer: bool = True,
+        mtp_layers: int = 0,
+        mtp_loss_weight: float = _DEFAULTS.mtp_loss_weight,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -100,6 +107,10 @@ class MegatronBackend(MegatronState, TrainerBackend):
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if not callable(loss) or not hasattr(loss, "needs_proximal"):
             raise TypeError(f"loss must be a Loss (policies.losses.make_loss(name, **options)), got {loss!r}")
+        if (why := mtp_unsupported(mtp_layers)) is not None:
+            raise ValueError(why)
+        self.mtp_layers, self.mtp_loss_weight = mtp_layers, mtp_loss_weight
+        self._mtp: MegatronMtp | None = None  # mtp_layers > 0, from setup()
         self.model_path, self.loss, self.seed = model_path, loss, seed
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -119,11 +130,14 @@ class MegatronBackend(MegatronState, TrainerBackend):
         self._specs: dict[str, ShardSpec] = {}
 
     @classmethod
-    def from_config(cls, cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss) -> MegatronBackend:
-        """The backend the ``trainer`` section describes (``backend: megatron``: :mod:`actors.backends.registry`)."""
+    def from_config(cls, cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss,
+                    mtp_layers: int = 0) -> MegatronBackend:
+        """The backend the ``trainer`` section describes (``backend: megatron``: :mod:`actors.backends.registry`),
+        with ``mtp_layers`` MTP modules (``model.mtp_layers``)."""
         return cls(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
                    lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
-                   micro_batch_tokens=cfg.micro_batch_tokens, tensor_parallel_size=cfg.tensor_parallel_size)
+                   micro_batch_tokens=cfg.micro_batch_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
+                   mtp_layers=mtp_layers, mtp_loss_weight=cfg.mtp_loss_weight)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -133,7 +147,7 @@ class MegatronBackend(MegatronState, TrainerBackend):
         model_dir = resolve_model_path(self.model_path)
         self.model_dir = model_dir
         self.hf_config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        self.shape = mc.GptShape.from_hf_config(self.hf_config)
+        self.shape = dataclasses.replace(mc.GptShape.from_hf_config(self.hf_config), mtp_layers=self.mtp_layers)
         self.shape.check_tp(self.tp_size)
         self._init_device()
         self._init_parallel()
@@ -143,7 +157,11 @@ class MegatronBackend(MegatronState, TrainerBackend):
         if sorted(live) != sorted(expected):
             raise RuntimeError(f"megatron-core's GPTModel has parameters {sorted(set(live) - set(expected))} the "
                                f"converter does not know and lacks {sorted(set(expected) - set(live))}")
-        self._copy_in(mc.hf_to_megatron(self._read_hf_weights(model_dir), self.shape))
+        hf = self._read_hf_weights(model_dir)
+        if self.mtp_layers:  # the checkpoint's modules, or the spec's start (actors.backends.mtp_weights)
+            hf.update(mtp_state(hf, hf, self.mtp_layers, self.shape.num_layers, where=f"model {str(model_dir)!r}"))
+            self._mtp = MegatronMtp(self.model, self.mtp_layers, self.shape.vocab_size, self.tp_group, self.tp_size)
+        self._copy_in(mc.hf_to_megatron(hf, self.shape))
         self._build_optimizer()
         self.pad_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
         self._metric_keys = self._loss_metric_keys()
@@ -210,11 +228,15 @@ class MegatronBackend(MegatronState, TrainerBackend):
             bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
             # DDP sums data-parallel grads: the loss is already weighted by global tokens
             calculate_per_token_loss=True,
+            mtp_num_layers=self.mtp_layers or None, mtp_loss_scaling_factor=self.mtp_loss_weight,
         )
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         model = GPTModel(
-            config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config, layer_spec, mtp_block_spec=mtp_block_spec(config, layer_spec) if self.mtp_layers else None,
             vocab_size=s.padded_vocab_size(self.tp_size), max_sequence_length=s.max_position_embeddings,
-            parallel_output=False,  # logits gathered over TP: the log-softmax is the torch backend's
+            # logits gathered over TP: the log-softmax is the torch backend's (with MTP, megatron-core's
+            # MTP loss needs them vocab-parallel: MegatronMtp gathers the main ones)
+            parallel_output=bool(self.mtp_layers),
             share_embeddings_and_output_weights=s.tied, position_embedding_type="rope",
             rotary_base=s.rotary_base, rotary_percent=1.0,
         )
@@ -281,7 +303,8 @@ class MegatronBackend(MegatronState, TrainerBackend):
         z = torch.zeros(1, 1)
         _, metrics = self.loss(z, z, torch.zeros(1), torch.ones(1, 1),
                                proximal_logprobs=z if self.loss.needs_proximal else None)
-        return ["loss", "entropy", *metrics]
+        mtp = [f"mtp/{m}_{k}" for k in range(self.mtp_layers) for m in ("loss", "acc")]
+        return ["loss", "entropy", *metrics, *mtp]
 
     @property
     def version(self) -> int:
@@ -295,20 +318,23 @@ class MegatronBackend(MegatronState, TrainerBackend):
 
     # -- the loss pass (actors.backends.loss_pass) ----------------------------------
 
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, L, V]`` logits of the real vocabulary. Causal attention only: with right
-        padding no real token sees a pad, so no padding mask is needed."""
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, L, V]`` logits of the real vocabulary (response positions ``pos`` / ``mask``:
+        the MTP loss's targets). Causal attention only: with right padding no real token sees
+        a pad, so no padding mask is needed."""
         length = ids.shape[1]
         position_ids = torch.arange(length, device=ids.device).unsqueeze(0).expand_as(ids)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]  # True: masked
         module = self.ddp if self.ddp is not None else self.model
+        if self._mtp is not None:
+            return self._mtp.logits(module, ids, pos, mask, position_ids=position_ids, attention_mask=causal)
         logits = module(input_ids=ids, position_ids=position_ids, attention_mask=causal)
         return logits[..., : self.shape.vocab_size]
 
     def _response_logprobs(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs ``[B, T]`` of each response token (temperature 1), entropy ``[B, T]`` and mask."""
         ids, _, pos, mask = padded_batch(samples, self.pad_id, self.device)
-        return response_logprobs(self._logits(ids), ids, pos, mask)
+        return response_logprobs(self._logits(ids, pos, mask), ids, pos, mask)
 
     def _agree(self, error: str | None) -> None:
         """Raise on every rank when any rank's input was refused (before any collective
@@ -389,8 +415,11 @@ class MegatronBackend(MegatronState, TrainerBackend):
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         passes = micro_batches(samples, self.micro_batch_tokens) if samples else []
+        if self._mtp is not None:  # its loss: a sum over response tokens, / the global batch's
+            self._mtp.set_scale(1.0 / max(total_tokens, 1.0))
         sums = accumulate_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
-                                 passes, total_tokens, dict.fromkeys(self._metric_keys, 0.0))
+                                 passes, total_tokens, dict.fromkeys(self._metric_keys, 0.0),
+                                 aux=self._mtp and self._mtp.take)
         sums = dict(zip(sums, self._dp_sum(list(sums.values()))))
         grad_norm = self._step()
         self._version += 1

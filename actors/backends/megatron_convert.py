@@ -17,6 +17,14 @@ layer spec (``get_gpt_layer_local_spec(normalization="RMSNorm")``)::
     model.norm.weight                  [H]            decoder.final_layernorm.weight
     lm_head.weight (untied only)       [V, H]         output_layer.weight                 [Vp, H]
 
+Multi-token prediction modules (``GptShape.mtp_layers`` K; names of docs/mtp.md), megatron-core's
+``MultiTokenPredictionBlock`` (``get_gpt_mtp_block_spec``, local spec)::
+
+    mtp.k.enorm.weight / hnorm.weight  [H]            mtp.layers.k.enorm.weight / hnorm.weight
+    mtp.k.eh_proj.weight               [H, 2H]        mtp.layers.k.eh_proj.weight (column parallel)
+    mtp.k.layer.<as layers.i above>                   mtp.layers.k.transformer_layer.<as decoder.layers.i>
+    mtp.k.norm.weight                  [H]            mtp.layers.k.final_layernorm.weight
+
 The fused qkv layout is the one ``SelfAttention.get_query_key_value_tensors``
 splits (megatron/core/transformer/attention.py: ``[sq, b, ng, (np/ng + 2) * hn]``
 then ``split([np/ng * hn, hn, hn], dim=3)``); gate-then-up is the order the
@@ -69,6 +77,7 @@ class GptShape:
     rms_norm_eps: float
     rotary_base: float
     max_position_embeddings: int
+    mtp_layers: int = 0  # model.mtp_layers: not in the HF config; the backend sets it
 
     @classmethod
     def from_hf_config(cls, cfg: object) -> GptShape:
@@ -153,19 +162,31 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _LAYER = "decoder.layers.{i}."
 _HF_LAYER = "model.layers.{i}."
+_MTP = "mtp.layers.{k}."
+_HF_MTP = "mtp.{k}."
+#: The parts of an MTP module that are not its decoder layer: Megatron name -> HF name.
+_MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+              "final_layernorm.weight": "norm.weight"}
+
+
+def _layer_prefixes(shape: GptShape) -> list[tuple[str, str]]:
+    """(Megatron, HF) name prefix of every decoder layer: the model's, then each MTP module's."""
+    return ([(_LAYER.format(i=i), _HF_LAYER.format(i=i)) for i in range(shape.num_layers)]
+            + [(_MTP.format(k=k) + "transformer_layer.", _HF_MTP.format(k=k) + "layer.")
+               for k in range(shape.mtp_layers)])
 
 
 def megatron_names(shape: GptShape) -> list[str]:
     """Every parameter name of the Megatron ``GPTModel`` (local spec), in model order."""
     names = ["embedding.word_embeddings.weight"]
-    for i in range(shape.num_layers):
-        p = _LAYER.format(i=i)
+    for p, _ in _layer_prefixes(shape):
         names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
                   p + "self_attention.linear_qkv.weight"]
         if shape.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
         names += [p + "pre_mlp_layernorm.weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
+    names += [_MTP.format(k=k) + part for k in range(shape.mtp_layers) for part in _MTP_PARTS]
     if not shape.tied:
         names.append("output_layer.weight")
     return names
@@ -177,8 +198,9 @@ def _simple_pairs(shape: GptShape) -> dict[str, str]:
              "decoder.final_layernorm.weight": "model.norm.weight"}
     if not shape.tied:
         pairs["output_layer.weight"] = "lm_head.weight"
-    for i in range(shape.num_layers):
-        p, h = _LAYER.format(i=i), _HF_LAYER.format(i=i)
+    for k in range(shape.mtp_layers):
+        pairs.update({_MTP.format(k=k) + m: _HF_MTP.format(k=k) + h for m, h in _MTP_PARTS.items()})
+    for p, h in _layer_prefixes(shape):
         pairs[p + "input_layernorm.weight"] = h + "input_layernorm.weight"
         pairs[p + "pre_mlp_layernorm.weight"] = h + "post_attention_layernorm.weight"
         pairs[p + "self_attention.linear_proj.weight"] = h + "self_attn.o_proj.weight"
@@ -187,7 +209,9 @@ def _simple_pairs(shape: GptShape) -> dict[str, str]:
 
 
 def _hf_layer(name: str) -> str:
-    """``decoder.layers.3.x`` -> ``model.layers.3.``"""
+    """``decoder.layers.3.x`` -> ``model.layers.3.``; ``mtp.layers.0.transformer_layer.x`` -> ``mtp.0.layer.``"""
+    if name.startswith("mtp."):
+        return _HF_MTP.format(k=name.split(".")[2]) + "layer."
     return _HF_LAYER.format(i=name.split(".")[2])
 
 
@@ -262,6 +286,11 @@ def hf_full_shapes(shape: GptShape) -> dict[str, tuple[int, ...]]:
         out[p + "post_attention_layernorm.weight"] = (h,)
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (shape.vocab_size, h)
+    for k in range(shape.mtp_layers):  # after lm_head: the torch backend's parameter order
+        p, last = _HF_MTP.format(k=k), _HF_LAYER.format(i=shape.num_layers - 1)
+        out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h)})
+        out.update({p + "layer." + n[len(last):]: v for n, v in list(out.items()) if n.startswith(last)})
+        out[p + "norm.weight"] = (h,)
     return out
 
 
@@ -285,7 +314,7 @@ def megatron_to_hf_local(mc: Mapping[str, torch.Tensor], shape: GptShape, *, tp_
             out[pairs[name]] = HfSlice(t[:real], 0, start)
         elif name in pairs:
             dim = 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
-            offset = tp_rank * t.shape[1] if dim == 1 else 0
+            offset = tp_rank * t.shape[dim] if _tp_kind(name) != "replicated" else 0
             out[pairs[name]] = HfSlice(t, dim, offset)
         elif name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             kind = name.rsplit(".", 1)[1]
@@ -313,7 +342,7 @@ def _tp_kind(name: str) -> str:
     """How a Megatron parameter is split over tensor-parallel ranks."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return "vocab"
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "eh_proj.weight")):
         return "column"
     if name.endswith("linear_fc1.weight"):
         return "gate_up"

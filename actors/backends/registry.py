@@ -5,7 +5,8 @@ are (:mod:`actors.engines.registry`; the registry itself: :mod:`actors.registry`
     megatron   actors/backends/megatron_backend.py   megatron-core installed, trainer.device=cuda
 
 A backend's factory is called as ``factory(cfg, model_path, seed=seed, loss=loss)``
-with ``cfg`` the ``trainer`` section (:class:`~actors.backends.config.TrainerConfig`)
+(and ``mtp_layers=K`` when ``model.mtp_layers`` K > 0: a factory without that keyword
+is refused for it) with ``cfg`` the ``trainer`` section (:class:`~actors.backends.config.TrainerConfig`)
 and returns a :class:`~actors.backends.base.TrainerBackend`, not yet set up. A config
 names a registered backend, or any such factory by its import path
 (``trainer.backend: my_backends:MyBackend``).

@@ -33,7 +33,8 @@ reduction order). Checkpoints are the same files whatever the world size.
 compiling cost, also in every step's metrics. ``trainer.kernels: liger``: the model's
 RMSNorm, SwiGLU MLP and RoPE run Liger-Kernel's fused Triton kernels
 (:mod:`actors.backends.kernels`), and the chunked head's softmax ours
-(:mod:`actors.backends.head_kernels`).
+(:mod:`actors.backends.head_kernels`). ``mtp_layers`` > 0 (``model.mtp_layers``): MTP modules on
+the model, trained by an auxiliary loss inside the same forward and backward (:mod:`actors.backends.mtp`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from actors.backends.activation_checkpointing import enable_activation_checkpointing
 from actors.backends.base import Loss, TrainerBackend, check_checkpoint, read_trainer_version, write_trainer_state
 from actors.backends.batching import batch_error, micro_batch_budget, micro_batches
 from actors.backends.chunked_logprobs import chunked_logprobs
@@ -58,6 +60,7 @@ from actors.backends.graphs import GraphedPasses, graphs_unsupported
 from actors.backends.kernels import KERNELS, apply_kernels, kernels_scope
 from actors.backends.loss_pass import padded_batch, response_logprobs, run_passes
 from actors.backends.mixed_precision import MainParamsOptimizer
+from actors.backends.mtp import MtpRunner, attach_mtp
 from actors.backends.optimizers import build_optimizer
 from actors.backends.packing import PACKED_ATTENTION, PackedBatch, packed_batch, packing_unsupported
 from actors.backends.torch_fsdp import live_tensors, load_sharded, local_shard, save_sharded, shard_model, shard_spec
@@ -108,6 +111,8 @@ class TorchBackend(TrainerBackend):
         kernels: str = _DEFAULTS.kernels,
         cuda_graphs: bool = _DEFAULTS.cuda_graphs,
         muon: MuonConfig | None = None,
+        mtp_layers: int = 0,
+        mtp_loss_weight: float = _DEFAULTS.mtp_loss_weight,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -117,6 +122,11 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"master_dtype must be one of {sorted(_DTYPES)} or None, got {master_dtype!r}")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        if mtp_layers < 0 or mtp_loss_weight < 0 or mtp_layers and (compile or cuda_graphs):
+            raise ValueError(f"mtp_layers {mtp_layers} / mtp_loss_weight {mtp_loss_weight}: both >= 0, and MTP "
+                             f"not with compile or cuda_graphs (the MTP hooks run outside their graphs)")
+        self.mtp_layers, self.mtp_loss_weight = mtp_layers, mtp_loss_weight
+        self._mtp: MtpRunner | None = None  # mtp_layers > 0, from setup()
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
@@ -167,11 +177,14 @@ class TorchBackend(TrainerBackend):
         self.model = load_causal_lm(model_dir, device=self.device, dtype=load_dtype)
         # No dropout in RL: the log-probs we train on must match the sampler's.
         self.model.eval()
+        if self.mtp_layers:
+            attach_mtp(self.model, self.mtp_layers, model_dir)
+            self._mtp = MtpRunner(self.model, self.mtp_loss_weight, self.logprob_chunk_tokens, self.kernels == "liger")
         if self.packed:
             self._enable_packing()
         apply_kernels(self.model, self.kernels)
         if self.activation_checkpointing:
-            self._enable_activation_checkpointing()
+            enable_activation_checkpointing(self.model)
         if self.compile:
             compile_model(self.model)
         if self.cuda_graphs and self.padded_reason is not None:  # graphs need packing, which fell back as it does
@@ -222,6 +235,8 @@ class TorchBackend(TrainerBackend):
         if self.packed:
             return self._packed_logprobs(samples)
         ids, attn, pos, mask = padded_batch(samples, self.pad_id, self.device)
+        if self._mtp is not None:
+            self._mtp.arm(samples, [i * ids.shape[1] for i in range(len(samples))])
         with self._compiled():
             logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
         return response_logprobs(logits, ids, pos, mask)
@@ -232,6 +247,8 @@ class TorchBackend(TrainerBackend):
         if self._graphs is not None and torch.is_grad_enabled():
             return self._graphs.logprobs(samples)
         batch = packed_batch(samples, self.device)
+        if self._mtp is not None:
+            self._mtp.arm(samples, batch.seq_bounds[: len(samples)])
         out = self._packed_forward(batch, batch.pred_positions, batch.targets, torch.is_grad_enabled())
         logprobs, entropy = batch.scatter(out).unbind(-1)  # [B, T_max] each
         return logprobs, entropy, batch.mask
@@ -342,7 +359,7 @@ class TorchBackend(TrainerBackend):
             self._graphs.attach_grads()
         # a None pass is a weight-0 one on the filler row: its collectives match a busier rank's
         metrics = run_passes(self.loss, self._response_logprobs, samples, advantages, proximal_logprobs,
-                             passes, total_tokens, filler=self._filler())
+                             passes, total_tokens, filler=self._filler(), aux=self._mtp and self._mtp.take)
         if self.world_size > 1:  # the ranks' token-weighted sums add up to the batch's means
             sums = metrics.read()
             totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
@@ -367,23 +384,6 @@ class TorchBackend(TrainerBackend):
             return {**sums, "grad_norm": float(grad_norm), **counts}
         # the step's one device-to-host transfer, once everything is launched
         return {**metrics.read(grad_norm=grad_norm), **counts}
-
-    def _enable_activation_checkpointing(self) -> None:
-        """Hugging Face's per-layer checkpointing, which runs only in training mode:
-        the model is put in it, refused if that would turn on dropout."""
-        dropout = {k: v for k, v in self.model.config.to_dict().items()
-                   if "dropout" in k and isinstance(v, (int, float)) and v > 0}
-        if dropout or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
-            raise ValueError(f"trainer.activation_checkpointing: this model has dropout "
-                             f"({dropout or 'a Dropout module'}), which checkpointing's training mode would turn on")
-        if not getattr(self.model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"trainer.activation_checkpointing: {type(self.model).__name__} does not support it")
-        kwargs = {"use_reentrant": False}
-        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5's name
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.model.train()
 
     def _plan_passes(self, samples: list[Sample], advantages: list[float],
                      proximal_logprobs: list[list[float]] | None) -> tuple[list[list[int] | None], int]:
