@@ -389,3 +389,16 @@ def test_the_benchmark_smoke_run_prints_its_keys(capsys):
         assert {"tokens_per_s", "decode_tokens_per_s", "num_tokens", "num_spec_steps"} <= set(run[mode])
     assert run["off"]["num_spec_steps"] == 0 < run["mtp"]["num_spec_steps"]
     assert 0 <= run["acceptance_rate"] <= 1
+
+
+def test_speculation_over_fp8_linears_samples_the_fp8_models_greedy_tokens(drafted):
+    """FP8 rollout and MTP drafts together (the FP8 GEMM's reference path on the CPU): the
+    verify forward runs the FP8 linears, so greedy speculation gives the FP8 engine's tokens."""
+    fp8 = {"weight_dtype": "fp8", "fp8_reference_for_tests": True, "max_num_seqs": 2}
+    requests = [req(f"r{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS[:2], (9, 23)))]
+    base, _ = generate(plain_engine(drafted[2], mtp_layers=2, **fp8), requests)
+    spec, st = generate(spec_engine(drafted[2], 2, **fp8), requests)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in base]
+    for a, b in zip(base, spec):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+    assert st["num_spec_steps"] > 0 and st["fp8_kernel"] == "reference"
