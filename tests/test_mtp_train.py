@@ -110,7 +110,7 @@ def test_packed_padded_and_checkpointed_batches_give_the_same_aux_loss_and_step(
             for key in ("mtp/loss_0", "mtp/loss_1", "mtp/acc_0", "mtp/acc_1", "loss"):
                 assert got[key] == pytest.approx(want[key], abs=1e-5), (other, key)
         for name, t in runs[other][1].items():  # Adam's step turns 1e-9 grads' fp32 noise into ~1e-5 (lr 1e-3)
-            torch.testing.assert_close(t, runs["packed"][1][name], atol=5e-5, rtol=1e-4)
+            torch.testing.assert_close(t, runs["packed"][1][name], atol=1e-4, rtol=1e-4)
 
 
 def test_scored_positions_are_the_response_targets_two_and_three_ahead_within_each_sequence():
@@ -282,3 +282,20 @@ def test_two_fsdp2_ranks_train_and_shard_the_mtp_modules_as_one_worker(tmp_path)
     fresh = _backend(tmp_path / "ckpt")  # the sharded checkpoint carries them
     for name, t in ranks[0]["full"].items():
         assert torch.equal(fresh.named_weights()[name], t), name
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_detached_mtp_loss_leaves_the_policys_update_as_without_mtp(detach):
+    """trainer.mtp_detach (the default): the modules learn, the policy's weights take the very step
+    they take without MTP; a joint loss (false) moves them too. No clipping: the global norm
+    would count the modules' gradients."""
+    samples, adv = _samples(), [0.5, -0.5] * 3
+    plain = _backend(mtp_layers=0, grad_clip=1e9)
+    plain.train_step(samples, adv)
+    mtp = _backend(mtp_detach=detach, grad_clip=1e9)
+    before = _mtp(mtp)
+    mtp.train_step(samples, adv)
+    policy = {n: t for n, t in mtp.named_weights().items() if not n.startswith("mtp.")}
+    same = all(torch.equal(policy[n], t) for n, t in plain.named_weights().items())
+    assert same is detach
+    assert any(not torch.equal(t, before[n]) for n, t in _mtp(mtp).items())  # the modules learn either way

@@ -149,12 +149,19 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """With ``model.mtp_layers`` K > 0: the weight of the MTP modules' auxiliary loss, the mean
     over modules of each one's token-mean cross-entropy on the response tokens k + 2 ahead,
     added to the policy loss (docs/mtp.md). It trains the MTP modules (what the engine drafts
-    with) and, through the shared trunk, embedding and head, nudges the policy too; 0 leaves
+    with), and with ``mtp_detach: false`` the shared trunk, embedding and head too; 0 leaves
     them untrained (their metrics still reported). Costs per step, per module: one more
     decoder layer forward and backward over every token, and the head over the response
     tokens (torch: chunked, forward and backward, plus a no-grad pass for the top-1
     accuracy). Torch backend: not with ``compile``, and ``cuda_graphs`` off; megatron: one
     module at most."""
+    mtp_detach: bool = True
+    """With ``model.mtp_layers`` K > 0: the auxiliary loss trains the MTP modules alone; they read
+    the policy's hidden states, embeddings and head without their gradient, so the policy's
+    gradient is the RL loss's (as peers recommend for RL: a joint MTP loss changes what the policy
+    learns). ``false``: DeepSeek-style joint training, the loss reaches the whole model. Torch
+    backend; the megatron backend (megatron-core's MTP block trains the shared embedding and
+    head) needs ``false``."""
     peak_tflops: PosFloat | None = None
     """The device's dense peak TFLOP/s for ``dtype`` matmuls, for ``train/mfu``
     (null: known for H100 / H200 / A100, no MFU elsewhere; ``train/tflops`` is

@@ -134,6 +134,9 @@ class MegatronBackend(MegatronState, TrainerBackend):
                     mtp_layers: int = 0) -> MegatronBackend:
         """The backend the ``trainer`` section describes (``backend: megatron``: :mod:`actors.backends.registry`),
         with ``mtp_layers`` MTP modules (``model.mtp_layers``)."""
+        if mtp_layers and cfg.mtp_detach:
+            raise ValueError("trainer.mtp_detach: true needs backend: torch (megatron-core's MTP block trains the "
+                             "shared embedding and head); set trainer.mtp_detach: false")
         return cls(model_path, loss=loss, device=cfg.device, dtype=cfg.dtype, master_dtype=cfg.master_dtype,
                    lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=seed,
                    micro_batch_tokens=cfg.micro_batch_tokens, tensor_parallel_size=cfg.tensor_parallel_size,

@@ -128,11 +128,14 @@ class MtpRunner:
     """Runs ``model.mtp`` inside the model's forward (hooks; module docstring) when armed.
 
     ``weight``: ``trainer.mtp_loss_weight``; ``chunk_tokens``: the head's chunk
-    (``trainer.logprob_chunk_tokens``); ``fused``: the Triton head kernels (``kernels: liger``)."""
+    (``trainer.logprob_chunk_tokens``); ``fused``: the Triton head kernels (``kernels: liger``);
+    ``detach`` (``trainer.mtp_detach``): the modules read ``H0``, the embeddings and the head
+    without their gradient, so the aux loss trains the modules alone."""
 
     def __init__(self, model: transformers.PreTrainedModel, weight: float, chunk_tokens: int,
-                 fused: bool = False) -> None:
+                 fused: bool = False, detach: bool = True) -> None:
         self.model, self.weight, self.chunk_tokens, self.fused = model, weight, chunk_tokens, fused
+        self.detach = detach  # trainer.mtp_detach: the loss reaches the modules only
         self.modules: torch.nn.ModuleList = model.mtp
         self._job: Callable[[torch.Tensor], None] | None = None
         self._emb: torch.Tensor | None = None
@@ -168,12 +171,15 @@ class MtpRunner:
             finally:
                 self._emb = self._layer_kwargs = None
 
-    def _run(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Every module's ``H_{k+1}`` ``[B, L, H]`` from ``H0`` = ``hidden``."""
+    def _run(self, hidden: torch.Tensor, detach: bool = False) -> list[torch.Tensor]:
+        """Every module's ``H_{k+1}`` ``[B, L, H]`` from ``H0`` = ``hidden`` (``detach``: read
+        ``H0`` and the embeddings without their gradient)."""
         assert self._emb is not None and self._layer_kwargs is not None, "the model's forward bypassed a hook"
+        emb = self._emb.detach() if detach else self._emb
+        hidden = hidden.detach() if detach else hidden
         out = []
         for k, module in enumerate(self.modules):
-            hidden = module(_shifted(self._emb, k + 1), hidden, self._layer_kwargs)
+            hidden = module(_shifted(emb, k + 1), hidden, self._layer_kwargs)
             out.append(hidden)
         return out
 
@@ -197,11 +203,13 @@ class MtpRunner:
 
         def job(hidden: torch.Tensor) -> None:
             head = self.model.get_output_embeddings()
+            weight = head.weight.detach() if self.detach else head.weight
+            bias = None if head.bias is None else head.bias.detach() if self.detach else head.bias
             losses, metrics = [], {}
-            for k, h in enumerate(self._run(hidden)):
+            for k, h in enumerate(self._run(hidden, self.detach)):
                 pos, targets = tensors[2 * k], tensors[2 * k + 1]
                 sel = self.modules[k].norm(h.flatten(0, 1).index_select(0, pos))  # [T_k, H]
-                logprobs, _ = chunked_logprobs(sel, head.weight, head.bias, targets, self.chunk_tokens,
+                logprobs, _ = chunked_logprobs(sel, weight, bias, targets, self.chunk_tokens,
                                                with_entropy=False, fused=self.fused)
                 losses.append(-logprobs.sum() / n)
                 metrics[f"mtp/loss_{k}"] = losses[-1].detach()

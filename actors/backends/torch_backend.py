@@ -112,7 +112,7 @@ class TorchBackend(TrainerBackend):
         cuda_graphs: bool = _DEFAULTS.cuda_graphs,
         muon: MuonConfig | None = None,
         mtp_layers: int = 0,
-        mtp_loss_weight: float = _DEFAULTS.mtp_loss_weight,
+        mtp_loss_weight: float = _DEFAULTS.mtp_loss_weight, mtp_detach: bool = _DEFAULTS.mtp_detach,
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -125,7 +125,7 @@ class TorchBackend(TrainerBackend):
         if mtp_layers < 0 or mtp_loss_weight < 0 or mtp_layers and (compile or cuda_graphs):
             raise ValueError(f"mtp_layers {mtp_layers} / mtp_loss_weight {mtp_loss_weight}: both >= 0, and MTP "
                              f"not with compile or cuda_graphs (the MTP hooks run outside their graphs)")
-        self.mtp_layers, self.mtp_loss_weight = mtp_layers, mtp_loss_weight
+        self.mtp_layers, self.mtp_loss_weight, self.mtp_detach = mtp_layers, mtp_loss_weight, mtp_detach
         self._mtp: MtpRunner | None = None  # mtp_layers > 0, from setup()
         self.model_path = model_path
         self.device = torch.device(device)
@@ -179,7 +179,8 @@ class TorchBackend(TrainerBackend):
         self.model.eval()
         if self.mtp_layers:
             attach_mtp(self.model, self.mtp_layers, model_dir)
-            self._mtp = MtpRunner(self.model, self.mtp_loss_weight, self.logprob_chunk_tokens, self.kernels == "liger")
+            self._mtp = MtpRunner(self.model, self.mtp_loss_weight, self.logprob_chunk_tokens, self.kernels == "liger",
+                                  detach=self.mtp_detach)
         if self.packed:
             self._enable_packing()
         apply_kernels(self.model, self.kernels)
