@@ -34,6 +34,15 @@ def test_more_than_one_mtp_module_is_refused_on_megatron_in_one_line():
     assert why.startswith("model.mtp_layers: 2 needs backend: torch; megatron-core's MTP feeds module k + 1")
 
 
+
+def test_a_detached_mtp_loss_is_refused_on_megatron_in_one_line():
+    from actors.backends import TrainerConfig
+    from actors.backends.megatron_backend import MegatronBackend
+
+    cfg = TrainerConfig(backend="megatron", device="cuda")
+    with pytest.raises(ValueError, match=r"^trainer.mtp_detach: true needs backend: torch .*set trainer.mtp_detach: false$"):
+        MegatronBackend.from_config(cfg, "unused", seed=0, loss=PPO, mtp_layers=1)
+
 @needs_megatron
 @pytest.mark.timeout(180)
 def test_megatron_mtp_on_cpu_starts_and_steps_as_the_torch_backend(tmp_path):
