@@ -156,6 +156,8 @@ class MegatronBackend(MegatronState, TrainerBackend):
         self._init_parallel()
         self.model = self._build_model()
         live = dict(self.model.named_parameters())
+        if any(".mtp_model_layer." in n for n in live):  # megatron-core >= 0.19's name for it
+            self.shape = dataclasses.replace(self.shape, mtp_layer_attr="mtp_model_layer")
         expected = mc.megatron_names(self.shape)
         if sorted(live) != sorted(expected):
             raise RuntimeError(f"megatron-core's GPTModel has parameters {sorted(set(live) - set(expected))} the "

@@ -78,6 +78,9 @@ class GptShape:
     rotary_base: float
     max_position_embeddings: int
     mtp_layers: int = 0  # model.mtp_layers: not in the HF config; the backend sets it
+    #: the MTP module's decoder layer attribute: megatron-core 0.16's; 0.19 names it ``mtp_model_layer``
+    #: (the backend reads which from the model it built)
+    mtp_layer_attr: str = "transformer_layer"
 
     @classmethod
     def from_hf_config(cls, cfg: object) -> GptShape:
@@ -172,7 +175,7 @@ _MTP_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "e
 def _layer_prefixes(shape: GptShape) -> list[tuple[str, str]]:
     """(Megatron, HF) name prefix of every decoder layer: the model's, then each MTP module's."""
     return ([(_LAYER.format(i=i), _HF_LAYER.format(i=i)) for i in range(shape.num_layers)]
-            + [(_MTP.format(k=k) + "transformer_layer.", _HF_MTP.format(k=k) + "layer.")
+            + [(_MTP.format(k=k) + shape.mtp_layer_attr + ".", _HF_MTP.format(k=k) + "layer.")
                for k in range(shape.mtp_layers)])
 
 

@@ -35,10 +35,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AMAX_FLOOR", "BLOCK", "E4M3_MAX", "FP8", "KERNELS", "BlockLayout", "Fp8Linear", "block_faults",
+__all__ = ["AMAX_FLOOR", "BLOCK", "ROWS", "E4M3_MAX", "FP8", "KERNELS", "BlockLayout", "Fp8Linear", "block_faults",
            "choose_kernel", "dequantize_blocks", "dequantize_rows", "linear", "quantize_blocks", "quantize_rows"]
 
 BLOCK = 128
+#: The GEMM kernels take activations of a multiple of this many rows (cuBLAS's 1x128 block
+#: scaling on an H100, torch 2.11): fewer are padded with zero rows, the output sliced back.
+ROWS = 4
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 #: The smallest block or group maximum a scale is taken from (an all-zero block quantizes to zeros either way).
@@ -121,14 +124,17 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, n: int | None = None
     return x.view(np_, kp)[: np_ if n is None else n, : kp if k is None else k]
 
 
-def quantize_rows(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] -> (q [m, kp] float8_e4m3fn, zero padded; scale [m, kp / 128] fp32): one scale per
-    token and 128 columns, laid out outer-dim-major (strides (1, m)) as cuBLAS reads it.
+def quantize_rows(x: torch.Tensor, kp: int, mp: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (q [mp, kp] float8_e4m3fn, zero padded; scale [mp, kp / 128] fp32): one scale per
+    token and 128 columns, laid out outer-dim-major (strides (1, mp)) as cuBLAS reads it. ``mp``
+    (default m): rows padded with zeros (cuBLAS's block scaling takes a multiple of 4 rows).
     No clamp before the cast: |x| / (amax / 448) rounds to at most 448 (e4m3 rounds values up
     to 464 down to 448), and a floored scale only meets zeros."""
     m, k = x.shape
-    if kp != k:
-        x = F.pad(x, (0, kp - k))
+    mp = m if mp is None else mp
+    if kp != k or mp != m:
+        x = F.pad(x, (0, kp - k, 0, mp - m))
+    m = mp
     groups = x.reshape(m, kp // BLOCK, BLOCK)
     amax = torch.linalg.vector_norm(groups, float("inf"), dim=-1, dtype=torch.float32)  # [m, kb]
     scale = amax.clamp_min_(AMAX_FLOOR).div_(E4M3_MAX)
@@ -147,7 +153,8 @@ def linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None = None) -> t
     the activation quantized 1x128 on the way in (by ``w.kernel``'s path)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features)
-    xq, xs = quantize_rows(x2, w.weight.shape[1])
+    m = x2.shape[0]
+    xq, xs = quantize_rows(x2, w.weight.shape[1], None if w.kernel == "reference" else _round_up(m, ROWS))
     if w.kernel.startswith("scaled_mm"):
         out = F.scaled_mm(xq, w.weight.t(), xs, F.ScalingType.BlockWise1x128, w.scale.t(),
                           F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
@@ -155,8 +162,8 @@ def linear(x: torch.Tensor, w: Fp8Linear, bias: torch.Tensor | None = None) -> t
         out = torch._scaled_mm(xq, w.weight.t(), xs, w.scale.t(), out_dtype=x.dtype)
     else:
         out = reference_matmul(xq, xs, w).to(x.dtype)
-    if out.shape[1] != w.out_features:
-        out = out[:, : w.out_features]
+    if out.shape != (m, w.out_features):
+        out = out[:m, : w.out_features]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, w.out_features)

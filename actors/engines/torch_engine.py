@@ -79,7 +79,7 @@ class TorchEngine(RolloutEngine):
     them with the full model (``actors/engines/speculative.py``); ``"off"``.
     """
 
-    def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = _DEFAULTS.dtype,
+    def __init__(self, model_path: str, *, device: str = _DEFAULTS.device, dtype: str | None = "auto",
                  max_num_seqs: int | None = _DEFAULTS.max_num_seqs, max_model_len: int = _DEFAULTS.max_model_len,
                  seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
                  compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None,
