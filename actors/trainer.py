@@ -94,7 +94,7 @@ class TrainerActor(Actor):
         if self.world_size > 1 and self.backend.shard_specs() is None:
             raise RuntimeError(f"trainer.backend={self.trainer_cfg.backend!r} does not shard over "
                                f"{self.world_size} trainer workers (trainer.num_workers)")
-        self.flops = FlopsModel.from_model_dir(self.model_path)
+        self.flops = FlopsModel.from_model_dir(self.model_path, self.mtp_layers)
         peak = self.trainer_cfg.peak_tflops
         self.peak_flops = peak * 1e12 if peak else peak_flops(str(self.backend.device), self.trainer_cfg.dtype)
 
@@ -142,7 +142,8 @@ class TrainerActor(Actor):
         advantages = self.advantages(rewards, groups)
         t0 = time.perf_counter()
         metrics = self.backend.train_step(samples, advantages.tolist())  # its float metrics wait for the device
-        achieved = self.flops.train_flops([len(s.prompt_ids) + len(s.response_ids) for s in samples]) / (
+        achieved = self.flops.train_flops([len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                                          [len(s.response_ids) for s in samples]) / (
             time.perf_counter() - t0)
         metrics["tflops"] = achieved / 1e12
         if self.peak_flops:

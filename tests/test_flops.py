@@ -20,6 +20,10 @@ def test_matmul_params_are_all_but_the_input_embedding_and_the_head_counts_even_
     fm = FlopsModel.from_model_dir(tmp_path)
     assert (fm.matmul_params, fm.num_layers, fm.attn_width) == (expected, layers, heads * hd)
     assert fm.train_flops([5, 7]) == 6 * expected * 12 + 6 * layers * heads * hd * (25 + 49)
+    mtp = FlopsModel.from_model_dir(tmp_path, mtp_layers=2)  # each: a layer, eh_proj, 3 norms; the head on responses
+    module = per_layer + 2 * d * d + 3 * d
+    assert mtp.train_flops([5, 7], [2, 3]) == (6 * (expected + 2 * module) * 12
+                                              + 6 * (layers + 2) * heads * hd * (25 + 49) + 6 * 2 * v * d * 5)
 
 
 def test_no_peak_on_a_cpu():

@@ -6,7 +6,9 @@ every trained sequence (prompt and response): ``6 N T`` for the matmuls, with
 the output head counts even when tied to it), plus ``6 L d T^2`` for causal
 attention scores and mixing (``L`` layers, ``d`` = heads x head_dim). A
 log-prob recompute, padding and activation recomputation are not counted, so
-MFU is the useful share of the device's dense peak, as PaLM defines it.
+MFU is the useful share of the device's dense peak, as PaLM defines it. With K
+MTP modules (``model.mtp_layers``) each adds its decoder layer and ``eh_proj`` over
+every token (and its attention term), and the head over the response tokens it scores.
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ class FlopsModel:
     matmul_params: int
     num_layers: int
     attn_width: int
+    #: ``model.mtp_layers`` K, and per MTP module the matmul parameters every token meets (its
+    #: decoder layer and ``eh_proj``) and the head's, which only the scored (response) tokens meet
+    mtp_layers: int = 0
+    mtp_module_params: int = 0
+    head_params: int = 0
 
     @classmethod
-    def from_model_dir(cls, path: str | pathlib.Path) -> FlopsModel:
+    def from_model_dir(cls, path: str | pathlib.Path, mtp_layers: int = 0) -> FlopsModel:
         """From a Hugging Face model directory's ``config.json`` (the model is
-        built on the meta device to count its parameters: no memory, no weights)."""
+        built on the meta device to count its parameters: no memory, no weights);
+        ``mtp_layers``: the MTP modules trained beside it (docs/mtp.md)."""
         import transformers  # ~2 s to import: the driver imports this module and never needs it
 
         raw = json.loads((pathlib.Path(path) / "config.json").read_text())
@@ -50,13 +58,19 @@ class FlopsModel:
             model.get_output_embeddings().weight is model.get_input_embeddings().weight)
         heads = raw.get("num_attention_heads", 1)
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        hidden = raw["hidden_size"]
+        layer = sum(p.numel() for p in model.get_decoder().layers[-1].parameters())
         return cls(matmul_params=total if tied else total - embed,
-                   num_layers=raw["num_hidden_layers"], attn_width=heads * head_dim)
+                   num_layers=raw["num_hidden_layers"], attn_width=heads * head_dim, mtp_layers=mtp_layers,
+                   mtp_module_params=layer + 2 * hidden * hidden + 3 * hidden, head_params=embed)
 
-    def train_flops(self, seq_lens: Sequence[int]) -> float:
-        """Forward + backward model FLOPs over sequences of these lengths."""
-        return float(sum(6 * self.matmul_params * t + 6 * self.num_layers * self.attn_width * t * t
-                         for t in seq_lens))
+    def train_flops(self, seq_lens: Sequence[int], response_lens: Sequence[int] = ()) -> float:
+        """Forward + backward model FLOPs over sequences of these lengths; with MTP modules, each
+        module's layer over every token and the head over the ``response_lens`` tokens too."""
+        per_token = self.matmul_params + self.mtp_layers * self.mtp_module_params
+        layers = self.num_layers + self.mtp_layers
+        return float(sum(6 * per_token * t + 6 * layers * self.attn_width * t * t for t in seq_lens)
+                     + 6 * self.mtp_layers * self.head_params * sum(response_lens))
 
 
 def peak_flops(device: str, dtype: str) -> float | None:
