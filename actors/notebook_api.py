@@ -96,7 +96,8 @@ class NotebookAPI:
         actor's own counts add up (``policies.base.AccountingError``), no sample is leased from the queue,
         no engine is left paused, and no task is left on the run's loop but the
         schedule's parked ones and the readers of its connections (RuntimeError
-        naming the rest)."""
+        naming the rest). With ``rollout.engine.speculative: mtp``, ``spec_acceptance``: the
+        engines' accepted drafts over their drafts so far."""
         if self._closed:
             raise RuntimeError("this run is closed")
         return loop.run(self._check(timeout_s))
@@ -128,9 +129,12 @@ class NotebookAPI:
         if stray := left():
             names = ", ".join(f"{t.get_name()} ({getattr(t.get_coro(), '__qualname__', '?')})" for t in stray)
             raise RuntimeError(f"tasks left running on the run's loop between train calls: {names}")
+        drafts = sum(int(st.get("num_draft_tokens", 0)) for st in stats)  # speculative: mtp engines
+        accepted = sum(int(st.get("num_accepted_draft_tokens", 0)) for st in stats)
         return {"step": policy.step, "produced": policy.produced, "trained": policy.trained,
                 "dropped": sum(policy.dropped.values()), "pending": pending,
-                "tasks": sorted(t.get_name() for t in policy.background_tasks())}
+                "tasks": sorted(t.get_name() for t in policy.background_tasks()),
+                **({"spec_acceptance": round(accepted / drafts, 4)} if drafts else {})}
 
     def export_hf(self, path: str | pathlib.Path, *, dtype: str | None = None) -> pathlib.Path:
         """Write the trainer's current weights as a Hugging Face model directory

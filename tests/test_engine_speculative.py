@@ -406,3 +406,19 @@ def test_speculation_over_fp8_linears_samples_the_fp8_models_greedy_tokens(draft
     for a, b in zip(base, spec):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
     assert st["num_spec_steps"] > 0 and st["fp8_kernel"] == "reference"
+
+
+def test_a_run_with_mtp_drafts_trains_the_modules_and_reports_the_acceptance(tmp_path):
+    """End to end, local runtime: the trainer trains the modules (``train/mtp/acc_0`` in every step's
+    record), every push carries them to the engine, which drafts with them; ``run.check()`` gives
+    the engines' acceptance rate."""
+    from actors.launch import launch
+
+    root = Path(__file__).resolve().parents[1]
+    with launch(root / "fully_async.yaml", "model.mtp_layers=1", "rollout.engine.speculative=mtp",
+                "trainer.batch_prompts=2", "rollout.n=4", "rollout.max_response_tokens=8", "run.progress=false",
+                f"run.output_dir={tmp_path}") as run:
+        result = run.train(steps=4)
+        counters = run.check()
+    assert len(result) == 4 and all("train/mtp/acc_0" in record for record in result)
+    assert 0.0 <= counters["spec_acceptance"] <= 1.0
