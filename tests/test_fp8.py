@@ -172,6 +172,26 @@ def test_an_injected_zero_scale_refit_through_the_engine_is_refused_counted_and_
     assert recovered == (4, False, 1)
 
 
+
+def test_the_fp8_weights_sleep_to_the_host_and_wake_to_the_same_tokens():
+    """``sleep(2)`` moves the FP8 copies and their scales with the master; awake again, the
+    engine samples what it sampled before, from the same live FP8 values."""
+    async def body():
+        engine = _cpu_engine()
+        await engine.setup()
+        try:
+            store = engine._core.weights
+            before, live = (await engine.generate(req("a", PROMPTS[1], 12))), _live(store)
+            await engine.sleep(2)
+            await engine.wake_up()
+            return before, live, (await engine.generate(req("b", PROMPTS[1], 12))), _live(store)
+        finally:
+            await engine.close()
+
+    before, live, after, woken = loop.run(body())
+    assert after.token_ids == before.token_ids and after.raw_logprobs == before.raw_logprobs
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(live, woken))
+
 def test_a_delta_requantizes_only_the_linears_it_changed():
     async def body():
         engine = _cpu_engine()
