@@ -178,12 +178,12 @@ class EngineCore(SpeculativeScheduler):
         fp8 = o.weight_dtype == "fp8"  # FP8 copies of the linears beside the master (actors.engines.fp8_store)
         self.weights = (Fp8WeightStore if fp8 else WeightStore)(self.cfg, o.device, o.dtype, mtp_layers=o.mtp_layers)
         self.weights.load_dir(o.model_path)
-        self.model = Model(self.cfg, -(-o.max_model_len // 16) * 16, o.device, o.dtype,
+        # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
+        cache_len = -(-o.max_model_len // 16) * 16
+        self.model = Model(self.cfg, cache_len, o.device, o.dtype,
                            compile_decode=o.compile_decode if cuda else False, fp8_weights=fp8)
         if o.max_num_seqs is None:  # rollout.engine.max_num_seqs: null, on CUDA (a CPU config has 128)
             o.max_num_seqs = self._fitting_num_seqs()
-        # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
-        cache_len = -(-o.max_model_len // 16) * 16
         self.kv = (DraftKVCache(self.cfg, o.mtp_layers, o.max_num_seqs, cache_len, o.device, o.dtype) if o.speculative
                    else KVCache(self.cfg.num_layers, o.max_num_seqs, self.cfg.num_kv_heads, cache_len,
                                 self.cfg.head_dim, o.device, o.dtype))

@@ -261,7 +261,15 @@ class Model:
         the logits [B, V] at ``last_index`` [B] (each prompt's last token).
         Padding sits after each prompt, so a causal mask alone keeps it out of
         every real token's attention; its cache entries are overwritten later."""
-        B, T = tokens.shape
+        h = self.prefill_layers(weights, kv, tokens, slots)
+        h = h[torch.arange(tokens.shape[0], device=h.device), last_index]
+        return self._logits(weights, h)
+
+    @torch.inference_mode()
+    def prefill_layers(self, weights, kv, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill`'s decoder layers: the residual stream [B, T, hidden] after the
+        last layer, before the final norm (MTP drafting reads every position of it)."""
+        T = tokens.shape[1]
         cos, sin = self.cos[:T], self.sin[:T]
         h = F.embedding(tokens, weights.embed)
         for n, layer in enumerate(weights.layers):
@@ -274,8 +282,7 @@ class Model:
                 enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
             )
             h = self._mlp_residual(layer, h, a.transpose(1, 2).flatten(2))
-        h = h[torch.arange(B, device=h.device), last_index]
-        return self._logits(weights, h)
+        return h
 
     @torch.inference_mode()
     def decode(self, weights, kv, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -179,16 +179,9 @@ def _layer(model: Model, layer, h: torch.Tensor, cos, sin, attend) -> torch.Tens
     return model._mlp_residual(layer, h, attend(q, k, v))
 
 
-@torch.inference_mode()
 def prefill_hidden(model: Model, weights, kv: KVCache, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``Model.prefill``'s forward (the same operations), keeping every position's ``H0``."""
-    T = tokens.shape[1]
-    cos, sin = model.cos[:T], model.sin[:T]
-    h = F.embedding(tokens, weights.embed)
-    for n, layer in enumerate(weights.layers):
-        h = _layer(model, layer, h, cos, sin,
-                   lambda q, k, v, n=n: _attend_prefix(model, q, k, v, kv.k[n], kv.v[n], slots))
-    return _rms(h, weights.final_norm, model.cfg.rms_norm_eps)
+    """``Model.prefill``'s forward, keeping every position's ``H0`` (after the final norm)."""
+    return _rms(model.prefill_layers(weights, kv, tokens, slots), weights.final_norm, model.cfg.rms_norm_eps)
 
 
 @torch.inference_mode()
