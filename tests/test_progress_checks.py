@@ -6,6 +6,7 @@ trainer still waits (a window full of them used to leave it nothing to wait for)
 from __future__ import annotations
 
 import pathlib
+import re
 
 import msgspec
 import pytest
@@ -61,7 +62,8 @@ def test_the_watchdog_stops_a_run_that_cannot_train_and_says_what_waits(tmp_path
     message = str(err.value)
     assert message.startswith("no trainer step finished in 2 s (run.watchdog_s): trainer: step 2 waits for 64 "
                               "samples in whole groups of 8, none older than version 1")
-    assert "queue: 0 samples waiting" in message and "'stale'" in message
+    # stale samples are dropped by the trainer's gets: the snapshot may catch a group put since the last one
+    assert re.search(r"queue: \d+ samples waiting, 0 leased, \d+ put, dropped \{'stale': \d+\}", message), message
     assert "admission: " in message and "rollout actors: " in message
     assert (run.dir / "summary.json").is_file()  # a run that ran keeps its directory
 
