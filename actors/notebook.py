@@ -101,6 +101,13 @@ def waiting_for(rollout_stats: Sequence[dict[str, object]]) -> str:
     return f"scoring {scoring} sample{'s' * (scoring != 1)}" if scoring else "generating"
 
 
+def draft_counts(rollout_stats: Sequence[dict[str, object]]) -> tuple[int, int]:
+    """``(drafted, accepted)``: the draft tokens the engines proposed and the ones they
+    accepted so far, summed over the rollout actors (``rollout.engine.speculative: mtp``)."""
+    return (sum(int(st.get("num_draft_tokens", 0)) for st in rollout_stats),
+            sum(int(st.get("num_accepted_draft_tokens", 0)) for st in rollout_stats))
+
+
 def describe(name: str, history: Sequence[dict[str, object]], total_steps: int, closed: bool, run_dir: object) -> str:
     """``Run(<name>, step 12/500, reward 0.413, staleness 0.80, N samples/s, runs/<dir>)``:
     the latest step's figures and where the run writes."""

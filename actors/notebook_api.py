@@ -129,8 +129,7 @@ class NotebookAPI:
         if stray := left():
             names = ", ".join(f"{t.get_name()} ({getattr(t.get_coro(), '__qualname__', '?')})" for t in stray)
             raise RuntimeError(f"tasks left running on the run's loop between train calls: {names}")
-        drafts = sum(int(st.get("num_draft_tokens", 0)) for st in stats)  # speculative: mtp engines
-        accepted = sum(int(st.get("num_accepted_draft_tokens", 0)) for st in stats)
+        drafts, accepted = notebook.draft_counts(stats)  # speculative: mtp engines
         return {"step": policy.step, "produced": policy.produced, "trained": policy.trained,
                 "dropped": sum(policy.dropped.values()), "pending": pending,
                 "tasks": sorted(t.get_name() for t in policy.background_tasks()),

@@ -73,6 +73,7 @@ class Training:
     history: list[dict[str, object]]
     initial_eval: dict[str, object] | None
     resumed_from: pathlib.Path | None
+    _drafts_seen: tuple[int, int] = (0, 0)  # (drafted, accepted) at the last step: _draft_acceptance
     last_checkpoint: pathlib.Path | None
     _metrics_file: MetricsLog
     _resume_step: int
@@ -204,6 +205,8 @@ class Training:
                         waiting.cancel()
                         await asyncio.gather(waiting, return_exceptions=True)
                         bar.set_description_str("", refresh=False)
+                if self.cfg.rollout.engine.speculative != "off":
+                    m.update(await self._draft_acceptance())
                 if self.policy.examples:  # run.log_samples_every: a few completions to read
                     rows = sample_rows(m["step"], self.policy.examples[:self.cfg.run.log_samples],
                                        getattr(self.policy.task, "tokenizer", None))
@@ -236,6 +239,24 @@ class Training:
                 self._metrics_file.write(json.dumps(record) + "\n")
             if bar is not None:
                 bar.close()
+        return out
+
+    async def _draft_acceptance(self) -> dict[str, float]:
+        """``spec/acceptance``: the share of the draft tokens the engines proposed since the
+        last step that they accepted (a draft that lags the policy shows here first);
+        ``spec/acceptance_total``: since the start. Counters that went back (an actor
+        respawned) count from zero."""
+        try:
+            stats = await asyncio.gather(*(h.statistics() for h in self.policy.rollouts))
+        except Exception:  # noqa: BLE001 - an actor lost meanwhile: the policy reports it
+            return {}
+        (drafted, accepted), (drafted0, accepted0) = notebook.draft_counts(stats), self._drafts_seen
+        if drafted < drafted0 or accepted < accepted0:
+            drafted0 = accepted0 = 0
+        self._drafts_seen = (drafted, accepted)
+        out = {"spec/acceptance_total": accepted / drafted} if drafted else {}
+        if drafted > drafted0:
+            out["spec/acceptance"] = (accepted - accepted0) / (drafted - drafted0)
         return out
 
     async def _show_waiting(self, bar: tqdm) -> None:

@@ -411,7 +411,7 @@ def test_speculation_over_fp8_linears_samples_the_fp8_models_greedy_tokens(draft
 def test_a_run_with_mtp_drafts_trains_the_modules_and_reports_the_acceptance(tmp_path):
     """End to end, local runtime: the trainer trains the modules (``train/mtp/acc_0`` in every step's
     record), every push carries them to the engine, which drafts with them; ``run.check()`` gives
-    the engines' acceptance rate."""
+    the engines' acceptance rate, and each step's record the share accepted since the last step."""
     from actors.launch import launch
 
     root = Path(__file__).resolve().parents[1]
@@ -422,3 +422,6 @@ def test_a_run_with_mtp_drafts_trains_the_modules_and_reports_the_acceptance(tmp
         counters = run.check()
     assert len(result) == 4 and all("train/mtp/acc_0" in record for record in result)
     assert 0.0 <= counters["spec_acceptance"] <= 1.0
+    rates = [record["spec/acceptance"] for record in result if "spec/acceptance" in record]
+    assert rates and all(0.0 <= rate <= 1.0 for rate in rates)
+    assert 0.0 <= result[-1]["spec/acceptance_total"] <= 1.0
