@@ -43,6 +43,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     embedding, norms and head stay in ``dtype``, and a bf16 master copy stays for the pushes,
     each of which re-quantizes what it changed (``docs/fp8.md``). The rollout's log-probs are
     the FP8 model's own. ``auto``: every weight in ``dtype``."""
+    fp8_skip: list[str] = []
+    """With ``weight_dtype: fp8``: the linears that stay in ``dtype``, as substrings of their
+    Hugging Face names (``q_proj``: every layer's fused q/k/v; ``layers.0.``: all of layer 0's),
+    as vLLM's ``ignored_layers``; a pattern that matches no linear is an error at setup."""
     max_num_seqs: PosInt | None = None
     """Concurrent sequences the engine batches (its KV cache holds this many of
     ``max_model_len`` tokens). ``null`` (auto): the built-in engine on CUDA sizes it at
@@ -93,6 +97,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _check_weight_dtype(self) -> None:
         if self.weight_dtype != "fp8":
+            if self.fp8_skip:
+                raise ValueError(f"fp8_skip {self.fp8_skip} needs weight_dtype 'fp8' (it is {self.weight_dtype!r})")
             return
         if self.type != "torch":
             raise ValueError(f"weight_dtype 'fp8' is the built-in engine's (type: torch), not type {self.type!r}'s")

@@ -176,7 +176,8 @@ class EngineCore(SpeculativeScheduler):
         torch.manual_seed(o.seed)
         self.cfg = ModelConfig.from_dir(o.model_path)
         fp8 = o.weight_dtype == "fp8"  # FP8 copies of the linears beside the master (actors.engines.fp8_store)
-        self.weights = (Fp8WeightStore if fp8 else WeightStore)(self.cfg, o.device, o.dtype, mtp_layers=o.mtp_layers)
+        self.weights = (Fp8WeightStore if fp8 else WeightStore)(
+            self.cfg, o.device, o.dtype, mtp_layers=o.mtp_layers, **({"skip": o.fp8_skip} if fp8 else {}))
         self.weights.load_dir(o.model_path)
         # cache length rounded up to 16: aligned rows for the fused attention kernels' masks
         cache_len = -(-o.max_model_len // 16) * 16

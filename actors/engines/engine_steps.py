@@ -127,6 +127,7 @@ class EngineOptions:
     mtp_layers: int = 0  # MTP modules the weights hold (model.mtp_layers)
     speculative: bool = False  # decode turns draft with them (actors/engines/speculative.py)
     weight_dtype: str = "auto"  # "fp8": FP8 linears (actors.engines.fp8_store); "auto": ``dtype``
+    fp8_skip: tuple[str, ...] = ()  # with fp8: the linears kept in ``dtype`` (substrings of HF names)
 
     def __post_init__(self) -> None:
         if self.overlap_steps is None:

@@ -8,10 +8,11 @@ every layer's linears that the forward reads.
         pass 2: quantize each into its live buffers (allocated once: captured graphs read them)
 
 Quantized (:mod:`actors.engines.fp8`): each layer's fused ``qkv``, ``o``, fused ``gate_up`` and
-``down`` weights; the embedding, norms, biases and head stay in the engine's dtype and are read
-from the master. The master stays because a delta is written as sparse positions checked
-against the base version's checksums, so the exact bf16 values must exist: the memory is the
-master plus about half of its linears again (``weights_bytes`` in the engine's statistics).
+``down`` weights, less those ``skip`` (``rollout.engine.fp8_skip``) names; those, the embedding,
+norms, biases and head stay in the engine's dtype and are read from the master. The master
+stays because a delta is written as sparse positions checked against the base version's
+checksums, so the exact bf16 values must exist: the memory is the master plus about half of
+its linears again (``weights_bytes`` in the engine's statistics).
 
 A refit is all or nothing for the FP8 copies: pass 1 checks every changed linear (each scale
 finite and positive, each block within ``amax * 2**-3`` of the master after dequantizing),
@@ -48,6 +49,12 @@ _LINEARS = (
 )
 
 
+def _fused_linears(cfg: ModelConfig) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every quantizable fused linear: (layer, attribute, its HF names in row order)."""
+    return [(i, attr, tuple(f"model.layers.{i}.{s}" for s in suffixes))
+            for i in range(cfg.num_layers) for attr, suffixes in _LINEARS]
+
+
 class Fp8RefitRefused(WeightSyncError):
     """A push's FP8 re-quantization failed its check: no FP8 weight changed, the version did not
     advance; the bf16 master holds the push (the next one must be full)."""
@@ -77,7 +84,8 @@ class Fp8WeightStore(WeightStore):
     :class:`~actors.engines.fp8.Fp8Linear` views of FP8 buffers kept in step with the master.
     Off CUDA it runs the reference GEMM (tests); on CUDA the kernel :func:`fp8.choose_kernel` picked."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, mtp_layers: int = 0):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, mtp_layers: int = 0,
+                 skip: tuple[str, ...] = ()):
         self.kernel = fp8.choose_kernel(device)
         self.num_refits_refused = 0
         self.stale = False  # a refit was refused: the master is ahead of the FP8 copies
@@ -85,17 +93,21 @@ class Fp8WeightStore(WeightStore):
         self._by_name: dict[str, _Linear] = {}
         q_total = s_total = 0
         shapes = cfg.param_shapes()
-        for i in range(cfg.num_layers):
-            for attr, suffixes in _LINEARS:
-                names = tuple(f"model.layers.{i}.{s}" for s in suffixes)
-                heights = [shapes[n][0] for n in names]
-                layout = fp8.BlockLayout(sum(heights), shapes[names[0]][1], self.kernel)
-                rows = tuple(sum(heights[:j]) for j in range(len(names)))
-                lin = _Linear(i, attr, names, rows, layout, q_total, s_total)
-                self.linears.append(lin)
-                self._by_name.update(dict.fromkeys(names, lin))
-                q_total += layout.np * layout.kp
-                s_total += layout.nb * layout.scale_cols
+        fused = _fused_linears(cfg)
+        if unmatched := [p for p in skip if not any(p in name for _, _, names in fused for name in names)]:
+            raise ValueError(f"fp8_skip {unmatched} match no linear of the model (its names look like "
+                             f"model.layers.0.self_attn.q_proj.weight)")
+        for i, attr, names in fused:
+            if any(pattern in name for pattern in skip for name in names):
+                continue  # kept in dtype: the forward reads the master, as for the embedding
+            heights = [shapes[n][0] for n in names]
+            layout = fp8.BlockLayout(sum(heights), shapes[names[0]][1], self.kernel)
+            rows = tuple(sum(heights[:j]) for j in range(len(names)))
+            lin = _Linear(i, attr, names, rows, layout, q_total, s_total)
+            self.linears.append(lin)
+            self._by_name.update(dict.fromkeys(names, lin))
+            q_total += layout.np * layout.kp
+            s_total += layout.nb * layout.scale_cols
         # every byte written by the first refit (init); zeros keep a half-built store finite meanwhile
         self._q = torch.zeros(q_total, dtype=fp8.FP8, device=device)
         self._s = torch.ones(s_total, dtype=torch.float32, device=device)

@@ -84,13 +84,15 @@ class TorchEngine(RolloutEngine):
                  seed: int = 0, cuda_graphs: bool = _DEFAULTS.cuda_graphs, max_prefill_tokens: int = 16384,
                  compile_decode: bool | str = _DEFAULTS.compile_decode, overlap_steps: bool | None = None,
                  weight_dtype: str = _DEFAULTS.weight_dtype, fp8_reference_for_tests: bool = False,
-                 mtp_layers: int = 0, speculative: str = _DEFAULTS.speculative):
+                 mtp_layers: int = 0, speculative: str = _DEFAULTS.speculative, fp8_skip: tuple[str, ...] = ()):
         cuda = str(device).startswith("cuda")
         if dtype in (None, "auto"):
             dtype = "bfloat16" if cuda else "float32"
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         _check_weight_dtype(weight_dtype, dtype, cuda, fp8_reference_for_tests)
+        if fp8_skip and weight_dtype != "fp8":
+            raise ValueError(f"fp8_skip={list(fp8_skip)} needs weight_dtype='fp8'")
         if max_num_seqs is None and not cuda:
             max_num_seqs = CPU_MAX_NUM_SEQS
         if max_num_seqs is not None and max_num_seqs < 1:
@@ -107,7 +109,7 @@ class TorchEngine(RolloutEngine):
         self._cuda_graphs = cuda_graphs
         self._compile_decode = compile_decode
         self._overlap_steps = overlap_steps
-        self._weight_dtype = weight_dtype
+        self._weight_dtype, self._fp8_skip = weight_dtype, tuple(fp8_skip)
         self._mtp_layers, self._speculative = mtp_layers, speculative == "mtp"
         self._max_prefill_tokens = max(max_prefill_tokens, max_model_len)
         self._core: EngineCore | None = None
@@ -123,7 +125,7 @@ class TorchEngine(RolloutEngine):
         return cls(model_path, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                    max_model_len=cfg.max_model_len, seed=seed, cuda_graphs=cfg.cuda_graphs,
                    compile_decode=cfg.compile_decode, weight_dtype=cfg.weight_dtype, mtp_layers=mtp_layers,
-                   speculative=cfg.speculative)
+                   speculative=cfg.speculative, fp8_skip=tuple(cfg.fp8_skip))
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -139,7 +141,7 @@ class TorchEngine(RolloutEngine):
         opts = EngineOptions(self.model_path, device, self._dtype, self.max_num_seqs, self.max_model_len,
                              self._seed, self._cuda_graphs, self._max_prefill_tokens, self._compile_decode,
                              self._overlap_steps, self._mtp_layers, self._speculative,
-                             weight_dtype=self._weight_dtype)
+                             weight_dtype=self._weight_dtype, fp8_skip=self._fp8_skip)
         self._core = EngineCore(opts, self._post)
         self._core.start()
         self._version = await self._call("init")

@@ -1,0 +1,103 @@
+"""How far the FP8 engine's next-token distributions sit from the full-precision engine's on the
+same weights: KL(full || fp8) per token, at the positions where rollouts sample.
+
+    python -m bench.fp8_kl --model models/smollm2-135m-instruct --device cuda   # bf16 against FP8 kernels
+    python -m bench.fp8_kl --model DIR --device cpu     # fp32 against the FP8 reference GEMM (no GPU)
+    python -m bench.fp8_kl --model DIR --fp8-skip q_proj   # with rollout.engine.fp8_skip
+
+Prints one JSON object (and writes it to ``--out``): the KL's mean, median, p99 and max over the
+response tokens of 16 rollouts of the step-by-step task (T=1, up to 96 tokens each) that the
+full-precision engine samples; both engines then read each whole sequence (teacher forcing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import loop
+from actors.engines import GenerateRequest, SamplingParams
+from actors.engines.torch_engine import TorchEngine
+from bench.speculative import TASK
+from policies.tasks import make_task
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, in fp32."""
+    p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def rollout_kl(path: str, device: str, **fp8_options) -> torch.Tensor:
+    """KL(full || fp8) per token at every response position of 16 rollouts (T=1, up to 96 tokens)
+    that the full-precision engine samples: the step-by-step task's prompts where ``path`` has a
+    tokenizer, else random ones; each sequence teacher-forced through both engines. The
+    positions a rollout samples at are where the trainer's off-policy correction meets the gap."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    if (Path(path) / "tokenizer_config.json").is_file():
+        task = make_task("text_arithmetic", model_path=path, **TASK)
+        prompts, stop = [p.prompt_ids for p in task.eval_prompts(16)], tuple(task.stop_token_ids)
+    else:
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        prompts, stop = torch.randint(1, vocab, (16, 24), generator=torch.Generator().manual_seed(6)).tolist(), ()
+
+    def engine(**options) -> TorchEngine:
+        return TorchEngine(path, device=device, dtype=dtype, max_num_seqs=16, max_model_len=512, **options)
+
+    async def sampled() -> list[list[int]]:
+        e = engine()
+        await e.setup()
+        try:
+            outs = await asyncio.gather(*(e.generate(GenerateRequest(
+                request_id=f"r{i}", prompt_ids=p, max_tokens=96,
+                sampling=SamplingParams(temperature=1.0, seed=i, stop_token_ids=stop))) for i, p in enumerate(prompts)))
+            return [o.token_ids for o in outs]
+        finally:
+            await e.close()
+
+    async def logits(e: TorchEngine) -> list[torch.Tensor]:
+        await e.setup()
+        try:
+            core, out = e._core, []
+            for p, r in zip(prompts, responses):
+                h = core.model.prefill_layers(core.weights, core.kv, torch.tensor([p + r], device=device),
+                                              torch.tensor([0], device=device))
+                out.append(core.model._logits(core.weights, h[0, len(p) - 1 : len(p) + len(r) - 1]).float().cpu())
+            return out
+        finally:
+            await e.close()
+
+    responses = loop.run(sampled())
+    full, quant = loop.run(logits(engine())), loop.run(logits(engine(weight_dtype="fp8", **fp8_options)))
+    return torch.cat([_kl(a, b) for a, b in zip(full, quant)])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--fp8-skip", nargs="*", default=[], help="rollout.engine.fp8_skip patterns")
+    ap.add_argument("--out", help="write the JSON here too")
+    args = ap.parse_args(argv)
+    kl = rollout_kl(args.model, args.device, fp8_skip=tuple(args.fp8_skip),
+                    fp8_reference_for_tests=args.device == "cpu")
+    result = {"bench": "fp8_kl", "model": args.model, "device": args.device,
+              "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+              "torch": torch.__version__, "baseline": "bfloat16" if args.device == "cuda" else "float32",
+              "fp8_gemm": "kernel" if args.device == "cuda" else "reference", "fp8_skip": args.fp8_skip,
+              "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median()),
+              "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max())}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
