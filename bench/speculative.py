@@ -25,7 +25,12 @@ engine thread's turn time less its prefill time). ``speedup``: the ratio of the
 decode rates, speculation over plain. ``acceptance_rate``: accepted drafts over
 drafts (drafts past a request's last position are not counted);
 ``mean_tokens_per_spec_step``: 1 + K * acceptance_rate, the tokens a request gains
-per speculative step. Prints one JSON object (and writes it to ``--out``).
+per speculative step. Beside them the engine's own clocks over the timed run:
+``decode_launch_s`` (host time spent issuing decode / speculative steps; near
+``turn_s`` less ``prefill_s``, the steps are bound by launching, not by the device),
+``forward_s`` and ``sample_s`` (the forward and sampling parts of those steps and of
+the prefills). Prints one JSON
+object (and writes it to ``--out``).
 """
 
 from __future__ import annotations
@@ -69,8 +74,9 @@ async def _timed(engine: TorchEngine, requests: list[GenerateRequest]) -> dict[s
     outs = await asyncio.gather(*(engine.generate(r) for r in requests))
     wall_s = time.perf_counter() - t0
     after = engine.statistics()
-    delta = {k: after[k] - before[k] for k in ("turn_s", "prefill_s", "num_spec_steps", "num_draft_tokens",
-                                                "num_accepted_draft_tokens", "num_decode_steps", "num_prefill_seqs")}
+    delta = {k: after[k] - before[k] for k in ("turn_s", "prefill_s", "decode_launch_s", "forward_s", "sample_s",
+                                                "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+                                                "num_decode_steps", "num_prefill_seqs")}
     num_tokens = sum(len(o.token_ids) for o in outs)
     decode_tokens = num_tokens - delta["num_prefill_seqs"]  # each prefill samples one token
     return {"num_tokens": num_tokens, "wall_s": wall_s, "tokens_per_s": num_tokens / wall_s,
