@@ -3,6 +3,8 @@
 
     python -m bench.fp8_decode                      # one H100: Qwen2.5-0.5B and 1.5B shapes, batch 64 and 256
     python -m bench.fp8_decode --shape qwen2.5-0.5b --batch 64
+    python -m bench.fp8_decode --compile-decode     # both sides with rollout.engine.compile_decode (batches > 64)
+    python -m bench.fp8_decode --fp8-skip q_proj    # the FP8 side with rollout.engine.fp8_skip
     python -m bench.fp8_decode --smoke              # CPU: the tiny model, reference GEMM (checks the JSON only)
 
 Prints one JSON object (and writes it to ``--out`` when given). Each shape is built locally
@@ -68,12 +70,14 @@ def build_model(shape: str, path: str, seed: int = 0) -> str:
 
 
 async def measure(path: str, weight_dtype: str, batches: list[int], prompt_len: int, new_tokens: int,
-                  device: str, pushes: int, smoke: bool) -> dict:
-    """Tokens/s per batch size and push times of one engine (``weight_dtype`` auto | fp8)."""
+                  device: str, pushes: int, smoke: bool, **options) -> dict:
+    """Tokens/s per batch size and push times of one engine (``weight_dtype`` auto | fp8;
+    ``options``: more of :class:`TorchEngine`'s keywords)."""
     cuda = device.startswith("cuda")
     dtype = "bfloat16" if cuda else "float32"
     engine = TorchEngine(path, device=device, dtype=dtype, weight_dtype=weight_dtype, max_num_seqs=max(batches),
-                         max_model_len=prompt_len + new_tokens, cuda_graphs=cuda, fp8_reference_for_tests=smoke)
+                         max_model_len=prompt_len + new_tokens, cuda_graphs=cuda, fp8_reference_for_tests=smoke,
+                         **options)
     t0 = time.perf_counter()
     await engine.setup()
     setup_s = time.perf_counter() - t0
@@ -106,14 +110,15 @@ async def measure(path: str, weight_dtype: str, batches: list[int], prompt_len: 
 
 
 def run(shapes: list[str], batches: list[int], prompt_len: int, new_tokens: int, device: str, pushes: int,
-        smoke: bool, root: str) -> dict:
+        smoke: bool, root: str, compile_decode: bool = False, fp8_skip: tuple[str, ...] = ()) -> dict:
     result: dict = {}
     for shape in shapes:
         t0 = time.perf_counter()
         path = str(TINY) if smoke else build_model(shape, os.path.join(root, shape))
         row: dict = {"build_s": round(time.perf_counter() - t0, 2)}
-        for label, weight_dtype in (("bf16", "auto"), ("fp8", "fp8")):
-            row[label] = loop.run(measure(path, weight_dtype, batches, prompt_len, new_tokens, device, pushes, smoke))
+        for label, weight_dtype, options in (("bf16", "auto", {}), ("fp8", "fp8", {"fp8_skip": fp8_skip})):
+            row[label] = loop.run(measure(path, weight_dtype, batches, prompt_len, new_tokens, device, pushes, smoke,
+                                          compile_decode=compile_decode, **options))
         row["fp8_over_bf16"] = {b: round(row["fp8"]["tokens_per_s"][b] / row["bf16"]["tokens_per_s"][b], 3)
                                 for b in row["bf16"]["tokens_per_s"]}
         result[shape] = row
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pushes", type=int, default=3, help="full pushes timed per engine")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, few tokens: checks the code and keys")
+    ap.add_argument("--compile-decode", action="store_true", help="rollout.engine.compile_decode on both sides")
+    ap.add_argument("--fp8-skip", nargs="*", default=[], help="rollout.engine.fp8_skip patterns (the fp8 side)")
     ap.add_argument("--machine", default=None, help="free text saved with the result")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -144,10 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"bench": "fp8_decode", "machine": machine, "device": args.device, "torch": torch.__version__,
                     "smoke": args.smoke, "dtype": "bfloat16" if cuda else "float32", "batches": args.batch,
                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "sampling": "T=1, fixed length",
-                    "cuda_graphs": cuda, "pushes": args.pushes}
+                    "cuda_graphs": cuda, "pushes": args.pushes, "compile_decode": args.compile_decode,
+                    "fp8_skip": args.fp8_skip}
     with tempfile.TemporaryDirectory() as root:
         result["shapes"] = run(shapes, args.batch, args.prompt_len, args.new_tokens, args.device, args.pushes,
-                               args.smoke, root)
+                               args.smoke, root, args.compile_decode, tuple(args.fp8_skip))
     emit(result, args.out, indent=2)
     return result
 
