@@ -27,7 +27,7 @@ from bench.speculative import TASK
 from policies.tasks import make_task
 
 
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+def kl_per_row(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) per row, in fp32."""
     p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
     return (p.exp() * (p - q)).sum(-1)
@@ -74,7 +74,7 @@ def rollout_kl(path: str, device: str, **fp8_options) -> torch.Tensor:
 
     responses = loop.run(sampled())
     full, quant = loop.run(logits(engine())), loop.run(logits(engine(weight_dtype="fp8", **fp8_options)))
-    return torch.cat([_kl(a, b) for a, b in zip(full, quant)])
+    return torch.cat([kl_per_row(a, b) for a, b in zip(full, quant)])
 
 
 def main(argv: list[str] | None = None) -> dict:

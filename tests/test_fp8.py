@@ -24,6 +24,7 @@ from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
+from bench.fp8_kl import kl_per_row, rollout_kl
 from sync.errors import WeightSyncError
 from tests.engine_contract import PROMPTS, req
 
@@ -48,12 +49,6 @@ def _live(store: Fp8WeightStore) -> list[torch.Tensor]:
 def _cpu_engine(**options) -> TorchEngine:
     return TorchEngine(str(TINY), device="cpu", dtype="float32", weight_dtype="fp8", fp8_reference_for_tests=True,
                        max_num_seqs=4, max_model_len=64, **options)
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per row, in fp32."""
-    p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
-    return (p.exp() * (p - q)).sum(-1)
 
 
 # ---- quantization ------------------------------------------------------------------------------
@@ -233,7 +228,7 @@ def test_the_fp8_forward_stays_close_to_the_full_precision_one_on_the_tiny_model
     last = torch.tensor([3, 7, 11, 15, 19, 23, 23, 23])
     a = model.prefill(full, kv, tokens, torch.arange(8), last)
     b = model.prefill(quant, kv, tokens, torch.arange(8), last)
-    kl = _kl(a, b)
+    kl = kl_per_row(a, b)
     assert kl.mean() < 1e-2 and kl.max() < 5e-2, kl
 
 
@@ -376,8 +371,6 @@ def test_fp8_logits_stay_within_a_kl_of_the_bf16_engine_on_the_same_weights(real
     "Measured": e4m3's 3-bit mantissa moves each weight by 2.6% RMS whatever the block size), so
     this holds the figure measured there: mean KL on the task's rollouts under 4e-2 (the CPU
     reference GEMM against fp32: 2.6e-2, ``python -m bench.fp8_kl``)."""
-    from bench.fp8_kl import rollout_kl
-
     kl = rollout_kl(real_model, "cuda")
     print(f"test_fp8: KL(bf16 || fp8) per rollout token on {real_model}: mean {kl.mean():.2e}, "
           f"p99 {kl.quantile(0.99):.2e}, max {kl.max():.2e} over {kl.numel()} tokens")
