@@ -159,14 +159,20 @@ def _attend_prefix(model: Model, q, k, v, k_cache, v_cache, slots: torch.Tensor)
 
 def _attend_cached(model: Model, q, k, v, k_cache, v_cache, positions: torch.Tensor,
                    valid: torch.Tensor) -> torch.Tensor:
-    """Rows ``0..B-1`` at ``positions`` [B, T]: write the valid entries' keys and values,
-    then attend over the cache up to each query's own position (causal within the tokens
-    and over what the cache holds before them)."""
-    B = q.shape[0]
-    rows = torch.arange(B, device=q.device)[:, None].expand_as(positions)[valid]
-    at = positions[valid]
-    k_cache[rows, :, at] = k[valid]
-    v_cache[rows, :, at] = v[valid]
+    """Rows ``0..B-1`` at ``positions`` [B, T] (clamped into the cache): write the valid
+    entries' keys and values, then attend over the cache up to each query's own position
+    (causal within the tokens and over what the cache holds before them).
+
+    No boolean indexing, which would wait for the device at every layer: every entry is
+    written, an entry that is not valid with the values of the valid one its clamped
+    position falls on (the callers' invalid entries are those clamped to 0 or to the last
+    position, which a valid entry of the same row holds), so the duplicate writes agree."""
+    B, T = positions.shape
+    same = (positions[:, :, None] == positions[:, None, :]) & valid[:, None, :]  # [B, T, T]
+    source = same.to(torch.uint8).argmax(-1)[..., None, None]  # itself, for a valid entry
+    rows = torch.arange(B, device=q.device)[:, None].expand(B, T)
+    k_cache[rows, :, positions] = k.gather(1, source.expand_as(k))
+    v_cache[rows, :, positions] = v.gather(1, source.expand_as(v))
     L = k_cache.shape[2]
     mask = model.key_positions[:L][None, None, :] <= positions[:, :, None]  # [B, T, L]
     a = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:B], v_cache[:B], attn_mask=mask[:, None],
