@@ -284,6 +284,18 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"trainer.lr: expected a finite float, got {cfg.trainer.lr}")
 
 
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that load but were measured to hurt a run: one line each, which the run logs
+    as a warning when it starts (``actors.run.Run``)."""
+    warnings = []
+    if cfg.rollout.engine.weight_dtype == "fp8" and cfg.trainer.loss == "ppo_clip":
+        warnings.append("rollout.engine.weight_dtype: fp8 with trainer.loss: ppo_clip clips against the FP8 "
+                        "engine's log-probs; on SmolLM2-135M 5 of 5 seeds learned less, then collapsed within "
+                        "100 steps (docs/fp8.md); a capped importance weight (trainer.loss: decoupled_ppo or "
+                        "tis_token) is the correction to try")
+    return warnings
+
+
 def checkpoint_every(cfg: Config) -> int:
     """Steps between run checkpoints (0 = none)."""
     return cfg.run.checkpoint_every

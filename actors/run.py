@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 import loop
-from actors.config import Config, to_yaml
+from actors.config import Config, config_warnings, to_yaml
 from actors.loggers import open_metrics_log
 from actors.notebook_api import NotebookAPI
 from actors.resume import Checkpointing
@@ -95,6 +95,8 @@ class Run(Wiring, Training, Checkpointing, NotebookAPI):
         from actors.models import check_model_files, resolve_model_path  # ~1.7 s to import (transformers)
 
         self.cfg = cfg
+        for warning in config_warnings(cfg):
+            log.warning(warning)
         # a wrong model path, or a corrupt file in it, fails before anything is created on disk
         self.model_path = str(resolve_model_path(cfg.model.path, cfg.base_dir))
         check_model_files(self.model_path)

@@ -40,8 +40,10 @@ starts, and ``--merge`` pools the runs of several JSONs made with the same
 settings (it refuses others; a policy must have the same overrides in each)
 and writes the summary and the plot again. Per step a run also keeps what
 reached the trainer (``steps``: the batch's reward, response length,
-staleness, and the share of its groups with one reward for every sample,
-which give no gradient), to see which samples a policy learns from.
+staleness, the share of its groups with one reward for every sample,
+which give no gradient, and the loss's ``kl_behav`` and ``clip_frac``: how far
+the sampler's log-probs sat from the trainer's), to see which samples a policy
+learns from.
 """
 
 from __future__ import annotations
@@ -102,14 +104,20 @@ def run_once(name: str, overrides: list[str], seed: int, args: argparse.Namespac
         "trained_tokens_per_s": sum(m["num_tokens"] for m in hist) / train_s,
         "eval_s": round(sum(m.get("eval/s", 0.0) for m in [initial or {}, *hist]), 3),
         "evals": evals,
-        # what reached the trainer, step by step: the batch's reward, response length and staleness
+        # what reached the trainer, step by step: the batch's reward, response length and staleness,
+        # and how far the sampler sat from the trainer (None where the loss does not report it)
         "steps": [[m["step"], round(policy_start + m["elapsed_s"], 3), round(m["reward"], 4),
                    round(m["response_len_mean"], 1), round(m["staleness_mean"], 3),
-                   round(m.get("zero_adv_group_share", -1.0), 3)] for m in hist],
+                   round(m.get("zero_adv_group_share", -1.0), 3),
+                   *(_rounded(m.get(f"train/{k}")) for k in ("kl_behav", "clip_frac"))] for m in hist],
         "steps_fields": ["step", "since_launch_s", "batch_reward", "response_len_mean", "staleness_mean",
-                         "zero_adv_group_share"],
+                         "zero_adv_group_share", "kl_behav", "clip_frac"],
         "dropped": hist[-1]["dropped"] if hist else {},
     }
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 5)
 
 
 def preload(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ import torch
 
 import loop
 import sync
+from actors.config import config_warnings, load_config
 from actors.engines import EngineConfig, FullWeights, fp8
 from actors.engines.fp8_store import Fp8RefitRefused, Fp8WeightStore
 from actors.engines.kv_cache import KVCache
@@ -285,6 +286,16 @@ def test_fp8_is_refused_off_cuda_off_bf16_and_off_the_builtin_engine():
         EngineConfig(fp8_skip=["q_proj"])
     with pytest.raises(ValueError, match="fp8_skip=.* needs weight_dtype='fp8'"):
         TorchEngine(str(TINY), fp8_skip=("q_proj",))
+
+
+def test_fp8_rollout_under_ppo_clip_is_warned_about_and_under_a_corrected_loss_is_not():
+    from msgspec.structs import replace
+    cfg = load_config(None)
+    fp8_cfg = replace(cfg, rollout=replace(cfg.rollout, engine=EngineConfig(device="cuda", weight_dtype="fp8")))
+    for loss, warned in (("ppo_clip", True), ("decoupled_ppo", False), ("tis_token", False)):
+        assert config_warnings(replace(cfg, trainer=replace(cfg.trainer, loss=loss))) == []
+        warnings = config_warnings(replace(fp8_cfg, trainer=replace(fp8_cfg.trainer, loss=loss)))
+        assert len(warnings) == warned and all("ppo_clip" in w and "docs/fp8.md" in w for w in warnings)
 
 
 def test_weights_bytes_counts_the_master_the_fp8_copies_and_their_scales():

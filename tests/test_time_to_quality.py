@@ -86,6 +86,8 @@ def test_the_benchmark_runs_two_seeds_writes_its_json_and_plot_and_merges(tmp_pa
             assert all(e["since_first_step_s"] < e["since_launch_s"] for e in r["evals"])
             assert all(0.0 <= e["reward"] <= 1.0 for e in r["evals"])
             assert len(r["steps"]) == 4 and r["steps_per_s"] > 0 and r["startup_s"] > 0
+            rows = [dict(zip(r["steps_fields"], row, strict=True)) for row in r["steps"]]
+            assert all(isinstance(x["kl_behav"], float) and 0.0 <= x["clip_frac"] <= 1.0 for x in rows)  # ppo_clip's
         summary = result["summary"]["policies"][name]
         assert len(summary["curve"]) == 3 and all(len(c["reward_ci95"]) == 2 for c in summary["curve"])
         assert set(summary["median_time_to_target_s"]) == {"launch", "first_step"}
