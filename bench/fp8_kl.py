@@ -7,7 +7,9 @@ same weights: KL(full || fp8) per token, at the positions where rollouts sample.
 
 Prints one JSON object (and writes it to ``--out``): the KL's mean, median, p99 and max over the
 response tokens of 16 rollouts of the step-by-step task (T=1, up to 96 tokens each) that the
-full-precision engine samples; both engines then read each whole sequence (teacher forcing).
+full-precision engine samples; both engines then read each whole sequence (teacher forcing). Beside
+it, ``decode_vs_forced_logprob``: for each engine, how far the log-probs it recorded while sampling
+its own rollouts sit from the same tokens read back by one prefill of that engine.
 """
 
 from __future__ import annotations
@@ -33,48 +35,79 @@ def kl_per_row(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
+class _Rollouts:
+    """16 prompts of the step-by-step task where ``path`` has a tokenizer, else random ones, and
+    the engines that sample them (T=1, up to 96 tokens) or read whole sequences back."""
+
+    def __init__(self, path: str, device: str) -> None:
+        self.path, self.device = path, device
+        self.dtype = "bfloat16" if device == "cuda" else "float32"
+        if (Path(path) / "tokenizer_config.json").is_file():
+            task = make_task("text_arithmetic", model_path=path, **TASK)
+            self.prompts, self.stop = [p.prompt_ids for p in task.eval_prompts(16)], tuple(task.stop_token_ids)
+        else:
+            vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+            self.prompts = torch.randint(1, vocab, (16, 24), generator=torch.Generator().manual_seed(6)).tolist()
+            self.stop = ()
+
+    def engine(self, **options) -> TorchEngine:
+        return TorchEngine(self.path, device=self.device, dtype=self.dtype, max_num_seqs=16, max_model_len=512,
+                           **options)
+
+    def sample(self, **options) -> list[tuple[list[int], list[float]]]:
+        """Each prompt's response and the log-probs the engine recorded while decoding it."""
+        async def run() -> list[tuple[list[int], list[float]]]:
+            e = self.engine(**options)
+            await e.setup()
+            try:
+                outs = await asyncio.gather(*(e.generate(GenerateRequest(
+                    request_id=f"r{i}", prompt_ids=p, max_tokens=96,
+                    sampling=SamplingParams(temperature=1.0, seed=i, stop_token_ids=self.stop)))
+                    for i, p in enumerate(self.prompts)))
+                return [(list(o.token_ids), list(o.logprobs)) for o in outs]
+            finally:
+                await e.close()
+        return loop.run(run())
+
+    def forced(self, responses: list[list[int]], **options) -> list[torch.Tensor]:
+        """Each prompt + response read whole by one prefill: the logits [len(response), V] (fp32,
+        on the host) at the positions that sampled the response's tokens."""
+        async def run() -> list[torch.Tensor]:
+            e = self.engine(**options)
+            await e.setup()
+            try:
+                core, out, d = e._core, [], self.device
+                for p, r in zip(self.prompts, responses):
+                    h = core.model.prefill_layers(core.weights, core.kv, torch.tensor([p + r], device=d),
+                                                  torch.tensor([0], device=d))
+                    out.append(core.model._logits(core.weights, h[0, len(p) - 1 : len(p) + len(r) - 1]).float().cpu())
+                return out
+            finally:
+                await e.close()
+        return loop.run(run())
+
+
 def rollout_kl(path: str, device: str, **fp8_options) -> torch.Tensor:
     """KL(full || fp8) per token at every response position of 16 rollouts (T=1, up to 96 tokens)
-    that the full-precision engine samples: the step-by-step task's prompts where ``path`` has a
-    tokenizer, else random ones; each sequence teacher-forced through both engines. The
-    positions a rollout samples at are where the trainer's off-policy correction meets the gap."""
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    if (Path(path) / "tokenizer_config.json").is_file():
-        task = make_task("text_arithmetic", model_path=path, **TASK)
-        prompts, stop = [p.prompt_ids for p in task.eval_prompts(16)], tuple(task.stop_token_ids)
-    else:
-        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-        prompts, stop = torch.randint(1, vocab, (16, 24), generator=torch.Generator().manual_seed(6)).tolist(), ()
-
-    def engine(**options) -> TorchEngine:
-        return TorchEngine(path, device=device, dtype=dtype, max_num_seqs=16, max_model_len=512, **options)
-
-    async def sampled() -> list[list[int]]:
-        e = engine()
-        await e.setup()
-        try:
-            outs = await asyncio.gather(*(e.generate(GenerateRequest(
-                request_id=f"r{i}", prompt_ids=p, max_tokens=96,
-                sampling=SamplingParams(temperature=1.0, seed=i, stop_token_ids=stop))) for i, p in enumerate(prompts)))
-            return [o.token_ids for o in outs]
-        finally:
-            await e.close()
-
-    async def logits(e: TorchEngine) -> list[torch.Tensor]:
-        await e.setup()
-        try:
-            core, out = e._core, []
-            for p, r in zip(prompts, responses):
-                h = core.model.prefill_layers(core.weights, core.kv, torch.tensor([p + r], device=device),
-                                              torch.tensor([0], device=device))
-                out.append(core.model._logits(core.weights, h[0, len(p) - 1 : len(p) + len(r) - 1]).float().cpu())
-            return out
-        finally:
-            await e.close()
-
-    responses = loop.run(sampled())
-    full, quant = loop.run(logits(engine())), loop.run(logits(engine(weight_dtype="fp8", **fp8_options)))
+    that the full-precision engine samples, each sequence teacher-forced through both engines.
+    The positions a rollout samples at are where the trainer's off-policy correction meets the gap."""
+    r = _Rollouts(path, device)
+    responses = [tokens for tokens, _ in r.sample()]
+    full, quant = r.forced(responses), r.forced(responses, weight_dtype="fp8", **fp8_options)
     return torch.cat([kl_per_row(a, b) for a, b in zip(full, quant)])
+
+
+def decode_vs_forced(path: str, device: str, **options) -> dict[str, float]:
+    """How far an engine's log-probs of its own sampled tokens, recorded while decoding, sit from
+    the same tokens read back by one prefill of the same engine: |difference| mean, RMS and max
+    over the response tokens. 0 up to summation order in full precision; with FP8 a tiny change of
+    order flips activations' e4m3 roundings, which cascade through the layers."""
+    r = _Rollouts(path, device)
+    samples = r.sample(**options)
+    forced = r.forced([tokens for tokens, _ in samples], **options)
+    d = torch.cat([torch.tensor(lps) - f.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+                   for (tokens, lps), f in zip(samples, forced)]).abs()
+    return {"abs_mean": float(d.mean()), "rms": float(d.pow(2).mean().sqrt()), "max": float(d.max())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,7 +124,12 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "baseline": "bfloat16" if args.device == "cuda" else "float32",
               "fp8_gemm": "kernel" if args.device == "cuda" else "reference", "fp8_skip": args.fp8_skip,
               "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median()),
-              "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max())}
+              "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max()),
+              # each engine's recorded log-prob of its own sampled tokens against one prefill's
+              "decode_vs_forced_logprob": {
+                  "full": decode_vs_forced(args.model, args.device),
+                  "fp8": decode_vs_forced(args.model, args.device, weight_dtype="fp8", fp8_skip=tuple(args.fp8_skip),
+                                          fp8_reference_for_tests=args.device == "cpu")}}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

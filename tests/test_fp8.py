@@ -25,7 +25,7 @@ from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
-from bench.fp8_kl import kl_per_row, rollout_kl
+from bench.fp8_kl import decode_vs_forced, kl_per_row, rollout_kl
 from sync.errors import WeightSyncError
 from tests.engine_contract import PROMPTS, req
 
@@ -84,6 +84,19 @@ def test_shapes_off_the_128_grid_are_padded_with_zeros_and_sliced_back():
     out = fp8.linear(x, fp8.Fp8Linear(q, s, 576, 192, "reference"), b)
     want = x @ w.t() + b
     assert out.shape == (3, 576) and (out - want).abs().max() <= 0.1 * want.abs().max()
+
+
+def test_an_fp8_linears_rows_do_not_depend_on_the_other_rows():
+    """Per-token activation scales: a token's output is the same whatever else is in the batch
+    (up to fp32 summation order), as prefill and decode need."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(1)) * 0.05
+    q, s = torch.zeros(384, 256, dtype=fp8.FP8), torch.zeros(3, 4)
+    fp8.quantize_blocks(w, q, s)
+    lin = fp8.Fp8Linear(q, s, 300, 200, "reference")
+    x = torch.randn(2, 9, 200, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 100.0])[:, None, None]
+    together = fp8.linear(x.reshape(18, 200), lin)
+    alone = torch.cat([fp8.linear(row[None], lin) for row in x.reshape(18, 200)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4)
 
 
 def test_a_zero_block_gets_a_positive_scale_and_stays_zero():
@@ -231,6 +244,15 @@ def test_the_fp8_forward_stays_close_to_the_full_precision_one_on_the_tiny_model
     b = model.prefill(quant, kv, tokens, torch.arange(8), last)
     kl = kl_per_row(a, b)
     assert kl.mean() < 1e-2 and kl.max() < 5e-2, kl
+
+
+def test_decode_vs_forced_is_zero_in_full_precision_and_finite_with_fp8(tmp_path):
+    for name in ("config.json", "model.safetensors"):  # no tokenizer: random prompts
+        shutil.copy(TINY / name, tmp_path / name)
+    full = decode_vs_forced(str(tmp_path), "cpu")
+    assert full["max"] < 1e-4, full  # decoding's recorded log-probs are the prefill's, position for position
+    quant = decode_vs_forced(str(tmp_path), "cpu", weight_dtype="fp8", fp8_reference_for_tests=True)
+    assert all(0.0 <= v < 10.0 for v in quant.values()), quant
 
 
 def test_skipped_linears_stay_in_dtype_and_every_linear_skipped_is_the_full_precision_forward():
