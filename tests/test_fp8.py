@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import safetensors.torch
 import torch
+from msgspec.structs import replace
 
 import loop
 import sync
@@ -311,7 +312,6 @@ def test_fp8_is_refused_off_cuda_off_bf16_and_off_the_builtin_engine():
 
 
 def test_fp8_rollout_under_ppo_clip_is_warned_about_and_under_a_corrected_loss_is_not():
-    from msgspec.structs import replace
     cfg = load_config(None)
     fp8_cfg = replace(cfg, rollout=replace(cfg.rollout, engine=EngineConfig(device="cuda", weight_dtype="fp8")))
     for loss, warned in (("ppo_clip", True), ("decoupled_ppo", False), ("tis_token", False)):
