@@ -223,6 +223,8 @@ def _check_consistency(cfg: Config) -> None:
         )
     if cfg.rollout.engine.speculative == "mtp" and cfg.model.mtp_layers == 0:
         raise ConfigError("rollout.engine.speculative: 'mtp' drafts with the MTP modules; set model.mtp_layers > 0")
+    if cfg.trainer.mtp_lr is not None and cfg.model.mtp_layers == 0:
+        raise ConfigError("trainer.mtp_lr: the MTP modules' lr; set model.mtp_layers > 0 or leave it null")
     _check_task(cfg.task, cfg.base_dir)
     _check_progress(cfg)
     p = cfg.policy

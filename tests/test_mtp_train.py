@@ -207,6 +207,59 @@ def test_muon_steps_the_mtp_matrices():
     assert "mtp.0.norm.weight" not in names
 
 
+def _largest_step(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], mtp: bool) -> float:
+    return max(float((after[n] - t).abs().max()) for n, t in before.items() if n.startswith("mtp.") == mtp)
+
+
+def test_mtp_lr_steps_the_modules_at_their_own_rate_and_resume_keeps_it(tmp_path):
+    """Adam's first step moves each element by about its lr: 1e-2 for the modules, 1e-4 for the policy."""
+    samples, adv = _samples(), [0.5, -0.5] * 3
+    b = _backend(lr=1e-4, mtp_lr=1e-2, grad_clip=1e9)
+    assert [g["lr"] for g in b.optimizer.param_groups] == [1e-4, 1e-2]
+    before = {n: t.clone() for n, t in b.named_weights().items()}
+    b.train_step(samples, adv)
+    after = b.named_weights()
+    assert 0.9e-2 < _largest_step(before, after, mtp=True) <= 1.001e-2
+    assert 0 < _largest_step(before, after, mtp=False) <= 1.001e-4
+    saved = b.optimizer.state_dict()["state"]  # indexed in the model's param order, as FSDP2's re-shard reads it
+    for i, p in enumerate(b.model.parameters()):
+        assert torch.equal(saved[i]["exp_avg"], b.optimizer.state[p]["exp_avg"]), i
+    b.save(tmp_path / "ckpt")
+    again = _backend(lr=1e-4, mtp_lr=1e-2, grad_clip=1e9)
+    again.load(tmp_path / "ckpt")
+    b.train_step(samples, adv)
+    again.train_step(samples, adv)
+    for name, t in b.named_weights().items():
+        assert torch.equal(t, again.named_weights()[name]), name
+
+
+def test_mtp_lr_reaches_muons_matrices_and_the_main_params():
+    from actors.backends.config import MuonConfig
+
+    main = _backend(dtype="bfloat16", master_dtype="float32", lr=1e-4, mtp_lr=1e-2)
+    groups = main.optimizer.optimizer.param_groups  # over the fp32 main params
+    num_mtp = sum(n.startswith("mtp.") for n, _ in main.model.named_parameters())
+    assert [g["lr"] for g in groups] == [1e-4, 1e-2] and len(groups[1]["params"]) == num_mtp
+    assert all(p.dtype == torch.float32 for p in groups[1]["params"])
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon is not in this torch")
+    muon = _backend(muon=MuonConfig(), lr=1e-4, mtp_lr=1e-2).optimizer
+    for opt in (muon.muon, muon.adamw):
+        first, mtp = opt.param_groups
+        assert mtp["lr"] == pytest.approx(100 * first["lr"]) and mtp["weight_decay"] == first["weight_decay"]
+
+
+def test_mtp_lr_without_modules_or_off_the_torch_backend_is_refused():
+    from actors.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="mtp_lr 0.001: > 0, only with mtp_layers > 0"):
+        TorchBackend(str(BUILTIN_MODEL_DIR), loss=PPO, mtp_lr=1e-3)
+    with pytest.raises(ConfigError, match="trainer.mtp_lr: .*set model.mtp_layers > 0"):
+        load_config(None, ["trainer.mtp_lr=1e-3"])
+    with pytest.raises(ValueError, match="mtp_lr must be null with backend 'megatron'"):
+        TrainerConfig(backend="megatron", mtp_lr=1e-3)
+
+
 def no_mtp_backend(cfg, model_path, *, seed, loss):
     """A third-party backend's factory that knows nothing of MTP."""
     raise AssertionError("never built: make_backend refuses it first")

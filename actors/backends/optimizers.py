@@ -2,7 +2,8 @@
 with AdamW for the rest (``trainer.optimizer``; docs/optimizers.md).
 
     build_optimizer(model, ...)     AdamW over every param, or MuonAdamW; under fp32 main
-                                    params (bf16 model, one worker) inside MainParamsOptimizer
+                                    params (bf16 model, one worker) inside MainParamsOptimizer;
+                                    with trainer.mtp_lr the MTP modules in groups of their own
     muon_mask(model)                which params Muon steps: 2-D weights that are not an
                                     embedding or the output head (tied: one param, AdamW's)
     MuonAdamW                       torch.optim.Muon + torch.optim.AdamW behind one optimizer's
@@ -187,11 +188,45 @@ def _muon_group(muon: MuonConfig, lr: float, betas: tuple[float, float], weight_
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                    muon: MuonConfig | None, fused: bool, sharded: bool,
-                    master_dtype: torch.dtype | None) -> torch.optim.Optimizer | MuonAdamW | MainParamsOptimizer:
+                    muon: MuonConfig | None, fused: bool, sharded: bool, master_dtype: torch.dtype | None,
+                    mtp_lr: float | None = None) -> torch.optim.Optimizer | MuonAdamW | MainParamsOptimizer:
     """The optimizer over ``model.parameters()``: AdamW (``muon`` None) or :class:`MuonAdamW`;
     ``fused``: AdamW's one-kernel CUDA step; ``sharded``: FSDP2's DTensors (:class:`ShardedMuon`);
-    ``master_dtype``: wrapped in :class:`MainParamsOptimizer` over copies in that dtype."""
+    ``master_dtype``: wrapped in :class:`MainParamsOptimizer` over copies in that dtype;
+    ``mtp_lr``: the MTP modules' params (``mtp.*``) in groups of their own (:func:`_mtp_groups`)."""
+    optimizer = _build(model, lr=lr, betas=betas, weight_decay=weight_decay, muon=muon, fused=fused,
+                       sharded=sharded, master_dtype=master_dtype)
+    if mtp_lr is not None:
+        _mtp_groups(optimizer, model, mtp_lr / lr)
+    return optimizer
+
+
+def _mtp_groups(optimizer: torch.optim.Optimizer | MuonAdamW | MainParamsOptimizer, model: torch.nn.Module,
+                scale: float) -> None:
+    """Move the MTP modules' params of each torch optimizer inside ``optimizer`` (AdamW's, or
+    Muon's and AdamW's) into a second group whose lr is the first's times ``scale``. The modules
+    come last in the model's param order, so each optimizer's params stay in that order across its
+    groups: its state's indices, which checkpoints and FSDP2's re-shard read, do not move."""
+    names = [n for n, _ in model.named_parameters()]
+    is_mtp = [n.startswith("mtp.") for n in names]
+    if True not in is_mtp or not all(is_mtp[is_mtp.index(True):]):
+        raise ValueError("trainer.mtp_lr: the model's MTP params (mtp.*) must exist and come last in its params")
+    inner = optimizer.optimizer if isinstance(optimizer, MainParamsOptimizer) else optimizer
+    held = optimizer.main if isinstance(optimizer, MainParamsOptimizer) else list(model.parameters())
+    mtp = {id(t) for t, m in zip(held, is_mtp) if m}
+    parts = [inner.muon, inner.adamw] if isinstance(inner, MuonAdamW) else [inner]
+    for opt in (o for o in parts if o is not None):
+        (group,) = opt.param_groups
+        moved = [p for p in group["params"] if id(p) in mtp]
+        if moved:
+            group["params"] = [p for p in group["params"] if id(p) not in mtp]
+            opt.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved,
+                                 "lr": group["lr"] * scale})
+
+
+def _build(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+           muon: MuonConfig | None, fused: bool, sharded: bool,
+           master_dtype: torch.dtype | None) -> torch.optim.Optimizer | MuonAdamW | MainParamsOptimizer:
 
     def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)

@@ -110,8 +110,7 @@ class TorchBackend(TrainerBackend):
         compile: bool = _DEFAULTS.compile,
         kernels: str = _DEFAULTS.kernels,
         cuda_graphs: bool = _DEFAULTS.cuda_graphs,
-        muon: MuonConfig | None = None,
-        mtp_layers: int = 0,
+        muon: MuonConfig | None = None, mtp_layers: int = 0, mtp_lr: float | None = None,  # mtp_lr None: lr
         mtp_loss_weight: float = _DEFAULTS.mtp_loss_weight, mtp_detach: bool = _DEFAULTS.mtp_detach,
     ):
         if dtype not in _DTYPES:
@@ -122,10 +121,11 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"master_dtype must be one of {sorted(_DTYPES)} or None, got {master_dtype!r}")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
-        if mtp_layers < 0 or mtp_loss_weight < 0 or mtp_layers and (compile or cuda_graphs):
-            raise ValueError(f"mtp_layers {mtp_layers} / mtp_loss_weight {mtp_loss_weight}: both >= 0, and MTP "
-                             f"not with compile or cuda_graphs (the MTP hooks run outside their graphs)")
-        self.mtp_layers, self.mtp_loss_weight, self.mtp_detach = mtp_layers, mtp_loss_weight, mtp_detach
+        if (mtp_layers < 0 or mtp_loss_weight < 0 or mtp_layers and (compile or cuda_graphs)
+                or mtp_lr is not None and (mtp_lr <= 0 or not mtp_layers)):
+            raise ValueError(f"mtp_layers {mtp_layers}, mtp_loss_weight {mtp_loss_weight}: >= 0; mtp_lr {mtp_lr}: > 0, only "
+                             f"with mtp_layers > 0; MTP not with compile or cuda_graphs (its hooks run outside graphs)")
+        self.mtp_layers, self.mtp_loss_weight, self.mtp_detach, self.mtp_lr = mtp_layers, mtp_loss_weight, mtp_detach, mtp_lr
         self._mtp: MtpRunner | None = None  # mtp_layers > 0, from setup()
         self.model_path = model_path
         self.device = torch.device(device)
@@ -203,7 +203,7 @@ class TorchBackend(TrainerBackend):
         self.optimizer = build_optimizer(self.model, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
                                          muon=self.muon, fused=self.device.type == "cuda" and self.world_size == 1,
                                          sharded=self.world_size > 1,
-                                         master_dtype=self.master_dtype if self.world_size == 1 else None)
+                                         master_dtype=self.master_dtype if self.world_size == 1 else None, mtp_lr=self.mtp_lr)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
 
     def _shard_model(self) -> None:

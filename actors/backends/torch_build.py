@@ -38,4 +38,4 @@ def torch_backend(cfg: TrainerConfig, model_path: str, *, seed: int, loss: Loss,
                         logprob_chunk_tokens=cfg.logprob_chunk_tokens, compile=cfg.compile, kernels=cfg.kernels,
                         cuda_graphs=cuda_graphs, muon=cfg.muon if cfg.optimizer == "muon" else None,
                         mtp_layers=mtp_layers, mtp_loss_weight=cfg.mtp_loss_weight,
-                        mtp_detach=cfg.mtp_detach)
+                        mtp_detach=cfg.mtp_detach, mtp_lr=cfg.mtp_lr)
