@@ -296,7 +296,7 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         samples = _samples(8)
         # rank 1 takes one more pass than rank 0 (a weight-0 filler pass on rank 0 joins its collectives)
         mine = samples[:3] if rank == 0 else samples[3:]
-        b = _backend(packed=False, micro_batch_tokens=40)
+        b = _backend(packed=False, micro_batch_tokens=40, mtp_lr=3e-3)  # the modules' group on the shards too
         metrics = [b.train_step(mine, [0.5, -0.5, 0.25, -0.25, 0.1][: len(mine)]) for _ in range(2)]
         specs = b.shard_specs()
         full = {k: v.full_tensor().clone() for k, v in b.model.state_dict().items() if k.startswith("mtp.")}
@@ -320,7 +320,7 @@ def test_two_fsdp2_ranks_train_and_shard_the_mtp_modules_as_one_worker(tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        single = _backend(packed=False, micro_batch_tokens=40)
+        single = _backend(packed=False, micro_batch_tokens=40, mtp_lr=3e-3)
         want = [single.train_step(samples, adv) for _ in range(2)]
     finally:
         torch.set_num_threads(threads)
