@@ -9,7 +9,9 @@ Prints one JSON object (and writes it to ``--out``): the KL's mean, median, p99 
 response tokens of 16 rollouts of the step-by-step task (T=1, up to 96 tokens each) that the
 full-precision engine samples; both engines then read each whole sequence (teacher forcing). Beside
 it, ``decode_vs_forced_logprob``: for each engine, how far the log-probs it recorded while sampling
-its own rollouts sit from the same tokens read back by one prefill of that engine.
+its own rollouts sit from the same tokens read back by one prefill of that engine; and
+``sampler_gap``: the full-precision over FP8 log-ratio at the FP8 engine's own samples, and the share of
+them outside ``ppo_clip``'s [0.8, 1.2] band.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -97,17 +100,37 @@ def rollout_kl(path: str, device: str, **fp8_options) -> torch.Tensor:
     return torch.cat([kl_per_row(a, b) for a, b in zip(full, quant)])
 
 
+def _recorded_and_forced(r: _Rollouts, sampler: dict, reader: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs the ``sampler`` engine recorded for its rollouts' tokens, and those the
+    ``reader`` engine gives the same tokens in one prefill (flat over every response token)."""
+    samples = r.sample(**sampler)
+    forced = r.forced([tokens for tokens, _ in samples], **reader)
+    recorded = torch.cat([torch.tensor(lps) for _, lps in samples])
+    read = torch.cat([f.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+                      for (tokens, _), f in zip(samples, forced)])
+    return recorded, read
+
+
 def decode_vs_forced(path: str, device: str, **options) -> dict[str, float]:
     """How far an engine's log-probs of its own sampled tokens, recorded while decoding, sit from
     the same tokens read back by one prefill of the same engine: |difference| mean, RMS and max
     over the response tokens. 0 up to summation order in full precision; with FP8 a tiny change of
     order flips activations' e4m3 roundings, which cascade through the layers."""
-    r = _Rollouts(path, device)
-    samples = r.sample(**options)
-    forced = r.forced([tokens for tokens, _ in samples], **options)
-    d = torch.cat([torch.tensor(lps) - f.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-                   for (tokens, lps), f in zip(samples, forced)]).abs()
+    recorded, read = _recorded_and_forced(_Rollouts(path, device), options, options)
+    d = (recorded - read).abs()
     return {"abs_mean": float(d.mean()), "rms": float(d.pow(2).mean().sqrt()), "max": float(d.max())}
+
+
+def sampler_gap(path: str, device: str, **fp8_options) -> dict[str, float]:
+    """What an on-policy PPO step would see at its first update with FP8 rollout: the log-ratio of
+    the full-precision model (the trainer's weights) over the FP8 engine at the tokens the FP8
+    engine sampled, as its mean and RMS, and the share of tokens whose ratio starts outside
+    ``ppo_clip``'s [0.8, 1.2] band."""
+    recorded, read = _recorded_and_forced(_Rollouts(path, device), {"weight_dtype": "fp8", **fp8_options}, {})
+    log_ratio = read - recorded
+    outside = (log_ratio > math.log(1.2)) | (log_ratio < math.log(0.8))
+    return {"log_ratio_mean": float(log_ratio.mean()), "log_ratio_rms": float(log_ratio.pow(2).mean().sqrt()),
+            "outside_0.8_1.2": float(outside.float().mean())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -117,8 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fp8-skip", nargs="*", default=[], help="rollout.engine.fp8_skip patterns")
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args(argv)
-    kl = rollout_kl(args.model, args.device, fp8_skip=tuple(args.fp8_skip),
-                    fp8_reference_for_tests=args.device == "cpu")
+    fp8 = {"fp8_skip": tuple(args.fp8_skip), "fp8_reference_for_tests": args.device == "cpu"}
+    kl = rollout_kl(args.model, args.device, **fp8)
     result = {"bench": "fp8_kl", "model": args.model, "device": args.device,
               "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
               "torch": torch.__version__, "baseline": "bfloat16" if args.device == "cuda" else "float32",
@@ -128,8 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
               # each engine's recorded log-prob of its own sampled tokens against one prefill's
               "decode_vs_forced_logprob": {
                   "full": decode_vs_forced(args.model, args.device),
-                  "fp8": decode_vs_forced(args.model, args.device, weight_dtype="fp8", fp8_skip=tuple(args.fp8_skip),
-                                          fp8_reference_for_tests=args.device == "cpu")}}
+                  "fp8": decode_vs_forced(args.model, args.device, weight_dtype="fp8", **fp8)},
+              # full precision over FP8 at the FP8 engine's own samples: what ppo_clip clips against
+              "sampler_gap": sampler_gap(args.model, args.device, **fp8)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

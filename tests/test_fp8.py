@@ -26,7 +26,7 @@ from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
-from bench.fp8_kl import decode_vs_forced, kl_per_row, rollout_kl
+from bench.fp8_kl import decode_vs_forced, kl_per_row, rollout_kl, sampler_gap
 from sync.errors import WeightSyncError
 from tests.engine_contract import PROMPTS, req
 
@@ -247,13 +247,18 @@ def test_the_fp8_forward_stays_close_to_the_full_precision_one_on_the_tiny_model
     assert kl.mean() < 1e-2 and kl.max() < 5e-2, kl
 
 
-def test_decode_vs_forced_is_zero_in_full_precision_and_finite_with_fp8(tmp_path):
+def test_decode_vs_forced_and_the_sampler_gap_are_zero_without_fp8_and_finite_with_it(tmp_path):
     for name in ("config.json", "model.safetensors"):  # no tokenizer: random prompts
         shutil.copy(TINY / name, tmp_path / name)
     full = decode_vs_forced(str(tmp_path), "cpu")
     assert full["max"] < 1e-4, full  # decoding's recorded log-probs are the prefill's, position for position
     quant = decode_vs_forced(str(tmp_path), "cpu", weight_dtype="fp8", fp8_reference_for_tests=True)
     assert all(0.0 <= v < 10.0 for v in quant.values()), quant
+    every = ("q_proj", "o_proj", "gate_proj", "down_proj")  # every linear kept: the FP8 engine is the full one
+    none = sampler_gap(str(tmp_path), "cpu", fp8_skip=every, fp8_reference_for_tests=True)
+    assert none["log_ratio_rms"] < 1e-4 and none["outside_0.8_1.2"] == 0.0, none
+    gap = sampler_gap(str(tmp_path), "cpu", fp8_reference_for_tests=True)
+    assert 0.0 <= gap["outside_0.8_1.2"] <= 1.0 and gap["log_ratio_rms"] < 10.0, gap
 
 
 def test_skipped_linears_stay_in_dtype_and_every_linear_skipped_is_the_full_precision_forward():
