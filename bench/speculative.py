@@ -29,8 +29,7 @@ per speculative step. Beside them the engine's own clocks over the timed run:
 ``decode_launch_s`` (host time spent issuing decode / speculative steps; near
 ``turn_s`` less ``prefill_s``, the steps are bound by launching, not by the device),
 ``forward_s`` and ``sample_s`` (the forward and sampling parts of those steps and of
-the prefills). Prints one JSON
-object (and writes it to ``--out``).
+the prefills). Prints one JSON object (and writes it to ``--out``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -157,25 +158,38 @@ def _attend_prefix(model: Model, q, k, v, k_cache, v_cache, slots: torch.Tensor)
     return a.transpose(1, 2).flatten(2)
 
 
-def _attend_cached(model: Model, q, k, v, k_cache, v_cache, positions: torch.Tensor,
-                   valid: torch.Tensor) -> torch.Tensor:
-    """Rows ``0..B-1`` at ``positions`` [B, T] (clamped into the cache): write the valid
-    entries' keys and values, then attend over the cache up to each query's own position
-    (causal within the tokens and over what the cache holds before them).
+class _CachePlan(NamedTuple):
+    """What every layer of one forward over tokens at ``positions`` [B, T] (clamped into the
+    cache) writes and reads, computed once (:func:`_plan`): ``rows`` [B, T] and ``source``
+    [B, T, 1, 1], the token whose keys and values each entry writes; ``mask`` [B, 1, T, L], the
+    cache positions each query sees."""
 
-    No boolean indexing, which would wait for the device at every layer: every entry is
-    written, an entry that is not valid with the values of the valid one its clamped
-    position falls on (the callers' invalid entries are those clamped to 0 or to the last
-    position, which a valid entry of the same row holds), so the duplicate writes agree."""
+    rows: torch.Tensor
+    source: torch.Tensor
+    mask: torch.Tensor
+
+
+def _plan(model: Model, positions: torch.Tensor, valid: torch.Tensor, cache_len: int) -> _CachePlan:
+    """No boolean indexing, which would wait for the device: every entry is written, one that
+    is not ``valid`` with the values of the valid one its clamped position falls on (the
+    callers' invalid entries are those clamped to 0 or to the last position, which a valid
+    entry of the same row holds), so the duplicate writes agree."""
     B, T = positions.shape
     same = (positions[:, :, None] == positions[:, None, :]) & valid[:, None, :]  # [B, T, T]
     source = same.to(torch.uint8).argmax(-1)[..., None, None]  # itself, for a valid entry
-    rows = torch.arange(B, device=q.device)[:, None].expand(B, T)
-    k_cache[rows, :, positions] = k.gather(1, source.expand_as(k))
-    v_cache[rows, :, positions] = v.gather(1, source.expand_as(v))
-    L = k_cache.shape[2]
-    mask = model.key_positions[:L][None, None, :] <= positions[:, :, None]  # [B, T, L]
-    a = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:B], v_cache[:B], attn_mask=mask[:, None],
+    mask = model.key_positions[:cache_len][None, None, :] <= positions[:, :, None]  # [B, T, L]
+    return _CachePlan(torch.arange(B, device=positions.device)[:, None].expand(B, T), source, mask[:, None])
+
+
+def _attend_cached(model: Model, q, k, v, k_cache, v_cache, positions: torch.Tensor,
+                   plan: _CachePlan) -> torch.Tensor:
+    """Rows ``0..B-1`` at ``positions`` [B, T]: write the valid entries' keys and values, then
+    attend over the cache up to each query's own position (causal within the tokens and over
+    what the cache holds before them)."""
+    B = positions.shape[0]
+    k_cache[plan.rows, :, positions] = k.gather(1, plan.source.expand_as(k))
+    v_cache[plan.rows, :, positions] = v.gather(1, plan.source.expand_as(v))
+    a = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:B], v_cache[:B], attn_mask=plan.mask,
                                        scale=model.scale, enable_gqa=model.cfg.num_heads != model.cfg.num_kv_heads)
     return a.transpose(1, 2).flatten(2)
 
@@ -198,10 +212,11 @@ def extend(model: Model, weights, kv: KVCache, tokens: torch.Tensor, positions: 
     logits [B, T, V])."""
     positions = positions.clamp(0, kv.max_len - 1)
     cos, sin = model.cos[positions], model.sin[positions]
+    plan = _plan(model, positions, valid, kv.k[0].shape[2])
     h = F.embedding(tokens, weights.embed)
     for n, layer in enumerate(weights.layers):
         h = _layer(model, layer, h, cos, sin,
-                   lambda q, k, v, n=n: _attend_cached(model, q, k, v, kv.k[n], kv.v[n], positions, valid))
+                   lambda q, k, v, n=n: _attend_cached(model, q, k, v, kv.k[n], kv.v[n], positions, plan))
     h0 = _rms(h, weights.final_norm, model.cfg.rms_norm_eps)
     return h0, F.linear(h0, weights.lm_head)
 
@@ -225,7 +240,8 @@ def module_forward(model: Model, weights, kv: DraftKVCache, k: int, tokens: torc
     assert positions is not None and valid is not None
     positions = positions.clamp(0, kv.max_len - 1)
     return _layer(model, m.layer, x, model.cos[positions], model.sin[positions],
-                  lambda q, kk, v: _attend_cached(model, q, kk, v, k_cache, v_cache, positions, valid))
+                  lambda q, kk, v: _attend_cached(model, q, kk, v, k_cache, v_cache, positions,
+                                                  _plan(model, positions, valid, k_cache.shape[2])))
 
 
 def module_logits(model: Model, weights, k: int, hidden: torch.Tensor) -> torch.Tensor:
