@@ -380,10 +380,12 @@ class EngineContract:
         async def body():
             async with running(engine_factory, path) as engine:
                 await engine.generate(req("warm", PROMPTS[0], 2))
-                before = threading.active_count()
+                before = set(threading.enumerate())
                 for round_ in range(5):
                     await asyncio.gather(*(engine.generate(req(f"{round_}-{i}", p, 3)) for i, p in enumerate(PROMPTS)))
-                return before, threading.active_count()
+                return before, set(threading.enumerate())
 
         before, after = run(body())
-        assert after == before
+        # threads started during the requests and still alive (the process count also moves when a
+        # thread another test left behind ends, which is not this engine's doing)
+        assert after - before == set()
