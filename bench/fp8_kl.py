@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import platform
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import loop
+from actors.engines import fp8 as fp8_gemm
 from actors.engines import GenerateRequest, SamplingParams
 from actors.engines.torch_engine import TorchEngine
 from bench.speculative import TASK
@@ -133,14 +136,66 @@ def sampler_gap(path: str, device: str, **fp8_options) -> dict[str, float]:
             "outside_0.8_1.2": float(outside.float().mean())}
 
 
+def _fake_groups(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` [n, k] rounded through e4m3 with one scale per ``rows`` x 128 block, fp32, [n, k]."""
+    n, k = w.shape
+    n_pad, k_pad = -n % rows, -k % fp8_gemm.BLOCK
+    x = F.pad(w.float(), (0, k_pad, 0, n_pad)).view((n + n_pad) // rows, rows, -1, fp8_gemm.BLOCK)
+    scale = x.abs().amax(dim=(1, 3), keepdim=True).clamp_min(fp8_gemm.AMAX_FLOOR) / fp8_gemm.E4M3_MAX
+    return (x / scale).to(fp8_gemm.FP8).float().mul(scale).view(n + n_pad, k + k_pad)[:n, :k]
+
+
+@contextlib.contextmanager
+def ablation(weight_rows: int, activations: bool):
+    """The reference GEMM with other roundings, to see where the FP8 error comes from: weights
+    with one scale per ``weight_rows`` x 128 block (the engine's is 128), activations quantized
+    1x128 (the engine's) or kept in full precision. Patches :mod:`actors.engines.fp8` for the
+    ``with`` block; the reference path only (``--device cpu``)."""
+    fake: dict[int, torch.Tensor] = {}
+    quantize_blocks, linear = fp8_gemm.quantize_blocks, fp8_gemm.linear
+
+    def quantize(w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+        quantize_blocks(w, q_out, scale_out)
+        fake[q_out.data_ptr()] = _fake_groups(w, weight_rows)
+
+    def ablated(x: torch.Tensor, w: fp8_gemm.Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, w.in_features).float()
+        if activations:
+            q, s = fp8_gemm.quantize_rows(x2, w.weight.shape[1])
+            x2 = fp8_gemm.dequantize_rows(q, s)[:, : w.in_features]
+        out = F.linear(x2, fake[w.weight.data_ptr()], bias).to(x.dtype)
+        return out.reshape(*x.shape[:-1], w.out_features)
+
+    fp8_gemm.quantize_blocks, fp8_gemm.linear = quantize, ablated
+    try:
+        yield
+    finally:
+        fp8_gemm.quantize_blocks, fp8_gemm.linear = quantize_blocks, linear
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face model directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--fp8-skip", nargs="*", default=[], help="rollout.engine.fp8_skip patterns")
+    ap.add_argument("--ablate", metavar="WEIGHT_ROWS:ACTIVATIONS", default=None,
+                    help="reference GEMM only: KL with weight scales per WEIGHT_ROWS x 128 block and activations "
+                         "fp8 or full (e.g. 1:full); no other measurement")
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args(argv)
     fp8 = {"fp8_skip": tuple(args.fp8_skip), "fp8_reference_for_tests": args.device == "cpu"}
+    if args.ablate:
+        if args.device != "cpu":
+            ap.error("--ablate patches the reference GEMM: --device cpu")
+        rows, acts = args.ablate.split(":")
+        with ablation(int(rows), acts == "fp8"):
+            kl = rollout_kl(args.model, args.device, **fp8)
+        result = {"bench": "fp8_kl", "model": args.model, "ablate": {"weight_block_rows": int(rows), "activations": acts},
+                  "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median())}
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     kl = rollout_kl(args.model, args.device, **fp8)
     result = {"bench": "fp8_kl", "model": args.model, "device": args.device,
               "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),

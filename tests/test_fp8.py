@@ -26,7 +26,7 @@ from actors.engines.kv_cache import KVCache
 from actors.engines.model import Model, ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
-from bench.fp8_kl import decode_vs_forced, kl_per_row, rollout_kl, sampler_gap
+from bench.fp8_kl import _fake_groups, ablation, decode_vs_forced, kl_per_row, rollout_kl, sampler_gap
 from sync.errors import WeightSyncError
 from tests.engine_contract import PROMPTS, req
 
@@ -259,6 +259,25 @@ def test_decode_vs_forced_and_the_sampler_gap_are_zero_without_fp8_and_finite_wi
     assert none["log_ratio_rms"] < 1e-4 and none["outside_0.8_1.2"] == 0.0, none
     gap = sampler_gap(str(tmp_path), "cpu", fp8_reference_for_tests=True)
     assert 0.0 <= gap["outside_0.8_1.2"] <= 1.0 and gap["log_ratio_rms"] < 10.0, gap
+
+
+def test_the_kl_ablation_rounds_as_the_engine_does_at_its_own_scales_and_restores_the_gemm():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g) * 10.0 ** torch.empty(300, 1).uniform_(-3, 2, generator=g)
+    lay = fp8.BlockLayout(300, 200, "reference")
+    q, s = torch.empty(lay.np, lay.kp, dtype=fp8.FP8), torch.empty(lay.nb, lay.scale_cols)
+    fp8.quantize_blocks(w, q, s)
+    assert torch.equal(_fake_groups(w, 128), fp8.dequantize_blocks(q, s, 300, 200))
+    rows = (_fake_groups(w, 1) - w).abs() / w.abs().amax(1, keepdim=True)
+    assert rows.max() <= 2.0**-4 * 1.001  # one scale per row: half an e4m3 step of the row's own max
+    before = (fp8.linear, fp8.quantize_blocks)
+    with ablation(1, activations=False):
+        assert fp8.linear is not before[0]
+        engine = _cpu_engine()
+        loop.run(engine.setup())
+        out = loop.run(engine.generate(req("a", PROMPTS[0], max_tokens=4)))
+        loop.run(engine.close())
+    assert len(out.token_ids) == 4 and (fp8.linear, fp8.quantize_blocks) == before
 
 
 def test_skipped_linears_stay_in_dtype_and_every_linear_skipped_is_the_full_precision_forward():
