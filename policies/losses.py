@@ -66,16 +66,28 @@ def _check(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.T
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
-                       high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-    """Per-token ``min(ratio * A, clip(ratio) * A)`` ``[B, T]``, with clip_frac and ratio_mean."""
+                       high: float, dual_clip: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """Per-token ``min(ratio * A, clip(ratio) * A)`` ``[B, T]``, with clip_frac and ratio_mean.
+
+    ``dual_clip`` (c > 1, dual-clip PPO): where A < 0 the term is held at or above ``c * A``, so a
+    token the sampler found far less likely than the trained weights do (ratio > c) adds no
+    gradient, where plain PPO pushes it down in proportion to its ratio; metric ``dual_clip_frac``."""
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
     with torch.no_grad():
         metrics: dict[str, torch.Tensor | float] = {
             "clip_frac": _metric(_token_mean((clipped < unclipped).to(mask.dtype), mask)),
             "ratio_mean": _metric(_token_mean(ratio, mask)),
         }
-    return torch.minimum(unclipped, clipped), metrics
+    if dual_clip is not None:
+        if not dual_clip > 1.0:
+            raise ValueError(f"clip_ratio_c must be above 1, got {dual_clip}")
+        floor = dual_clip * adv
+        held = (adv < 0) & (surrogate < floor)
+        surrogate = torch.where(held, floor, surrogate)
+        metrics["dual_clip_frac"] = _metric(_token_mean(held.to(mask.dtype), mask))
+    return surrogate, metrics
 
 
 def ppo_clip(
@@ -86,6 +98,7 @@ def ppo_clip(
     *,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
+    clip_ratio_c: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """PPO's clipped surrogate against the behaviour (rollout) policy.
@@ -96,7 +109,8 @@ def ppo_clip(
     up tokens with positive advantage, down those with negative advantage, but
     stop pushing once the ratio has left the trust band in the helpful
     direction. ``proximal_logprobs`` is ignored (accepted so every loss takes
-    the same arguments). Metrics: ``clip_frac`` (share of tokens whose clipped
+    the same arguments). ``clip_ratio_c``: dual clip (see :func:`_clipped_surrogate`).
+    Metrics: ``clip_frac`` (share of tokens whose clipped
     term is the active one), ``ratio_mean``, ``kl_behav`` (mean of
     rollout_logprobs - logprobs, a cheap KL estimate).
     """
@@ -104,7 +118,7 @@ def ppo_clip(
     mask = mask.to(logprobs.dtype)
     adv = _per_token(advantages, logprobs).to(logprobs.dtype)
     ratio = torch.exp(logprobs - rollout_logprobs)
-    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high)
+    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high, clip_ratio_c)
     loss = _token_mean(-surrogate, mask)
     metrics["kl_behav"] = _metric(_token_mean(rollout_logprobs - logprobs, mask))
     return loss, metrics
@@ -121,6 +135,7 @@ def decoupled_ppo(
     clip_eps_high: float = 0.2,
     behav_weight_cap: float = 5.0,
     cap_mode: str = "truncate",
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Decoupled PPO (AReaL): trust region around the trainer's own recent
     weights, importance weights for the staleness of the sampler.
@@ -138,7 +153,8 @@ def decoupled_ppo(
     ``weight`` is capped at ``behav_weight_cap`` so a token the sampler found
     unlikely cannot dominate: ``cap_mode="truncate"`` sets it to the cap,
     ``cap_mode="mask"`` drops the token from the loss (AReaL's default) while
-    still counting it in the token-mean denominator. Metrics add
+    still counting it in the token-mean denominator. ``clip_ratio_c``: dual clip of the
+    proximal ratio (see :func:`_clipped_surrogate`). Metrics add
     ``behav_weight_mean`` and ``behav_capped_frac``.
     """
     if proximal_logprobs is None:
@@ -150,7 +166,7 @@ def decoupled_ppo(
     adv = _per_token(advantages, logprobs).to(logprobs.dtype)
     proximal_logprobs = proximal_logprobs.detach()
     ratio = torch.exp(logprobs - proximal_logprobs)
-    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high)
+    surrogate, metrics = _clipped_surrogate(ratio, adv, mask, clip_eps_low, clip_eps_high, clip_ratio_c)
     weight = torch.exp(proximal_logprobs - rollout_logprobs)
     capped = weight > behav_weight_cap
     if cap_mode == "truncate":
@@ -295,16 +311,21 @@ class LossSection(Protocol):
     @property
     def is_cap(self) -> float: ...
 
+    @property
+    def clip_ratio_c(self) -> float | None: ...
+
 
 def make_loss_from_config(trainer: LossSection) -> Loss:
     """The loss a ``trainer`` config section names (``loss``), with its options
     taken from the section: ``clip_eps`` (both sides of the PPO clip range) and
-    ``is_cap`` (the cap of truncated importance weights)."""
-    if trainer.loss == "ppo_clip":
+    ``is_cap`` (the cap of truncated importance weights), ``clip_ratio_c`` (dual clip, where set)."""
+    options: dict[str, float]
+    if trainer.loss in ("ppo_clip", "decoupled_ppo"):
         options = {"clip_eps_low": trainer.clip_eps, "clip_eps_high": trainer.clip_eps}
-    elif trainer.loss == "decoupled_ppo":
-        options = {"clip_eps_low": trainer.clip_eps, "clip_eps_high": trainer.clip_eps,
-                   "behav_weight_cap": trainer.is_cap}
+        if trainer.loss == "decoupled_ppo":
+            options["behav_weight_cap"] = trainer.is_cap
+        if trainer.clip_ratio_c is not None:
+            options["clip_ratio_c"] = trainer.clip_ratio_c
     else:
         options = {"cap": trainer.is_cap}
     return make_loss(trainer.loss, **options)

@@ -23,6 +23,28 @@ def test_ppo_clip_matches_hand_computed_values():
     assert torch.allclose(logprobs.grad, torch.tensor([[0.0, -0.5 / 3], [1.1 / 3, 0.0]]), atol=1e-6)
 
 
+def test_dual_clip_holds_a_negative_advantage_token_at_c_times_a_and_stops_its_gradient():
+    # rollout log-probs 0: ratios [5, 2, 0.5], A = [-1, -1, +1] per token; c = 3, eps 0.2.
+    #   tok 0: r 5, A -1: min(-5, -1.2) = -5 -> held at c * A = -3, no gradient
+    #   tok 1: r 2, A -1: min(-2, -1.2) = -2 (above -3: as in plain PPO)
+    #   tok 2: r 0.5, A +1: min(0.5, 0.8) = 0.5 (A > 0: untouched)
+    logprobs = torch.log(torch.tensor([[5.0, 2.0, 0.5]])).requires_grad_()
+    adv, mask = torch.tensor([[-1.0, -1.0, 1.0]]), torch.ones(1, 3)
+    loss, m = ppo_clip(logprobs, torch.zeros(1, 3), adv, mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 0.5) / 3, abs=1e-6)
+    assert m["dual_clip_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 2.0 / 3, -0.5 / 3]]), atol=1e-6)
+    plain, pm = ppo_clip(logprobs.detach(), torch.zeros(1, 3), adv, mask)
+    assert plain.item() == pytest.approx((5.0 + 2.0 - 0.5) / 3, abs=1e-6) and "dual_clip_frac" not in pm
+    # decoupled_ppo clips the proximal ratio the same way (behaviour = proximal: weights 1)
+    dec, dm = decoupled_ppo(logprobs.detach(), torch.zeros(1, 3), adv, mask, proximal_logprobs=torch.zeros(1, 3),
+                            clip_ratio_c=3.0)
+    assert dec.item() == pytest.approx(loss.item(), abs=1e-6) and dm["dual_clip_frac"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="clip_ratio_c must be above 1"):
+        ppo_clip(logprobs.detach(), torch.zeros(1, 3), adv, mask, clip_ratio_c=1.0)
+
+
 def test_decoupled_ppo_matches_hand_computed_values():
     # proximal log-probs 0; behaviour probs [0.5, 0.1, 1.0] -> weights exp(0 - log b) = [2, 10 -> cap 5, 1].
     # current/proximal ratios [1.0, 1.5, 0.9], A = 2, eps 0.2:
@@ -112,9 +134,23 @@ def test_the_trainer_section_maps_onto_loss_options():
 
     from policies.losses import make_loss_from_config
 
-    section = SimpleNamespace(loss="ppo_clip", clip_eps=0.1, is_cap=4.0)
+    section = SimpleNamespace(loss="ppo_clip", clip_eps=0.1, is_cap=4.0, clip_ratio_c=None)
     assert make_loss_from_config(section) == make_loss("ppo_clip", clip_eps_low=0.1, clip_eps_high=0.1)
     section.loss = "decoupled_ppo"
     assert make_loss_from_config(section).options == {"clip_eps_low": 0.1, "clip_eps_high": 0.1, "behav_weight_cap": 4.0}
+    section.clip_ratio_c = 3.0
+    assert make_loss_from_config(section).options["clip_ratio_c"] == 3.0
     section.loss = "tis_seq"
     assert make_loss_from_config(section) == make_loss("tis_seq", cap=4.0)
+
+
+def test_dual_clip_in_config_reaches_the_loss_and_a_bad_value_is_one_line():
+    from actors.config import ConfigError, load_config
+    from policies.losses import make_loss_from_config
+
+    cfg = load_config(None, ["trainer.loss=decoupled_ppo", "trainer.clip_ratio_c=3"])
+    assert make_loss_from_config(cfg.trainer).options["clip_ratio_c"] == 3.0
+    for bad in (["trainer.clip_ratio_c=1"], ["trainer.loss=tis_token", "trainer.clip_ratio_c=3"]):
+        with pytest.raises(ConfigError, match="trainer.clip_ratio_c: must be null or above 1") as err:
+            load_config(None, bad)
+        assert "\n" not in str(err.value).strip()

@@ -3,7 +3,7 @@
 :func:`actors.backends.make_backend` builds the backend its ``backend`` names
 (:mod:`actors.backends.registry`) from it; the built-in
 :class:`~actors.backends.torch_backend.TorchBackend` takes its keyword
-defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``) are
+defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``, ``clip_ratio_c``) are
 read by the composition root, which builds the loss object the backend runs
 (``policies.losses.make_loss_from_config``).
 """
@@ -87,6 +87,10 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """PPO clip range (both sides)."""
     is_cap: PosFloat = 2.0
     """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
+    clip_ratio_c: PosFloat | None = None
+    """Dual-clip PPO (ppo_clip and decoupled_ppo): above 1, a negative-advantage token's term is held
+    at ``clip_ratio_c * A``, so a token whose ratio exceeds it adds no gradient (peers' usual 3.0).
+    null: off. A sampler far from the trainer (FP8 rollout, long staleness) makes such ratios."""
     micro_batch_tokens: NonNegInt | None = None
     """Tokens per forward pass (gradients accumulated): ``packed``, the sum of
     the sequences' lengths; padded, rows x longest row (rows sorted by length,
@@ -201,6 +205,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.dtype != "bfloat16"):
             raise ValueError(f"cuda_graphs must be false unless device is cuda and dtype bfloat16 (the varlen "
                              f"flash attention); got device {self.device!r}, dtype {self.dtype!r}")
+        if self.clip_ratio_c is not None and (self.clip_ratio_c <= 1.0 or self.loss not in ("ppo_clip", "decoupled_ppo")):
+            raise ValueError(f"clip_ratio_c must be null or above 1 with loss ppo_clip or decoupled_ppo; got "
+                             f"{self.clip_ratio_c} with loss {self.loss!r}")
         if self.mtp_lr is not None and self.backend != "torch":
             raise ValueError(f"mtp_lr must be null with backend {self.backend!r} (its optimizer takes one lr for "
                              f"every parameter); backend: torch has it")
