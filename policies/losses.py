@@ -268,7 +268,7 @@ _TENSOR_ARGS = frozenset({"logprobs", "rollout_logprobs", "advantages", "mask", 
 class Loss:
     """A loss function with its options bound: the one callable a trainer backend runs.
 
-    ``fn`` is a module-level loss function and ``options`` plain numbers, so a
+    ``fn`` is a module-level loss function and ``options`` plain numbers and strings, so a
     ``Loss`` pickles by reference into child processes and Ray actors.
     ``needs_proximal``: the backend must pass ``proximal_logprobs`` (the
     log-probs of the weights before the step). ``name`` goes into checkpoints.
@@ -276,7 +276,7 @@ class Loss:
 
     name: str
     fn: LossFn
-    options: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, float | str] = dataclasses.field(default_factory=dict)
     needs_proximal: bool = False
 
     def __call__(self, logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -286,7 +286,7 @@ class Loss:
                        **self.options)
 
 
-def make_loss(name: str, **options: float) -> Loss:
+def make_loss(name: str, **options: float | str) -> Loss:
     """The loss registered as ``name`` with ``options`` bound (see the module
     docstring for its call). ``ValueError`` names an unknown loss or option."""
     if name not in _LOSSES:
@@ -312,18 +312,24 @@ class LossSection(Protocol):
     def is_cap(self) -> float: ...
 
     @property
+    def is_cap_mode(self) -> str: ...
+
+    @property
     def clip_ratio_c(self) -> float | None: ...
 
 
 def make_loss_from_config(trainer: LossSection) -> Loss:
     """The loss a ``trainer`` config section names (``loss``), with its options
     taken from the section: ``clip_eps`` (both sides of the PPO clip range) and
-    ``is_cap`` (the cap of truncated importance weights), ``clip_ratio_c`` (dual clip, where set)."""
-    options: dict[str, float]
+    ``is_cap`` (the cap of truncated importance weights), ``is_cap_mode`` (decoupled_ppo's, where
+    not ``truncate``), ``clip_ratio_c`` (dual clip, where set)."""
+    options: dict[str, float | str]
     if trainer.loss in ("ppo_clip", "decoupled_ppo"):
         options = {"clip_eps_low": trainer.clip_eps, "clip_eps_high": trainer.clip_eps}
         if trainer.loss == "decoupled_ppo":
             options["behav_weight_cap"] = trainer.is_cap
+            if trainer.is_cap_mode != "truncate":
+                options["cap_mode"] = trainer.is_cap_mode
         if trainer.clip_ratio_c is not None:
             options["clip_ratio_c"] = trainer.clip_ratio_c
     else:

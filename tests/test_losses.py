@@ -134,22 +134,26 @@ def test_the_trainer_section_maps_onto_loss_options():
 
     from policies.losses import make_loss_from_config
 
-    section = SimpleNamespace(loss="ppo_clip", clip_eps=0.1, is_cap=4.0, clip_ratio_c=None)
+    section = SimpleNamespace(loss="ppo_clip", clip_eps=0.1, is_cap=4.0, is_cap_mode="truncate", clip_ratio_c=None)
     assert make_loss_from_config(section) == make_loss("ppo_clip", clip_eps_low=0.1, clip_eps_high=0.1)
     section.loss = "decoupled_ppo"
     assert make_loss_from_config(section).options == {"clip_eps_low": 0.1, "clip_eps_high": 0.1, "behav_weight_cap": 4.0}
-    section.clip_ratio_c = 3.0
-    assert make_loss_from_config(section).options["clip_ratio_c"] == 3.0
+    section.clip_ratio_c, section.is_cap_mode = 3.0, "mask"
+    assert make_loss_from_config(section).options == {"clip_eps_low": 0.1, "clip_eps_high": 0.1, "behav_weight_cap": 4.0,
+                                                      "cap_mode": "mask", "clip_ratio_c": 3.0}
     section.loss = "tis_seq"
     assert make_loss_from_config(section) == make_loss("tis_seq", cap=4.0)
 
 
-def test_dual_clip_in_config_reaches_the_loss_and_a_bad_value_is_one_line():
+def test_dual_clip_and_cap_mode_in_config_reach_the_loss_and_a_bad_value_is_one_line():
     from actors.config import ConfigError, load_config
     from policies.losses import make_loss_from_config
 
-    cfg = load_config(None, ["trainer.loss=decoupled_ppo", "trainer.clip_ratio_c=3"])
-    assert make_loss_from_config(cfg.trainer).options["clip_ratio_c"] == 3.0
+    cfg = load_config(None, ["trainer.loss=decoupled_ppo", "trainer.clip_ratio_c=3", "trainer.is_cap_mode=mask"])
+    options = make_loss_from_config(cfg.trainer).options
+    assert options["clip_ratio_c"] == 3.0 and options["cap_mode"] == "mask"
+    with pytest.raises(ConfigError, match="trainer.is_cap_mode: must be truncate with loss 'ppo_clip'"):
+        load_config(None, ["trainer.is_cap_mode=mask"])
     for bad in (["trainer.clip_ratio_c=1"], ["trainer.loss=tis_token", "trainer.clip_ratio_c=3"]):
         with pytest.raises(ConfigError, match="trainer.clip_ratio_c: must be null or above 1") as err:
             load_config(None, bad)

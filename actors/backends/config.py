@@ -3,7 +3,7 @@
 :func:`actors.backends.make_backend` builds the backend its ``backend`` names
 (:mod:`actors.backends.registry`) from it; the built-in
 :class:`~actors.backends.torch_backend.TorchBackend` takes its keyword
-defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``, ``clip_ratio_c``) are
+defaults from it too. The loss fields (``loss``, ``clip_eps``, ``is_cap``, ``is_cap_mode``, ``clip_ratio_c``) are
 read by the composition root, which builds the loss object the backend runs
 (``policies.losses.make_loss_from_config``).
 """
@@ -87,6 +87,9 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """PPO clip range (both sides)."""
     is_cap: PosFloat = 2.0
     """Cap of truncated importance weights (tis_* and decoupled_ppo)."""
+    is_cap_mode: Literal["truncate", "mask"] = "truncate"
+    """decoupled_ppo: a behaviour weight over ``is_cap`` is set to the cap (``truncate``) or drops
+    its token from the loss, still counted in the token mean (``mask``, AReaL's default)."""
     clip_ratio_c: PosFloat | None = None
     """Dual-clip PPO (ppo_clip and decoupled_ppo): above 1, a negative-advantage token's term is held
     at ``clip_ratio_c * A``, so a token whose ratio exceeds it adds no gradient (peers' usual 3.0).
@@ -205,6 +208,8 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.dtype != "bfloat16"):
             raise ValueError(f"cuda_graphs must be false unless device is cuda and dtype bfloat16 (the varlen "
                              f"flash attention); got device {self.device!r}, dtype {self.dtype!r}")
+        if self.is_cap_mode != "truncate" and self.loss != "decoupled_ppo":
+            raise ValueError(f"is_cap_mode must be truncate with loss {self.loss!r} (mask is decoupled_ppo's)")
         if self.clip_ratio_c is not None and (self.clip_ratio_c <= 1.0 or self.loss not in ("ppo_clip", "decoupled_ppo")):
             raise ValueError(f"clip_ratio_c must be null or above 1 with loss ppo_clip or decoupled_ppo; got "
                              f"{self.clip_ratio_c} with loss {self.loss!r}")
