@@ -184,36 +184,41 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args(argv)
     fp8 = {"fp8_skip": tuple(args.fp8_skip), "fp8_reference_for_tests": args.device == "cpu"}
-    if args.ablate:
-        if args.device != "cpu":
-            ap.error("--ablate patches the reference GEMM: --device cpu")
-        rows, acts = args.ablate.split(":")
-        with ablation(int(rows), acts == "fp8"):
-            kl = rollout_kl(args.model, args.device, **fp8)
-        result = {"bench": "fp8_kl", "model": args.model, "ablate": {"weight_block_rows": int(rows), "activations": acts},
-                  "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median())}
-        print(json.dumps(result))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        return result
-    kl = rollout_kl(args.model, args.device, **fp8)
-    result = {"bench": "fp8_kl", "model": args.model, "device": args.device,
-              "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
-              "torch": torch.__version__, "baseline": "bfloat16" if args.device == "cuda" else "float32",
-              "fp8_gemm": "kernel" if args.device == "cuda" else "reference", "fp8_skip": args.fp8_skip,
-              "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median()),
-              "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max()),
-              # each engine's recorded log-prob of its own sampled tokens against one prefill's
-              "decode_vs_forced_logprob": {
-                  "full": decode_vs_forced(args.model, args.device),
-                  "fp8": decode_vs_forced(args.model, args.device, weight_dtype="fp8", **fp8)},
-              # full precision over FP8 at the FP8 engine's own samples: what ppo_clip clips against
-              "sampler_gap": sampler_gap(args.model, args.device, **fp8)}
+    result = _ablated(ap, args, fp8) if args.ablate else _measured(args, fp8)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return result
+
+
+def _ablated(ap: argparse.ArgumentParser, args: argparse.Namespace, fp8: dict) -> dict:
+    """``--ablate ROWS:ACTIVATIONS``: the KL alone, under :func:`ablation`."""
+    rows, _, acts = args.ablate.partition(":")
+    if args.device != "cpu" or not rows.isdigit() or int(rows) < 1 or acts not in ("fp8", "full"):
+        ap.error(f"--ablate {args.ablate!r}: ROWS:ACTIVATIONS, ROWS a positive integer, ACTIVATIONS fp8 or full, "
+                 f"with --device cpu (it patches the reference GEMM)")
+    with ablation(int(rows), acts == "fp8"):
+        kl = rollout_kl(args.model, args.device, **fp8)
+    return {"bench": "fp8_kl", "model": args.model, "ablate": {"weight_block_rows": int(rows), "activations": acts},
+            "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median())}
+
+
+def _measured(args: argparse.Namespace, fp8: dict) -> dict:
+    """The KL, each engine's decode against its prefill, and the sampler gap."""
+    kl = rollout_kl(args.model, args.device, **fp8)
+    return {"bench": "fp8_kl", "model": args.model, "device": args.device,
+            "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+            "torch": torch.__version__, "baseline": "bfloat16" if args.device == "cuda" else "float32",
+            "fp8_gemm": "kernel" if args.device == "cuda" else "reference", "fp8_skip": args.fp8_skip,
+            "num_tokens": kl.numel(), "kl_mean": float(kl.mean()), "kl_median": float(kl.median()),
+            "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max()),
+            # each engine's recorded log-prob of its own sampled tokens against one prefill's
+            "decode_vs_forced_logprob": {
+                "full": decode_vs_forced(args.model, args.device),
+                "fp8": decode_vs_forced(args.model, args.device, weight_dtype="fp8", **fp8)},
+            # full precision over FP8 at the FP8 engine's own samples: what ppo_clip clips against
+            "sampler_gap": sampler_gap(args.model, args.device, **fp8)}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from actors.engines.model import Model, ModelConfig
 from actors.engines.torch_engine import TorchEngine
 from actors.engines.weights import WeightStore
 from bench.fp8_kl import _fake_groups, ablation, decode_vs_forced, kl_per_row, rollout_kl, sampler_gap
+from bench.fp8_kl import main as fp8_kl_main
 from sync.errors import WeightSyncError
 from tests.engine_contract import PROMPTS, req
 
@@ -261,7 +262,7 @@ def test_decode_vs_forced_and_the_sampler_gap_are_zero_without_fp8_and_finite_wi
     assert 0.0 <= gap["outside_0.8_1.2"] <= 1.0 and gap["log_ratio_rms"] < 10.0, gap
 
 
-def test_the_kl_ablation_rounds_as_the_engine_does_at_its_own_scales_and_restores_the_gemm():
+def test_the_kl_ablation_rounds_as_the_engine_does_at_its_own_scales_and_restores_the_gemm(capsys):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 200, generator=g) * 10.0 ** torch.empty(300, 1).uniform_(-3, 2, generator=g)
     lay = fp8.BlockLayout(300, 200, "reference")
@@ -278,6 +279,10 @@ def test_the_kl_ablation_rounds_as_the_engine_does_at_its_own_scales_and_restore
         out = loop.run(engine.generate(req("a", PROMPTS[0], max_tokens=4)))
         loop.run(engine.close())
     assert len(out.token_ids) == 4 and (fp8.linear, fp8.quantize_blocks) == before
+    for bad in ("1:bf16", "x:fp8", "0:full", "1"):
+        with pytest.raises(SystemExit):
+            fp8_kl_main(["--model", str(TINY), "--device", "cpu", "--ablate", bad])
+        assert f"--ablate {bad!r}: ROWS:ACTIVATIONS" in capsys.readouterr().err
 
 
 def test_skipped_linears_stay_in_dtype_and_every_linear_skipped_is_the_full_precision_forward():
