@@ -42,8 +42,9 @@ and writes the summary and the plot again. Per step a run also keeps what
 reached the trainer (``steps``: the batch's reward, response length,
 staleness, the share of its groups with one reward for every sample,
 which give no gradient, and the loss's ``kl_behav`` and ``clip_frac``: how far
-the sampler's log-probs sat from the trainer's), to see which samples a policy
-learns from.
+the sampler's log-probs sat from the trainer's; ``behav_capped_frac`` and
+``dual_clip_frac`` where the loss caps or dual-clips), to see which samples a
+policy learns from. Each run names its row's columns in ``steps_fields``.
 """
 
 from __future__ import annotations
@@ -109,11 +110,16 @@ def run_once(name: str, overrides: list[str], seed: int, args: argparse.Namespac
         "steps": [[m["step"], round(policy_start + m["elapsed_s"], 3), round(m["reward"], 4),
                    round(m["response_len_mean"], 1), round(m["staleness_mean"], 3),
                    round(m.get("zero_adv_group_share", -1.0), 3),
-                   *(_rounded(m.get(f"train/{k}")) for k in ("kl_behav", "clip_frac"))] for m in hist],
+                   *(_rounded(m.get(f"train/{k}")) for k in _LOSS_COLUMNS)] for m in hist],
         "steps_fields": ["step", "since_launch_s", "batch_reward", "response_len_mean", "staleness_mean",
-                         "zero_adv_group_share", "kl_behav", "clip_frac"],
+                         "zero_adv_group_share", *_LOSS_COLUMNS],
         "dropped": hist[-1]["dropped"] if hist else {},
     }
+
+
+#: The loss's metrics a step row keeps (None where the loss does not report one): how far the sampler
+#: sat from the trainer, and how many tokens each of its clips or caps held.
+_LOSS_COLUMNS = ("kl_behav", "clip_frac", "behav_capped_frac", "dual_clip_frac")
 
 
 def _rounded(x: float | None) -> float | None:

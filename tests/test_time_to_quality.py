@@ -88,6 +88,7 @@ def test_the_benchmark_runs_two_seeds_writes_its_json_and_plot_and_merges(tmp_pa
             assert len(r["steps"]) == 4 and r["steps_per_s"] > 0 and r["startup_s"] > 0
             rows = [dict(zip(r["steps_fields"], row, strict=True)) for row in r["steps"]]
             assert all(isinstance(x["kl_behav"], float) and 0.0 <= x["clip_frac"] <= 1.0 for x in rows)  # ppo_clip's
+            assert all(x["behav_capped_frac"] is None and x["dual_clip_frac"] is None for x in rows)  # neither is on
         summary = result["summary"]["policies"][name]
         assert len(summary["curve"]) == 3 and all(len(c["reward_ci95"]) == 2 for c in summary["curve"])
         assert set(summary["median_time_to_target_s"]) == {"launch", "first_step"}
