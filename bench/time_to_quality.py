@@ -369,9 +369,13 @@ def merge(paths: list[str], keep: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--merge: policy {name} has seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} "
                              "more than once")
         rs.sort(key=lambda r: r["seed"])
-    return {**{k: v for k, v in first.items() if k not in ("runs", "summary", "partial", "seeds", "policy_order")},
-            "settings": {**shared, "policies": policies},
-            "policy_order": {seed: order for part in parts for seed, order in part["policy_order"].items()},
+    order: dict[str, list[str]] = {}  # each seed's runs in the order they ran, call after call
+    for part in parts:
+        for seed, names in part["policy_order"].items():
+            order.setdefault(seed, []).extend(n for n in names if n in policies)
+    drop = ("runs", "summary", "partial", "seeds", "policy_order", "title")  # a title names its own file's policies
+    return {**{k: v for k, v in first.items() if k not in drop},
+            "settings": {**shared, "policies": policies}, "policy_order": order,
             "merged_from": [os.path.basename(p) for p in paths],
             "machines": sorted({part["machine"] for part in parts}), "runs": runs, "summary": summarise(runs)}
 

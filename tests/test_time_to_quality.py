@@ -114,3 +114,14 @@ def test_the_benchmark_runs_two_seeds_writes_its_json_and_plot_and_merges(tmp_pa
     with pytest.raises(SystemExit, match="more than once"):
         ttq.main(["--merge", str(out), str(out)])
     assert not math.isnan(merged["summary"]["target"])
+
+    # a later call's policy on the same seeds: each seed keeps every call's order; no part's title is kept
+    again = json.loads(out.read_text())
+    again["settings"]["policies"] = {"again": again["settings"]["policies"]["fully_async"]}
+    again["runs"] = {"again": again["runs"]["fully_async"]}
+    again["policy_order"] = {seed: ["again"] for seed in again["policy_order"]}
+    (tmp_path / "again.json").write_text(json.dumps({**again, "title": "sync against fully_async"}))
+    assert ttq.main(["--merge", str(out), str(tmp_path / "again.json"), "--out", str(merged_path)]) == 0
+    pooled = json.loads(merged_path.read_text())
+    assert pooled["policy_order"] == {"0": ["sync", "fully_async", "again"], "1": ["fully_async", "sync", "again"]}
+    assert "title" not in pooled and list(pooled["runs"]) == ["sync", "fully_async", "again"]
