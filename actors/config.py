@@ -293,8 +293,8 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.rollout.engine.weight_dtype == "fp8" and cfg.trainer.loss == "ppo_clip":
         warnings.append("rollout.engine.weight_dtype: fp8 with trainer.loss: ppo_clip clips against the FP8 "
                         "engine's log-probs; on SmolLM2-135M 5 of 5 seeds learned less, then collapsed within "
-                        "100 steps (docs/fp8.md); a capped importance weight (trainer.loss: decoupled_ppo or "
-                        "tis_token) is the correction to try")
+                        "100 steps; with trainer.loss: decoupled_ppo 5 of 5 learned, to 0.71 held-out reward "
+                        "against bf16's 0.74 (docs/fp8.md)")
     return warnings
 
 

@@ -42,7 +42,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     as ``float8_e4m3fn`` with one scale per 128x128 block and runs them as FP8 GEMMs; the
     embedding, norms and head stay in ``dtype``, and a bf16 master copy stays for the pushes,
     each of which re-quantizes what it changed (``docs/fp8.md``). The rollout's log-probs are
-    the FP8 model's own. ``auto``: every weight in ``dtype``."""
+    the FP8 model's own: train with ``trainer.loss: decoupled_ppo``, which corrects for them (with
+    ``ppo_clip`` FP8 rollout collapsed on SmolLM2-135M). ``auto``: every weight in ``dtype``."""
     fp8_skip: list[str] = []
     """With ``weight_dtype: fp8``: the linears that stay in ``dtype``, as substrings of their
     Hugging Face names (``q_proj``: every layer's fused q/k/v; ``layers.0.``: all of layer 0's),
